@@ -1,0 +1,260 @@
+"""
+sketch.py: the low-rank gradient sketch of a linear layer, never the full gradient.
+
+What it is
+----------
+A linear layer `Y = X W^T (+ b)` with `W` of shape (d, k) has the weight gradient
+`G = dY^T X` (d, k). LoGRA never builds `G`. It keeps a random sign matrix `A` (r, k) and
+accumulates the sketch
+
+    S = G A^T = dY^T (X A^T)                                   (d, r)
+
+directly in backward: forward keeps `P = X A^T` (N, r) instead of `X` (N, k), and backward
+adds `dY^T P` to an fp32 buffer. The activation memory a target layer keeps for its weight
+gradient drops by r/k, and the gradient buffer by r/k as well.
+
+The projection A (SPEC section 1)
+---------------------------------
+    A[i, j] = +1/sqrt(r) or -1/sqrt(r), each with probability 1/2 (Rademacher)
+    E[A^T A] = I_k  =>  E[G A^T A] = G    (the sketch expands to an unbiased gradient)
+
+`A` is never learned and never sent. It is regenerated from an integer seed,
+`projection_seed(base_seed, update, name)`, a sha256 of the three (not Python's salted
+`hash()`), drawn with a CPU `torch.Generator` and only then moved to the device, so the
+trainer ranks and the rollout engines build the same bits anywhere. Update `t` (0-based
+count of merged updates) uses `A_t`; after it is merged every layer switches to `A_{t+1}`.
+
+Defaults: rank r = 256; targets = the seven attention/MLP projections in `TARGETS`.
+
+Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
+
+Departures, numbered
+--------------------
+1. All parameters of an attached model are frozen, also the ones the paper does not train
+   (embeddings, norms, lm_head, biases). So that backward still reaches the target layers,
+   the output of the input embedding is marked as requiring grad (the trick Hugging Face
+   uses for adapters, `enable_input_require_grads`).
+2. `P = X A^T` is stored in the compute dtype of `X` (bf16 under mixed precision); the
+   sketch itself accumulates in fp32 (float64 when the weight is float64, for tests).
+3. When no gradient is being recorded (rollouts, evaluation, `torch.no_grad`), a sketched
+   layer is a plain `F.linear`: no `P` is computed.
+"""
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Module-path parts that wrappers insert and that must not change a layer's seed:
+# FSDP1, activation checkpointing and torch.compile. (FSDP2 inserts none.)
+WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+# -----------------------------------------------------------------------------
+# Seeds and projections
+
+def clean_name(name: str) -> str:
+    """`model._orig_mod.layers.0._checkpoint_wrapped_module.mlp.up_proj` -> `model.layers.0.mlp.up_proj`."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def projection_seed(base_seed: int, update: int, name: str) -> int:
+    """The seed of `A` for one layer at one update, identical in every process.
+
+    sha256 of "base_seed:update:clean_name", first 8 bytes, as a non-negative int63
+    (torch.Generator.manual_seed takes any 64-bit value; 63 bits keep it a plain int
+    everywhere, JSON included).
+    """
+    if update < 0:
+        raise ValueError(f"update must be >= 0, got {update}")
+    text = f"{int(base_seed)}:{int(update)}:{clean_name(name)}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2**63 - 1)
+
+
+def make_projection(rank: int, width: int, seed: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Rademacher `A` (rank, width) with entries +-1/sqrt(rank), bit-identical for a seed on any device."""
+    if rank <= 0 or width <= 0:
+        raise ValueError(f"projection needs rank > 0 and width > 0, got rank={rank}, width={width}")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    bits = torch.randint(0, 2, (rank, width), generator=g, dtype=torch.int8)  # (r, k) in {0, 1}
+    # A = (2 b - 1) / sqrt(r), formed on the CPU in float64 (float32 otherwise) so every
+    # device receives the same rounded values.
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    a = (bits.to(work) * 2 - 1) * (1.0 / math.sqrt(rank))  # (r, k)
+    return a.to(device=device, dtype=dtype)
+
+
+# -----------------------------------------------------------------------------
+# The autograd function
+
+class _SketchedLinear(torch.autograd.Function):
+    """Y = X W^T + b; backward gives dX and adds dY^T (X A^T) into `sketch`; no dW."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, projection, sketch):
+        y = F.linear(x, weight, bias)  # (..., d)
+        # P = X A^T, kept for the sketch instead of X.
+        # Shapes: (N, k) @ (k, r) -> (N, r)
+        p = x.reshape(-1, x.shape[-1]) @ projection.to(x.dtype).t()
+        ctx.save_for_backward(p, weight)
+        ctx.sketch = sketch
+        ctx.save_for_forward(weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        p, weight = ctx.saved_tensors
+        sketch = ctx.sketch
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, d)
+        # Sketch: S += dY^T P, accumulated in the sketch's dtype (fp32).
+        # Shapes: (d, N) @ (N, r) -> (d, r)
+        sketch.addmm_(dy2.t().to(sketch.dtype), p.to(sketch.dtype))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            # Input gradient: dX = dY W, as in any linear layer.
+            # Shapes: (..., d) @ (d, k) -> (..., k)
+            dx = dy @ weight.to(dy.dtype)
+        return dx, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t, projection_t, sketch_t):
+        # Forward-mode AD (the KL probe): the output tangent is dX W^T.
+        # Shapes: (..., k) @ (k, d) -> (..., d)
+        (weight,) = ctx.saved_tensors  # in jvp these are the ones saved for forward
+        return x_t @ weight.to(x_t.dtype).t()
+
+
+def sketched_linear(x, weight, bias, projection, sketch):
+    """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r) in place.
+
+    Differentiable with respect to `x` only. Inputs of any leading shape (..., k).
+    """
+    d, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
+    if projection.shape[-1] != k or projection.dim() != 2:
+        raise ValueError(f"projection must be (r, {k}), got {tuple(projection.shape)}")
+    if sketch.shape != (d, projection.shape[0]):
+        raise ValueError(f"sketch must be ({d}, {projection.shape[0]}), got {tuple(sketch.shape)}")
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return F.linear(x, weight, bias)  # no backward will run: no P (departure 3)
+    return _SketchedLinear.apply(x, weight, bias, projection, sketch)
+
+
+# -----------------------------------------------------------------------------
+# Attaching sketches to a model
+
+@dataclass(eq=False)
+class LayerSketch:
+    """One target layer: its clean name, module, projection A_t (r, k) and sketch S (d, r)."""
+
+    name: str
+    module: nn.Linear
+    projection: torch.Tensor  # (r, k)
+    sketch: torch.Tensor  # (d, r), fp32
+    base_seed: int
+    update: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.projection.shape[0]
+
+    def forward(self, x):
+        m = self.module
+        return sketched_linear(x, m.weight, m.bias, self.projection, self.sketch)
+
+    def refresh(self, update: int) -> None:
+        """Switch to A_update (after update `update - 1` has been merged, or on resume)."""
+        seed = projection_seed(self.base_seed, update, self.name)
+        self.projection = make_projection(self.rank, self.projection.shape[1], seed,
+                                          device=self.projection.device, dtype=self.projection.dtype)
+        self.update = update
+
+    def zero_(self) -> None:
+        self.sketch.zero_()
+
+
+def _require_grad_hook(module, args, output):
+    return output.requires_grad_(True) if torch.is_grad_enabled() else output
+
+
+def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: int = 0) -> list[LayerSketch]:
+    """Install sketches on every target `nn.Linear` of a causal LM; freeze every parameter.
+
+    Returns the layers in module order. Undo with `detach(model)`.
+    """
+    if getattr(model, "_logra_attached", None) is not None:
+        raise RuntimeError("model already has sketches attached; call detach(model) first")
+    if rank <= 0:
+        raise ValueError(f"rank must be positive, got {rank}")
+    found = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in targets:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"target {name} is a {type(module).__name__}, not nn.Linear: "
+                            f"remove its name from `targets`")
+        if rank > module.in_features:
+            raise ValueError(f"rank {rank} exceeds in_features {module.in_features} of {name}: "
+                             f"choose rank <= {module.in_features}")
+        found.append((name, module))
+    if not found:
+        raise ValueError(f"no nn.Linear named one of {targets} in {type(model).__name__}")
+
+    layers = []
+    for name, module in found:
+        weight = module.weight
+        clean = clean_name(name)
+        acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        a = make_projection(rank, module.in_features, projection_seed(seed, update, clean),
+                            device=weight.device, dtype=acc_dtype)  # (r, k)
+        s = torch.zeros(module.out_features, rank, device=weight.device, dtype=acc_dtype)  # (d, r)
+        layer = LayerSketch(clean, module, a, s, seed, update)
+        module.forward = layer.forward  # an instance attribute: `del` restores nn.Linear.forward
+        layers.append(layer)
+
+    # Freeze everything (departure 1), remembering how it was.
+    frozen = {n: p.requires_grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    hook = model.get_input_embeddings().register_forward_hook(_require_grad_hook)
+    model._logra_attached = (layers, frozen, hook)
+    return layers
+
+
+def detach(model: nn.Module) -> None:
+    """Undo `attach`: plain nn.Linear forwards, original requires_grad flags, no hook."""
+    state = getattr(model, "_logra_attached", None)
+    if state is None:
+        raise RuntimeError("model has no sketches attached")
+    layers, frozen, hook = state
+    for layer in layers:
+        del layer.module.forward
+    for n, p in model.named_parameters():
+        p.requires_grad_(frozen[n])
+    hook.remove()
+    model._logra_attached = None
+
+
+# -----------------------------------------------------------------------------
+# Demo: `python sketch.py` checks one layer's sketch against the dense gradient.
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    d, k, r, n = 512, 1024, 64, 2048
+    lin = nn.Linear(k, d)
+    x = torch.randn(n, k, requires_grad=True)
+    dy = torch.randn(n, d)
+    lin(x).backward(dy)
+    a = make_projection(r, k, projection_seed(0, 0, "demo"))
+    s = torch.zeros(d, r)
+    sketched_linear(x.detach().requires_grad_(True), lin.weight.detach(), lin.bias.detach(), a, s).backward(dy)
+    ref = lin.weight.grad @ a.t()
+    print(f"layer {d}x{k}, rank {r}, {n} tokens")
+    print(f"max |S - G A^T| / max |G A^T| = {((s - ref).abs().max() / ref.abs().max()).item():.2e}")
+    print(f"bytes: G {d * k * 4:,}  S {d * r * 4:,}  (ratio {r / k:.4f})")

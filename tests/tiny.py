@@ -1,0 +1,37 @@
+"""A tiny Hugging Face Qwen2 built from a config (no download), shared by the tests.
+
+Sizes are chosen distinct so that no target shape (d, k) can be confused with another
+tensor: hidden 48, intermediate 80, 4 heads of 12 (q/o 48x48), 2 KV heads (k/v 24x48),
+vocab 96. Token counts in tests avoid 24, 48 and 80.
+"""
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+HIDDEN, INTERMEDIATE, VOCAB = 48, 80, 96
+
+
+def tiny_config(**overrides) -> Qwen2Config:
+    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    kw.update(overrides)
+    return Qwen2Config(**kw)
+
+
+def tiny_qwen2(dtype=torch.float32, seed=0, **overrides) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = tiny_config(**overrides)
+    model = Qwen2ForCausalLM(cfg).to(dtype)
+    # Non-zero q/k/v biases, so that bias handling is exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    model.eval()  # no dropout; tests switch to train() where they need it
+    return model
+
+
+def tiny_batch(batch=2, length=7, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, length), generator=g)
