@@ -1,0 +1,252 @@
+"""rowadam.py against float64 re-computations of the SPEC formulas, dense merges and 2 processes."""
+
+import copy
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import rowadam
+import sketch
+from distributed import run_gloo
+from tiny import tiny_batch, tiny_qwen2
+
+F64 = torch.float64
+
+
+def reference_direction(s, v, step, beta2, eps):
+    """The SPEC section 3 formulas, written again in numpy float64."""
+    s, v = np.asarray(s, np.float64), np.asarray(v, np.float64)
+    v = beta2 * v + (1 - beta2) * (s**2).mean(axis=1)
+    root = np.sqrt(v / (1 - beta2**step))
+    den = root + max(eps * root.mean(), np.finfo(np.float64).tiny)
+    sc = den.min() / den
+    sc = sc / np.sqrt((sc**2).mean())
+    d = sc[:, None] * s
+    nd = np.linalg.norm(d)
+    if nd > 0:
+        d = d * np.linalg.norm(s) / nd
+    return d, v
+
+
+@settings(max_examples=40, deadline=None)
+@given(d=st.integers(1, 30), r=st.integers(1, 12), step=st.integers(1, 50),
+       beta2=st.floats(0.0, 0.999), seed=st.integers(0, 2**31 - 1), zero_row=st.booleans())
+def test_direction_matches_float64_reference(d, r, step, beta2, seed, zero_row):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(d, r, generator=g, dtype=F64) * torch.rand(d, 1, generator=g, dtype=F64) * 3
+    if zero_row:
+        s[0] = 0
+    v = torch.rand(d, generator=g, dtype=F64) * (step > 1)
+    ref_d, ref_v = reference_direction(s, v, step, beta2, 1e-8)
+    out = rowadam.row_adam_direction(s, v, step=step, beta2=beta2)
+    np.testing.assert_allclose(out.numpy(), ref_d, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(v.numpy(), ref_v, rtol=1e-13, atol=0)
+    # Invariants: each row of D is the same row of S times a positive number; ||D|| = ||S||;
+    # a larger second moment gives a smaller row scale.
+    assert math.isclose(out.norm().item(), s.norm().item(), rel_tol=1e-12)
+    nz = s.abs().sum(1) > 0
+    if not nz.any():
+        assert not out.any()
+        return
+    ratio = (out[nz] * s[nz]).sum(1) / (s[nz] ** 2).sum(1)  # (rows,) scale of each row
+    assert (ratio > 0).all()
+    torch.testing.assert_close(out[nz], ratio[:, None] * s[nz], rtol=1e-10, atol=1e-14)
+    order = torch.argsort(v[nz])
+    assert (ratio[order].diff() <= 1e-12 * ratio.max()).all()
+
+
+def test_zero_sketch_gives_zero_direction():
+    v = torch.zeros(5)
+    out = rowadam.row_adam_direction(torch.zeros(5, 3), v, step=1)
+    assert torch.equal(out, torch.zeros(5, 3)) and torch.equal(v, torch.zeros(5))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(sketch=torch.tensor([[1.0, float("nan")]] * 3)), "non-finite"),
+    (dict(step=0), "1-based"),
+    (dict(beta2=1.0), "beta2"),
+    (dict(beta2=-0.1), "beta2"),
+    (dict(eps=0.0), "eps"),
+    (dict(second_moment=torch.ones(4)), "second moment"),
+])
+def test_direction_bad_input_leaves_moment(bad, match):
+    kw = dict(sketch=torch.ones(3, 2), second_moment=torch.full((3,), 0.5), step=2)
+    kw.update(bad)
+    moment = kw["second_moment"]
+    before = moment.clone()
+    with pytest.raises((ValueError, FloatingPointError), match=match):
+        rowadam.row_adam_direction(kw.pop("sketch"), kw.pop("second_moment"), **kw)
+    assert torch.equal(moment, before)
+
+
+# ---------------------------------------------------------------------------
+# On the tiny Qwen2
+
+def lm_loss(model, ids):
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def setup(dtype=torch.float32, rank=8, seed=5, **kw):
+    model = tiny_qwen2(dtype)
+    layers = sketch.attach(model, rank=rank, seed=seed)
+    kw.setdefault("factor_dtype", torch.bfloat16)
+    return model, layers, rowadam.RowAdam(layers, base_seed=seed, **kw)
+
+
+def weights(layers):
+    return [l.module.weight.detach().clone() for l in layers]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_merge_realises_update_ratio(dtype):
+    model, layers, opt = setup(dtype)
+    lm_loss(model, tiny_batch()).backward()
+    before = weights(layers)
+    projections = [l.projection.clone() for l in layers]
+    opt.prepare()
+    alpha = 0.7
+    factors = opt.merge(alpha)
+    after = weights(layers)
+    w_norm = math.sqrt(sum(w.double().square().sum().item() for w in before))
+    step = math.sqrt(sum((b.double() - a.double()).square().sum().item() for b, a in zip(before, after)))
+    # bf16 rounding of the factor moves the realised norm by ~2^-9 at most; in fp32 the
+    # difference W_before - W_after also carries fp32 rounding of W (~1e-3 of the step).
+    tol = 4e-3 if dtype == F64 else 1e-2
+    assert math.isclose(step, alpha * opt.update_ratio * w_norm, rel_tol=tol)
+    for b, a, f, p in zip(before, after, factors, projections):
+        assert f.dtype == torch.bfloat16
+        delta = f.to(F64) @ p.to(F64)  # (d, k), dense, only in the test
+        if dtype == F64:
+            torch.testing.assert_close(b - a, delta, rtol=1e-12, atol=1e-15)
+        else:
+            torch.testing.assert_close(a, b - delta.to(dtype), rtol=0, atol=2 * torch.finfo(dtype).eps * b.abs().max().item())
+
+
+def test_sharded_merge_equals_unsharded():
+    g = torch.Generator().manual_seed(0)
+    d, k, r = 37, 20, 6
+    w = torch.randn(d, k, generator=g)
+    f = torch.randn(d, r, generator=g).to(torch.bfloat16)
+    a = sketch.make_projection(r, k, 3)
+    full = w.clone()
+    rowadam.merge_rows(full, f, a, chunk_rows=5)
+    shards = [w[:19].clone(), w[19:].clone()]  # uneven, as FSDP2's chunking leaves the last one
+    rowadam.merge_rows(shards[0], f, a, row_offset=0, chunk_rows=4)
+    rowadam.merge_rows(shards[1], f, a, row_offset=19, chunk_rows=7)
+    torch.testing.assert_close(torch.cat(shards), full, rtol=0, atol=1e-6)
+    torch.testing.assert_close(full, w - f.float() @ a, rtol=0, atol=1e-6)
+
+
+def test_refresh_after_merge():
+    model, layers, opt = setup()
+    lm_loss(model, tiny_batch()).backward()
+    opt.prepare()
+    opt.merge(1.0)
+    assert opt.update == 1
+    for l in layers:
+        expect = sketch.make_projection(8, l.module.in_features, sketch.projection_seed(5, 1, l.name))
+        assert torch.equal(l.projection, expect)
+        assert not l.sketch.any()
+
+
+def snapshot(layers, opt):
+    return (weights(layers), [l.sketch.clone() for l in layers], [v.clone() for v in opt.moments], opt.update)
+
+
+def assert_same(a, b):
+    for xs, ys in zip(a[:3], b[:3]):
+        assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+    assert a[3] == b[3]
+
+
+def test_failures_change_nothing():
+    model, layers, opt = setup()
+    lm_loss(model, tiny_batch()).backward()
+    with pytest.raises(RuntimeError, match="prepare"):
+        opt.merge(1.0)
+    layers[2].sketch[0, 0] = float("inf")
+    before = snapshot(layers, opt)
+    with pytest.raises(FloatingPointError):
+        opt.prepare()
+    assert_same(before, snapshot(layers, opt))
+    layers[2].sketch[0, 0] = 0.0
+    before = snapshot(layers, opt)
+    opt.prepare()
+    with pytest.raises(RuntimeError, match="already"):
+        opt.prepare()
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="alpha"):
+            opt.merge(bad)
+    assert_same(before, snapshot(layers, opt))
+    opt.discard()  # an abandoned step leaves everything as it was
+    assert_same(before, snapshot(layers, opt))
+
+
+def test_bf16_weights_refused():
+    model = tiny_qwen2(torch.bfloat16)
+    layers = sketch.attach(model, rank=4, seed=0)
+    with pytest.raises(TypeError, match="resolution"):
+        rowadam.RowAdam(layers, base_seed=0)
+
+
+def run_updates(model, layers, opt, n, first):
+    for i in range(n):
+        lm_loss(model, tiny_batch(seed=first + i)).backward()
+        opt.prepare()
+        opt.merge(0.5 + 0.1 * i)
+
+
+def test_resume_is_bitwise():
+    model, layers, opt = setup(update_ratio=1e-3)
+    run_updates(model, layers, opt, 3, first=0)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    run_updates(model, layers, opt, 2, first=3)
+
+    model2, layers2, opt2 = setup(update_ratio=1e-3)
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    assert opt2.update == 3 and torch.equal(layers2[0].projection, layers[0].projection) is False
+    run_updates(model2, layers2, opt2, 2, first=3)
+    assert all(torch.equal(a, b) for a, b in zip(weights(layers), weights(layers2)))
+    assert all(torch.equal(a, b) for a, b in zip(opt.moments, opt2.moments))
+
+    _, _, other_seed = setup(seed=6)
+    with pytest.raises(ValueError, match="seed"):
+        other_seed.load_state_dict(saved_opt)
+    _, _, other_rank = setup(rank=4)
+    with pytest.raises(ValueError, match="rank"):
+        other_rank.load_state_dict(saved_opt)
+    fewer = copy.deepcopy(saved_opt)
+    fewer["moments"].pop(next(iter(fewer["moments"])))
+    with pytest.raises(ValueError, match="set of target layers"):
+        opt2.load_state_dict(fewer)
+
+
+# ---------------------------------------------------------------------------
+# Two processes: each rank holds a different sketch
+
+def _two_rank_prepare(rank, world, out_dir):
+    model, layers, opt = setup(F64, factor_dtype=F64)
+    lm_loss(model, tiny_batch(seed=10 + rank)).backward()  # different data per rank
+    opt.prepare()
+    torch.save([u.clone() for u in opt.directions], os.path.join(out_dir, f"dirs{rank}.pt"))
+
+
+def test_two_process_prepare_equals_summed_sketch(tmp_path):
+    run_gloo(_two_rank_prepare, 2, str(tmp_path))
+    dirs = [torch.load(tmp_path / f"dirs{r}.pt") for r in range(2)]
+    # One process whose sketch is the sum of the two ranks' sketches.
+    model, layers, opt = setup(F64, factor_dtype=F64)
+    lm_loss(model, tiny_batch(seed=10)).backward()
+    lm_loss(model, tiny_batch(seed=11)).backward()
+    opt.prepare()
+    for a, b, ref in zip(dirs[0], dirs[1], opt.directions):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, ref, rtol=1e-10, atol=1e-14)
