@@ -1,0 +1,239 @@
+"""
+kl_control.py: predicted-KL step control, with mismatch subtraction.
+
+What it is
+----------
+RowAdam proposes a direction `U` per target layer (d, r); the merged update is
+`W -= alpha * U A`. An update that is small in parameter space can still move next-token
+probabilities a lot, so before merging, LoGRA predicts the policy change and picks the step
+multiplier `alpha` that spends a KL budget (a trust region in the spirit of TRPO).
+
+The math (SPEC section 5)
+-------------------------
+For the direction at alpha = 1, `dW = -U A`, a target layer's output moves to first order by
+
+    dY = X dW^T = -(X A^T) U^T                                   (N, d)
+
+Forward-mode AD pushes all these tangents through the model at once (weights untouched), so
+each position gets its logits `z` and the logit tangent `u = dz/dalpha`. With temperature T,
+
+    p   = softmax(z / T),   q = u / T
+    kl1 = 0.5 * sum_v p_v (q_v - sum_w p_w q_w)^2                (half the variance of q under p)
+
+which is the second-order term of KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3). KL1 is the
+mean of kl1 over the generated tokens of the first `max_responses` responses per rank (sums
+and counts reduced across ranks); then
+
+    alpha  = min(alpha_max, sqrt(budget / KL1))        alpha_max = 3.0; KL1 = 0 gives 1.0
+    budget = end + (start - end) * 0.5 (1 + cos(pi min(n / (H - 1), 1)))
+             start = 2e-4, end = 2e-5, H = 300 updates
+
+Mismatch subtraction: the rollout engine and the trainer disagree a little on the log-probs
+of the same tokens (kernels, bf16). On the response tokens of samples that ended with EOS,
+
+    observed = max(0, mean(rollout_logprob - trainer_logprob))   (a Monte-Carlo KL(engine || trainer))
+    m        <- 0.7 m + 0.3 observed
+    budget   <- max(budget - m, 0.5 budget)
+
+so the update only gets what the existing mismatch leaves of the budget. `m` is optimizer
+state and is checkpointed.
+
+Shape legend: B batch, T time, V vocab, N tokens, d out rows, k in columns, r rank, M scored
+positions.
+
+Departures, numbered
+--------------------
+1. The probe runs the decoder once and applies the output head to the scored positions
+   only, in chunks, so the (B, T, V) logits and their tangent are never held at once.
+2. The cosine schedule is written as the weighted mean `w start + (1 - w) end`, which gives
+   exactly `start` at update 0 and exactly `end` from update H - 1 on.
+3. `max_tokens` truncates each probed sequence (prompt included) to its first tokens.
+"""
+
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.distributed as dist
+
+HEAD_CHUNK = 512  # positions per output-head chunk in the probe
+
+
+# -----------------------------------------------------------------------------
+# The second-order KL of one position
+
+def token_kl(logits, tangent, temperature=1.0):
+    """kl1 = 0.5 Var_p(tangent / T), p = softmax(logits / T), per position (...,), in float64."""
+    if logits.shape != tangent.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and tangent {tuple(tangent.shape)} differ in shape")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    z = logits.to(torch.float64) / temperature  # (..., V)
+    q = tangent.to(torch.float64) / temperature  # (..., V)
+    p = torch.softmax(z, dim=-1)  # (..., V)
+    # kl1 = 0.5 sum_v p_v (q_v - E_p[q])^2
+    mean_q = (p * q).sum(-1, keepdim=True)  # (..., 1)
+    return 0.5 * (p * (q - mean_q).square()).sum(-1)  # (...,)
+
+
+# -----------------------------------------------------------------------------
+# The probe: tangents injected at every target layer, pushed through with forward AD
+
+@contextmanager
+def probe_mode(model):
+    """Eval mode and eager attention (SDPA's fused kernels have no forward AD); restored on exit."""
+    was_training = model.training
+    attn = model.config._attn_implementation
+    model.eval()
+    if attn != "eager":
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if attn != "eager":
+            model.set_attn_implementation(attn)
+        model.train(was_training)
+
+
+@contextmanager
+def injected_tangents(layers, directions):
+    """Each target layer's output gets the extra tangent -(X A^T) U^T (alpha = 1)."""
+
+    def hook_for(layer, u):
+        def hook(module, args, out):
+            x = fwAD.unpack_dual(args[0]).primal  # (..., k)
+            y, y_t = fwAD.unpack_dual(out)  # (..., d), upstream tangent or None
+            # dY = -(X A^T) U^T. Shapes: (N, k) @ (k, r) -> (N, r); (N, r) @ (r, d) -> (N, d)
+            p = x.reshape(-1, x.shape[-1]) @ layer.projection.to(x.dtype).t()
+            dy = -(p @ u.to(x.dtype).t()).reshape(y.shape)
+            return fwAD.make_dual(y, dy if y_t is None else y_t + dy)
+        return hook
+
+    if len(layers) != len(directions):
+        raise ValueError(f"{len(layers)} layers but {len(directions)} directions")
+    handles = [l.module.register_forward_hook(hook_for(l, u)) for l, u in zip(layers, directions)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _decoder_and_head(model):
+    return model.get_decoder(), model.get_output_embeddings()
+
+
+@torch.no_grad()
+def probe_logits(model, layers, directions, input_ids, attention_mask=None):
+    """(logits, logit tangent) (B, T, V) of the whole batch: for small inputs and tests."""
+    with probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level():
+        out = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        logits, tangent = fwAD.unpack_dual(out)
+        if tangent is None:
+            raise RuntimeError("the tangent was lost on the way to the logits")
+        return logits.clone(), tangent.clone()
+
+
+@torch.no_grad()
+def predict_kl(model, layers, directions, input_ids, response_mask, *, temperature=1.0,
+               max_responses=2, max_tokens=4096, attention_mask=None, group=None) -> float:
+    """KL1: mean second-order KL per generated token for the direction alpha = 1.
+
+    `response_mask` (B, T) marks generated tokens; the token at t is scored on the logits at
+    t - 1. Weights are not touched. Every rank must call this (FSDP all-gathers inside).
+    """
+    if input_ids.shape != response_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and response_mask "
+                         f"{tuple(response_mask.shape)} differ in shape")
+    ids = input_ids[:max_responses, :max_tokens]  # (B', T')
+    mask = response_mask[:max_responses, :max_tokens].bool()  # (B', T')
+    am = None if attention_mask is None else attention_mask[:max_responses, :max_tokens]
+    decoder, head = _decoder_and_head(model)
+    total = torch.zeros(2, dtype=torch.float64, device=ids.device)  # (sum kl1, count)
+    with probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level():
+        hidden = decoder(input_ids=ids, attention_mask=am).last_hidden_state  # (B', T', h), dual
+        if fwAD.unpack_dual(hidden).tangent is None:
+            raise RuntimeError("the tangent was lost in the decoder (an op without forward AD?)")
+        scored = hidden[:, :-1][mask[:, 1:]]  # (M, h): the positions that sampled a generated token
+        for start in range(0, scored.shape[0], HEAD_CHUNK):
+            z, u = fwAD.unpack_dual(head(scored[start:start + HEAD_CHUNK]))  # (c, V) each
+            if u is None:
+                raise RuntimeError("the tangent was lost in the output head")
+            kl = token_kl(z, u, temperature)  # (c,)
+            total[0] += kl.sum()
+            total[1] += kl.numel()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, group=group)
+    kl_sum, count = total.tolist()
+    if count == 0:
+        raise ValueError("no generated token to score: response_mask has no position after the first")
+    return kl_sum / count
+
+
+# -----------------------------------------------------------------------------
+# Step size, budget schedule, mismatch subtraction
+
+def solve_alpha(kl1, *, budget, alpha_max=3.0) -> float:
+    """alpha = min(alpha_max, sqrt(budget / KL1)); KL1 == 0 gives 1.0 (capped)."""
+    kl1 = float(kl1)
+    if not math.isfinite(kl1) or kl1 < 0:
+        raise ValueError(f"predicted KL must be finite and >= 0, got {kl1}: refusing an uncontrolled update")
+    if not (math.isfinite(budget) and budget > 0) or not alpha_max > 0:
+        raise ValueError(f"need budget > 0 and alpha_max > 0, got {budget}, {alpha_max}")
+    if kl1 == 0.0:
+        return min(1.0, alpha_max)
+    return min(alpha_max, math.sqrt(budget / kl1))
+
+
+def kl_budget(update, *, start=2e-4, end=2e-5, horizon=300) -> float:
+    """Cosine schedule from `start` (update 0) to `end` (update horizon - 1 and later)."""
+    if update < 0 or horizon < 2:
+        raise ValueError(f"need update >= 0 and horizon >= 2, got {update}, {horizon}")
+    w = 0.5 * (1.0 + math.cos(math.pi * min(update / (horizon - 1), 1.0)))  # 1 -> 0
+    return w * start + (1.0 - w) * end
+
+
+class Mismatch:
+    """EMA of the engine-vs-trainer log-prob gap on EOS-terminated responses; shrinks the budget."""
+
+    def __init__(self, momentum=0.7):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum = momentum
+        self.m = 0.0
+
+    @torch.no_grad()
+    def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos, group=None):
+        """observed = max(0, mean(rollout - trainer)) over EOS responses; m <- 0.7 m + 0.3 observed.
+
+        Returns the observed value (None, and m unchanged, when no response ended with EOS).
+        """
+        if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape):
+            raise ValueError("rollout log-probs, trainer log-probs and mask must have one shape (B, T)")
+        if ended_with_eos.shape != response_mask.shape[:1]:
+            raise ValueError(f"ended_with_eos must be ({response_mask.shape[0]},)")
+        keep = response_mask.bool() & ended_with_eos.bool()[:, None]  # (B, T)
+        gap = (rollout_logprobs.double() - trainer_logprobs.double())[keep]  # (M,)
+        if not torch.isfinite(gap).all():
+            raise FloatingPointError("non-finite log-probs in the mismatch estimate")
+        total = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), dtype=torch.float64,
+                                                     device=gap.device)])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total, group=group)
+        gap_sum, count = total.tolist()
+        if count == 0:
+            return None
+        observed = max(0.0, gap_sum / count)
+        self.m = self.momentum * self.m + (1.0 - self.momentum) * observed
+        return observed
+
+    def adjust(self, budget) -> float:
+        """budget <- max(budget - m, 0.5 budget)."""
+        return max(budget - self.m, 0.5 * budget)
+
+    def state_dict(self):
+        return {"m": self.m, "momentum": self.momentum}
+
+    def load_state_dict(self, state):
+        self.m, self.momentum = float(state["m"]), float(state["momentum"])
