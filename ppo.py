@@ -1,0 +1,179 @@
+"""
+ppo.py: the paper's deliberately simple RL objective.
+
+What it is
+----------
+One response per prompt, a binary outcome reward, a running reward baseline shared by all
+data-parallel ranks, REINFORCE with truncated importance sampling (TIS), and an optional PPO
+clip for several optimiser steps per batch. It isolates the memory method from gains that a
+more elaborate RL algorithm would add (SPEC section 7).
+
+The math
+--------
+    reward     r = 1 if the final answer is correct else failure_reward (-0.01)
+    baseline   b <- (1 - w) b + w mean(global batch rewards)       w = 0.1
+    advantage  A = r - b       b from before this batch (first batch: its own mean)
+    TIS        w_t = min(exp(logp_old_t - logp_rollout_t), tis_cap)  detached, tis_cap = 2
+    REINFORCE  loss_t = -w_t A logp_t
+    PPO        loss_t = -w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A),  rho_t = exp(logp_t - logp_old_t)
+    loss       = sum over response tokens of loss_t / num_tokens
+
+`num_tokens` is the number of response tokens of the whole global batch (all micro-batches,
+all ranks), so splitting the batch into micro-batches or across ranks sums to the same
+gradient: each rank's loss is already a share of the global mean, and RowAdam sums the
+ranks' sketches with one all_reduce. `global_token_count` computes it with one all_reduce.
+The same advantage is used on every token of a response. The paper runs one step per batch,
+where `logp_old = logp.detach()` and the PPO ratio is 1 (clip disabled).
+
+TIS corrects for the engine/trainer mismatch: the rollout engine samples with slightly
+different numerics (bf16 kernels), so its log-probs differ from the trainer's; the weight
+`exp(logp_old - logp_rollout)` reweights to the trainer's distribution, truncated at `tis_cap`.
+
+Shape legend: B batch (responses), T time (tokens).
+
+Departures, numbered
+--------------------
+1. The baseline's global mean is a reduced (sum, count), so ranks with different numbers of
+   responses still agree on it (the mean of per-rank means would not).
+2. `policy_loss` returns its watch metrics as means over this rank's response tokens.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def _distributed():
+    return dist.is_available() and dist.is_initialized()
+
+
+# -----------------------------------------------------------------------------
+# Reward and baseline
+
+def outcome_reward(correct, *, failure_reward=-0.01):
+    """1.0 for a correct final answer, `failure_reward` otherwise; a bool or a bool tensor."""
+    if isinstance(correct, torch.Tensor):
+        return torch.where(correct.bool(), 1.0, failure_reward).to(torch.float32)
+    return 1.0 if correct else float(failure_reward)
+
+
+class RunningBaseline:
+    """b <- (1 - w) b + w mean(global batch rewards); advantages use b from before the batch."""
+
+    def __init__(self, weight=0.1):
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"baseline weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self.value = None  # b; None before the first batch
+
+    @torch.no_grad()
+    def advantages(self, rewards, group=None):
+        """A = r - b for this rank's rewards (B,); then update b with the global batch mean."""
+        if rewards.dim() != 1:
+            raise ValueError(f"rewards must be (B,), got {tuple(rewards.shape)}")
+        if not torch.isfinite(rewards).all():
+            raise ValueError("rewards must be finite")
+        # Global mean as a reduced (sum, count) (departure 1).
+        totals = torch.tensor([rewards.double().sum().item(), float(rewards.numel())], dtype=torch.float64)
+        if _distributed():
+            dist.all_reduce(totals, group=group)
+        total, count = totals.tolist()
+        if count == 0:
+            raise ValueError("the global batch has no rewards")
+        mean = total / count
+        b = mean if self.value is None else self.value
+        adv = (rewards.double() - b).to(rewards.dtype)  # (B,)
+        self.value = (1 - self.weight) * b + self.weight * mean
+        return adv
+
+    def state_dict(self):
+        return {"value": self.value, "weight": self.weight}
+
+    def load_state_dict(self, state):
+        self.value, self.weight = state["value"], state["weight"]
+
+
+# -----------------------------------------------------------------------------
+# The loss
+
+def global_token_count(mask, group=None) -> int:
+    """Response tokens of this rank's part of the batch, summed over ranks (one all_reduce)."""
+    n = torch.tensor([float(mask.sum().item())], dtype=torch.float64)
+    if _distributed():
+        dist.all_reduce(n, group=group)
+    return int(n.item())
+
+
+def policy_loss(logprobs, advantages, mask, *, rollout_logprobs=None, old_logprobs=None,
+                num_tokens, clip_eps=None, tis_cap=2.0):
+    """REINFORCE (or PPO-clip) with truncated importance sampling; returns (loss, metrics).
+
+    logprobs (B, T) carry the gradient; advantages (B,) or (B, T); mask (B, T) marks the
+    response tokens; rollout/old log-probs (B, T) are treated as constants.
+    """
+    if mask.shape != logprobs.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} and logprobs {tuple(logprobs.shape)} differ in shape")
+    for name, t in (("rollout_logprobs", rollout_logprobs), ("old_logprobs", old_logprobs)):
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name} {tuple(t.shape)} must match logprobs {tuple(logprobs.shape)}")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(f"advantages must be (B,) or (B, T), got {tuple(advantages.shape)}")
+    if not num_tokens > 0:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    if clip_eps is not None and not clip_eps > 0:
+        raise ValueError(f"clip_eps must be positive, got {clip_eps}")
+    if not tis_cap > 0:
+        raise ValueError(f"tis_cap must be positive, got {tis_cap}")
+    valid = mask.bool()  # (B, T)
+    for name, t in (("logprobs", logprobs), ("rollout_logprobs", rollout_logprobs),
+                    ("old_logprobs", old_logprobs)):
+        if t is not None and not torch.isfinite(t[valid]).all():
+            raise ValueError(f"{name} has non-finite values on response tokens")
+    if not torch.isfinite(advantages).all():
+        raise ValueError("advantages must be finite")
+
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logprobs)  # (B, T)
+    adv = adv.to(logprobs.dtype)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)  # (B, T)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+
+    # TIS: w_t = min(exp(logp_old - logp_rollout), tis_cap), no gradient.
+    if rollout_logprobs is None:
+        w = torch.ones_like(old)
+    else:
+        raw = torch.exp(torch.where(valid, old - rollout_logprobs.to(old.dtype), zero))  # (B, T)
+        w = raw.clamp(max=tis_cap)
+
+    if clip_eps is None:
+        # REINFORCE: loss_t = -w A logp
+        per_token = -w * adv * logprobs  # (B, T)
+        ratio = torch.ones_like(old)
+        clipped = torch.zeros_like(valid)
+    else:
+        # PPO: loss_t = -w min(rho A, clip(rho) A), rho = exp(logp - logp_old)
+        ratio = torch.exp(torch.where(valid, logprobs - old, zero))  # (B, T)
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+        per_token = -w * surrogate
+        clipped = (ratio.detach() * adv != surrogate.detach()) & valid
+    loss = torch.where(valid, per_token, zero).sum() / num_tokens
+
+    with torch.no_grad():
+        n = valid.sum().clamp(min=1)
+        truncated = zero if rollout_logprobs is None else ((raw > tis_cap) & valid).sum() / n
+        metrics = {
+            "ratio": (ratio.detach()[valid].sum() / n).item(),
+            "clipped": (clipped.sum() / n).item(),
+            "tis_weight": (w[valid].sum() / n).item(),
+            "tis_truncated": float(truncated),
+        }
+    return loss, metrics
+
+
+def response_logprobs(logits, input_ids, temperature=1.0):
+    """log pi(y_t) of each token under the logits at t - 1, temperature applied: (B, T) with 0 at t = 0.
+
+    Computed in fp32 per position (a (B, T, V) fp32 copy of the logits is the peak).
+    """
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # (B, T-1, V)
+    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # (B, T)
+

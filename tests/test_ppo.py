@@ -1,0 +1,161 @@
+"""ppo.py: hand-derived gradients, micro-batch invariance, the baseline across 2 processes."""
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import ppo
+from distributed import run_gloo
+
+F64 = torch.float64
+
+
+def batch(seed, b=4, t=6):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(b, t, generator=g, dtype=F64) * 3).requires_grad_(True)
+    rollout = logp.detach() + 0.3 * torch.randn(b, t, generator=g, dtype=F64)
+    adv = torch.randn(b, generator=g, dtype=F64)
+    mask = (torch.rand(b, t, generator=g) > 0.3).long()
+    mask[:, 0] = 0  # the prompt
+    return logp, rollout, adv, mask
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), cap=st.floats(0.5, 3.0))
+def test_reinforce_tis_gradient(seed, cap):
+    logp, rollout, adv, mask = batch(seed)
+    n = int(mask.sum()) + 3  # a global count larger than this micro-batch's
+    loss, _ = ppo.policy_loss(logp, adv, mask, rollout_logprobs=rollout, num_tokens=n, tis_cap=cap)
+    (grad,) = torch.autograd.grad(loss, logp)
+    # d loss / d logp_t = -min(exp(logp_t - rollout_t), cap) A / n on response tokens, 0 elsewhere.
+    w = torch.exp(logp.detach() - rollout).clamp(max=cap)
+    expect = torch.where(mask.bool(), -w * adv[:, None] / n, torch.zeros((), dtype=F64))
+    torch.testing.assert_close(grad, expect, rtol=1e-12, atol=1e-15)
+
+
+def test_ppo_clip_gradient_vanishes_on_clipped_side():
+    logp, _, _, mask = batch(1, b=4, t=5)
+    mask[:] = 1
+    old = logp.detach() + torch.tensor([0.5, -0.5, 0.05, -0.05], dtype=F64)[:, None]  # ratio e^-0.5, e^0.5, ~1, ~1
+    adv = torch.tensor([-1.0, 1.0, 1.0, -1.0], dtype=F64)
+    loss, m = ppo.policy_loss(logp, adv, mask, old_logprobs=old, num_tokens=20, clip_eps=0.2)
+    (grad,) = torch.autograd.grad(loss, logp)
+    ratio = torch.exp(logp.detach() - old)
+    # rows 0 and 1: ratio outside [0.8, 1.2] on the side the clip binds -> exactly zero gradient
+    assert torch.equal(grad[:2], torch.zeros(2, 5, dtype=F64))
+    # rows 2 and 3: inside the clip range -> d/dlogp of -rho A / n = -rho A / n
+    torch.testing.assert_close(grad[2:], -ratio[2:] * adv[2:, None] / 20, rtol=1e-12, atol=0)
+    assert m["clipped"] == 0.5
+    # On the other side of the clip (ratio < 0.8 with A > 0) the objective is not clipped.
+    loss, m = ppo.policy_loss(logp, -adv, mask, old_logprobs=old, num_tokens=20, clip_eps=0.2)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert (grad[:2] != 0).all() and m["clipped"] == 0.0
+
+
+def test_micro_batch_invariance():
+    logp, rollout, adv, mask = batch(2, b=6, t=7)
+    n = ppo.global_token_count(mask)
+    whole, _ = ppo.policy_loss(logp, adv, mask, rollout_logprobs=rollout, num_tokens=n)
+    (g_whole,) = torch.autograd.grad(whole, logp)
+    g_split = torch.zeros_like(logp)
+    for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
+        part, _ = ppo.policy_loss(logp[rows], adv[rows], mask[rows], rollout_logprobs=rollout[rows], num_tokens=n)
+        g_split += torch.autograd.grad(part, logp)[0]
+    torch.testing.assert_close(g_split, g_whole, rtol=1e-13, atol=1e-16)
+
+
+def test_tis_weights():
+    logp, rollout, adv, mask = batch(3)
+    rollout = logp.detach() - 2.0  # exp(2) = 7.4 > cap: every weight is truncated
+    loss, m = ppo.policy_loss(logp, adv, mask, rollout_logprobs=rollout, num_tokens=10, tis_cap=2.0)
+    assert m["tis_weight"] == 2.0 and m["tis_truncated"] == 1.0
+    (grad,) = torch.autograd.grad(loss, logp)  # the weight is a constant: gradient is -cap A / n
+    expect = torch.where(mask.bool(), -2.0 * adv[:, None] / 10, torch.zeros((), dtype=F64))
+    torch.testing.assert_close(grad, expect, rtol=1e-12, atol=0)
+    _, m = ppo.policy_loss(logp, adv, mask, rollout_logprobs=logp.detach(), num_tokens=10)
+    assert m["tis_weight"] == 1.0 and m["tis_truncated"] == 0.0
+
+
+def test_bad_input():
+    logp, rollout, adv, mask = batch(4)
+    with pytest.raises(ValueError, match="num_tokens"):
+        ppo.policy_loss(logp, adv, mask, num_tokens=0)
+    with pytest.raises(ValueError, match="differ in shape"):
+        ppo.policy_loss(logp, adv, mask[:, 1:], num_tokens=5)
+    with pytest.raises(ValueError, match="advantages must be"):
+        ppo.policy_loss(logp, adv[:2], mask, num_tokens=5)
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        ppo.policy_loss(logp, adv, mask, rollout_logprobs=rollout[:2], num_tokens=5)
+    bad = logp.detach().clone()
+    bad[mask.bool().nonzero()[0].tolist()] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        ppo.policy_loss(bad, adv, mask, num_tokens=5)
+    with pytest.raises(ValueError, match="advantages must be finite"):
+        ppo.policy_loss(logp, adv * float("inf"), mask, num_tokens=5)
+    with pytest.raises(ValueError, match="finite"):
+        ppo.RunningBaseline().advantages(torch.tensor([1.0, float("nan")]))
+    # A padded position may hold anything: it is masked out.
+    padded = logp.detach().clone()
+    padded[~mask.bool()] = float("-inf")
+    loss, _ = ppo.policy_loss(padded, adv, mask, num_tokens=5)
+    assert math.isfinite(loss.item())
+
+
+def test_outcome_reward():
+    assert ppo.outcome_reward(True) == 1.0 and ppo.outcome_reward(False) == -0.01
+    assert ppo.outcome_reward(False, failure_reward=0.0) == 0.0
+    assert torch.equal(ppo.outcome_reward(torch.tensor([True, False])), torch.tensor([1.0, -0.01]))
+
+
+def test_baseline_worked_example():
+    bl = ppo.RunningBaseline(weight=0.1)
+    # Batch 1: mean 0.5, used as its own baseline; then b = 0.5.
+    assert torch.allclose(bl.advantages(torch.tensor([1.0, 0.0, 1.0, 0.0])), torch.tensor([0.5, -0.5, 0.5, -0.5]))
+    assert bl.value == 0.5
+    # Batch 2: mean 1.0; advantages against 0.5; then b = 0.9 * 0.5 + 0.1 * 1.0 = 0.55.
+    assert torch.allclose(bl.advantages(torch.tensor([1.0, 1.0])), torch.tensor([0.5, 0.5]))
+    assert math.isclose(bl.value, 0.55)
+    # Batch 3: mean -0.01; advantages against 0.55; b = 0.9 * 0.55 + 0.1 * (-0.01) = 0.494.
+    assert torch.allclose(bl.advantages(torch.tensor([-0.01])), torch.tensor([-0.56]))
+    assert math.isclose(bl.value, 0.494)
+    restored = ppo.RunningBaseline()
+    restored.load_state_dict(bl.state_dict())
+    assert restored.value == bl.value
+
+
+BATCHES = [[1.0, -0.01, 1.0, 1.0, -0.01], [-0.01, -0.01, 1.0], [1.0, 1.0, 1.0, -0.01, -0.01, -0.01]]
+SPLIT = [3, 2, 4]  # rank 0 gets the first SPLIT[i] rewards of batch i: uneven sizes per rank
+
+
+def _two_rank_baseline(rank, world, out_dir):
+    bl = ppo.RunningBaseline()
+    advs = []
+    for rewards, k in zip(BATCHES, SPLIT):
+        part = rewards[:k] if rank == 0 else rewards[k:]
+        advs.append(bl.advantages(torch.tensor(part, dtype=F64)))
+    torch.save({"advs": advs, "b": bl.value}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_two_process_baseline_matches_concatenation(tmp_path):
+    run_gloo(_two_rank_baseline, 2, str(tmp_path))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    bl = ppo.RunningBaseline()
+    for i, (rewards, k) in enumerate(zip(BATCHES, SPLIT)):
+        whole = bl.advantages(torch.tensor(rewards, dtype=F64))
+        torch.testing.assert_close(torch.cat([got[0]["advs"][i], got[1]["advs"][i]]), whole, rtol=1e-14, atol=1e-15)
+    assert got[0]["b"] == got[1]["b"] and math.isclose(got[0]["b"], bl.value, rel_tol=1e-14)
+
+
+def test_response_logprobs_against_direct_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g)
+    ids = torch.randint(0, 11, (2, 5), generator=g)
+    out = ppo.response_logprobs(logits, ids, temperature=0.7)
+    p = torch.softmax(logits.double() / 0.7, -1)
+    for b in range(2):
+        assert out[b, 0] == 0
+        for t in range(1, 5):
+            assert math.isclose(out[b, t].item(), math.log(p[b, t - 1, ids[b, t]].item()), rel_tol=1e-5)
