@@ -1,0 +1,373 @@
+"""
+sync.py: seed-based weight sync from the trainer to the rollout engines.
+
+What it is
+----------
+After update t is merged, the trainer sends each rollout engine, per target layer, only the
+bf16 factor `F = alpha U` (d, r) that RowAdam merged, plus the update number. The engine
+regenerates `A_t` from the seed rule of sketch.py and merges `W -= F @ A_t` itself. The
+payload is `sum_layers d * r * 2` bytes, about r/k of a full bf16 weight sync (SPEC section 6).
+
+Pieces
+------
+- `Payload(update, base_seed, rank, factors)` and `encode`/`decode`: one flat uint8 buffer
+  per update (a checked header, then the tensors), so it travels over any
+  `torch.distributed` backend as one message. `full_payload` carries full weights instead
+  (start-up, recovery, and the paper's `--sync full` control), in the same format.
+- `EngineWeights(model, base_seed=..., rank=..., layout="hf" | "vllm")`: the engine side.
+  It keeps an fp32 master copy of each target weight and sets the model's bf16 weight to
+  bf16(master) after every merge, so the engine holds exactly what the trainer holds,
+  rounded once (departure 1). Payloads must arrive in order.
+- `fingerprint(...)` / `EngineWeights.fingerprint()` / `check_fingerprints(a, b)`: two
+  integer checksums per layer of the bf16 weights, comparable between the trainer (whose
+  fp32 master is rounded the same way) and the engine; a mismatch names the first layer.
+- `send`/`recv` over a `torch.distributed` group, and `WorkerExtension` for vLLM
+  (`LLM(worker_extension_cls="sync.WorkerExtension")`), whose methods run inside each vLLM
+  worker via `llm.collective_rpc(...)`.
+
+Why a master copy on the engine: a relative step of 6e-5 is far below bf16's resolution
+(~4e-3). A plain in-place bf16 `W -= F @ A` rounds almost every update away, and the engine
+silently drifts from the trainer (tests/test_sync.py shows it).
+
+vLLM fuses q/k/v into `qkv_proj` (rows [q; k; v]) and gate/up into `gate_up_proj`
+(rows [gate; up]); the "vllm" layout applies each sub-layer's factor to its own row block.
+
+Shape legend: d out rows, k in columns, r rank.
+
+Departures, numbered
+--------------------
+1. The engine's residual is carried as a full fp32 master of the target weights (4 extra
+   bytes per target weight on the engine), the simplest representation that reproduces
+   bf16(trainer master) bit for bit. A bf16 "low part" keeps only 16 of fp32's 24 mantissa
+   bits and lets engine and trainer round differently near bf16 ties.
+2. Each layer in a payload carries two integer checksums of its bytes, so a corrupted buffer
+   is refused before anything is merged.
+3. vLLM tensor parallelism inside an engine is not supported (the paper runs one engine per
+   GPU); a sharded vLLM layer raises.
+"""
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rowadam import local_rows, merge_rows
+from sketch import TARGETS, clean_name, make_projection, projection_seed
+
+MAGIC = b"LOGRASYN"
+VERSION = 1
+ALIGN = 16
+CHECK_MOD = 65521  # positional weights of the checksum cycle through 1..65521
+CHECK_ROWS = 1024
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+# -----------------------------------------------------------------------------
+# The payload and its flat buffer
+
+@dataclass
+class Payload:
+    """Per target (clean HF name) the bf16 factor F (d, r) merged by update `update`.
+
+    kind="full": `factors` holds full weights (d, k) instead, and `update` is the number of
+    updates they contain (the next delta the engine accepts).
+    """
+
+    update: int
+    base_seed: int
+    rank: int
+    factors: dict = field(default_factory=dict)
+    kind: str = "delta"
+
+
+def full_payload(weights: dict, *, update: int, base_seed: int, rank: int, dtype=torch.bfloat16) -> Payload:
+    """A full-weight payload from {clean name: (d, k) weight}. Send fp32 for an exact resync."""
+    return Payload(update, base_seed, rank, {n: w.detach().to(dtype) for n, w in weights.items()}, kind="full")
+
+
+def checksum(t: torch.Tensor) -> tuple[int, int]:
+    """(sum of x, sum of x * (i mod 65521 + 1)) over the raw 16-bit words x of `t`, in int64.
+
+    Rows are processed in chunks; both sums add up over row blocks, so the checksum of a
+    row-sharded weight is the sum of its shards' (with their global row offset).
+    """
+    return _checksum_rows(t.detach().reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1), 0)
+
+
+def _checksum_rows(rows: torch.Tensor, row_offset: int) -> tuple[int, int]:
+    words = rows.contiguous().view(torch.int16)  # (n, k * bytes / 2): raw 16-bit words
+    width = words.shape[1]
+    s1 = torch.zeros((), dtype=torch.int64, device=rows.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=rows.device)
+    for start in range(0, words.shape[0], CHECK_ROWS):
+        block = words[start:start + CHECK_ROWS].to(torch.int64)  # (c, k')
+        first = (row_offset + start) * width
+        pos = torch.arange(first, first + block.numel(), device=rows.device, dtype=torch.int64)
+        s1 += block.sum()
+        s2 += (block.flatten() * (pos % CHECK_MOD + 1)).sum()
+    return int(s1), int(s2)
+
+
+def encode(payload: Payload) -> torch.Tensor:
+    """One flat uint8 buffer: magic, header length, JSON header, aligned tensor bytes."""
+    entries, blobs, offset = [], [], 0
+    for name, t in payload.factors.items():
+        dtype = next((k for k, v in DTYPES.items() if v == t.dtype), None)
+        if dtype is None or t.dim() != 2:
+            raise ValueError(f"{name}: factors must be 2-D {list(DTYPES)} tensors, got {t.dtype} {tuple(t.shape)}")
+        raw = t.detach().contiguous().flatten().view(torch.uint8)
+        entries.append({"name": name, "shape": list(t.shape), "dtype": dtype, "offset": offset,
+                        "nbytes": raw.numel(), "check": list(checksum(t))})
+        blobs.append(raw)
+        pad = -raw.numel() % ALIGN
+        if pad:
+            blobs.append(torch.zeros(pad, dtype=torch.uint8, device=raw.device))
+        offset += raw.numel() + pad
+    header = json.dumps({"version": VERSION, "kind": payload.kind, "update": int(payload.update),
+                         "base_seed": int(payload.base_seed), "rank": int(payload.rank),
+                         "layers": entries, "data_bytes": offset}).encode()
+    header += b" " * (-(len(MAGIC) + 8 + len(header)) % ALIGN)
+    device = blobs[0].device if blobs else "cpu"
+    prefix = torch.frombuffer(bytearray(MAGIC + len(header).to_bytes(8, "little") + header), dtype=torch.uint8)
+    return torch.cat([prefix.to(device)] + blobs)
+
+
+def decode(buffer: torch.Tensor) -> Payload:
+    """Parse and check a buffer from `encode`; the factors are views into `buffer`."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError("a payload is a 1-D uint8 tensor")
+    n = buffer.numel()
+    if n < len(MAGIC) + 8 or bytes(buffer[:len(MAGIC)].cpu().tolist()) != MAGIC:
+        raise ValueError("not a LoGRA payload (bad magic)")
+    hlen = int.from_bytes(bytes(buffer[len(MAGIC):len(MAGIC) + 8].cpu().tolist()), "little")
+    start = len(MAGIC) + 8 + hlen
+    if start > n:
+        raise ValueError(f"truncated payload: header claims {hlen} bytes, buffer has {n}")
+    try:
+        head = json.loads(bytes(buffer[len(MAGIC) + 8:start].cpu().tolist()))
+        if head["version"] != VERSION or head["kind"] not in ("delta", "full"):
+            raise ValueError(f"unsupported payload version/kind {head['version']}/{head['kind']}")
+        layers = head["layers"]
+        update, base_seed, rank, data_bytes = (int(head[k]) for k in ("update", "base_seed", "rank", "data_bytes"))
+    except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"malformed payload header: {e}") from None
+    if start + data_bytes != n:
+        raise ValueError(f"payload size mismatch: header says {start + data_bytes} bytes, got {n} (truncated?)")
+    data = buffer[start:]
+    factors, expect = {}, 0
+    for e in layers:
+        dtype = DTYPES.get(e.get("dtype"))
+        shape = e.get("shape")
+        if dtype is None or not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(s, int) and s > 0 for s in shape)):
+            raise ValueError(f"malformed layer entry {e}")
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        if e["offset"] != expect or e["nbytes"] != nbytes or e["offset"] + nbytes > data_bytes:
+            raise ValueError(f"{e['name']}: offset/size {e['offset']}/{e['nbytes']} inconsistent with {shape} {dtype}")
+        t = data[e["offset"]:e["offset"] + nbytes].view(dtype).view(shape)
+        if list(checksum(t)) != e["check"]:
+            raise ValueError(f"{e['name']}: checksum mismatch, the payload is corrupted")
+        if e["name"] in factors:
+            raise ValueError(f"duplicate layer {e['name']} in payload")
+        factors[e["name"]] = t
+        expect = e["offset"] + nbytes + (-nbytes % ALIGN)
+    return Payload(update, base_seed, rank, factors, kind=head["kind"])
+
+
+# -----------------------------------------------------------------------------
+# Engine-side weights
+
+@dataclass
+class _Slot:
+    name: str  # clean HF name of the sub-layer, e.g. model.layers.0.self_attn.k_proj
+    param: torch.nn.Parameter  # the model's bf16 weight (maybe fused)
+    row: int  # first row of this sub-layer inside `param`
+    rows: int  # d
+    master: torch.Tensor  # fp32 rows of this sub-layer (d, k)
+
+
+def _target_blocks(model, layout):
+    """[(clean sub-layer name, parameter, first row, rows)] of every target in `model`."""
+    blocks = []
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        prefix = clean_name(name)[: -len(last)]
+        if layout == "hf" and last in TARGETS:
+            blocks.append((prefix + last, module.weight, 0, module.weight.shape[0]))
+        elif layout == "vllm" and (last in FUSED or last in ("o_proj", "down_proj")):
+            if getattr(module, "tp_size", 1) != 1:
+                raise NotImplementedError(f"{name}: tensor-parallel vLLM layers are not supported (departure 3)")
+            parts = FUSED.get(last, (last,))
+            sizes = list(getattr(module, "output_sizes", [module.weight.shape[0]]))
+            if len(sizes) != len(parts) or sum(sizes) != module.weight.shape[0]:
+                raise ValueError(f"{name}: output_sizes {sizes} do not split {module.weight.shape[0]} rows into {parts}")
+            row = 0
+            for part, size in zip(parts, sizes):
+                blocks.append((prefix + part, module.weight, row, size))
+                row += size
+    if layout not in ("hf", "vllm"):
+        raise ValueError(f"layout must be 'hf' or 'vllm', got {layout!r}")
+    if not blocks:
+        raise ValueError(f"no target layers found in {type(model).__name__} for layout {layout!r}")
+    return blocks
+
+
+class EngineWeights:
+    """The rollout engine's target weights: bf16 in the model, fp32 master alongside."""
+
+    def __init__(self, model, *, base_seed, rank, layout="hf", update=0):
+        self.base_seed, self.rank, self.update = base_seed, rank, update
+        self.slots = {}
+        for name, param, row, rows in _target_blocks(model, layout):
+            if rank > param.shape[1]:
+                raise ValueError(f"{name}: rank {rank} exceeds in_features {param.shape[1]}")
+            master = param.detach()[row:row + rows].to(torch.float32)  # (d, k), a copy
+            self.slots[name] = _Slot(name, param, row, rows, master)
+
+    def _write(self, slot):
+        with torch.no_grad():
+            slot.param[slot.row:slot.row + slot.rows].copy_(slot.master)  # bf16(master)
+
+    def _check(self, payload, kind):
+        if payload.kind != kind:
+            raise ValueError(f"expected a {kind} payload, got {payload.kind}")
+        if payload.base_seed != self.base_seed or payload.rank != self.rank:
+            raise ValueError(f"payload has seed {payload.base_seed}, rank {payload.rank}; engine expects "
+                             f"seed {self.base_seed}, rank {self.rank}")
+        if set(payload.factors) != set(self.slots):
+            missing = sorted(set(self.slots) - set(payload.factors))[:3]
+            extra = sorted(set(payload.factors) - set(self.slots))[:3]
+            raise ValueError(f"payload layers differ from the engine's: missing {missing}, unknown {extra}")
+        for name, t in payload.factors.items():
+            slot = self.slots[name]
+            want = (slot.rows, self.rank) if kind == "delta" else tuple(slot.master.shape)
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name}: tensor shape {tuple(t.shape)}, expected {want}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{name}: non-finite values in the payload")
+
+    @torch.no_grad()
+    def apply(self, payload: Payload) -> None:
+        """Merge W -= F @ A_update into every target; only the next update number is accepted."""
+        if payload.update != self.update:
+            what = "already merged (duplicate)" if payload.update < self.update else "skips updates"
+            raise ValueError(f"payload for update {payload.update} {what}: engine expects update {self.update}")
+        self._check(payload, "delta")  # everything is checked before anything changes
+        for name, f in payload.factors.items():
+            slot = self.slots[name]
+            seed = projection_seed(self.base_seed, payload.update, name)
+            a = make_projection(self.rank, slot.master.shape[1], seed, device=slot.master.device)  # (r, k)
+            merge_rows(slot.master, f.to(slot.master.device), a)  # the trainer's merge, same chunks
+            self._write(slot)
+        self.update += 1
+
+    @torch.no_grad()
+    def load_full(self, payload: Payload) -> None:
+        """Replace every target weight (a full payload); the engine then expects `payload.update`."""
+        self._check(payload, "full")
+        for name, w in payload.factors.items():
+            slot = self.slots[name]
+            slot.master.copy_(w.to(slot.master.device, torch.float32))
+            self._write(slot)
+        self.update = payload.update
+
+    def fingerprint(self) -> dict:
+        return {name: checksum(s.param.detach()[s.row:s.row + s.rows]) for name, s in self.slots.items()}
+
+
+# -----------------------------------------------------------------------------
+# Trainer-side fingerprint and comparison
+
+def fingerprint(layers_or_model, dtype=torch.bfloat16, group=None) -> dict:
+    """Checksums of bf16(W) per target, from a model or from sketch.attach's layers.
+
+    Under FSDP2 each rank sums its row shard (at its global row offset) and one all_reduce
+    adds the shards, so every rank returns the whole model's fingerprint.
+    """
+    if isinstance(layers_or_model, torch.nn.Module):
+        mods = {clean_name(n): m for n, m in layers_or_model.named_modules() if n.rsplit(".", 1)[-1] in TARGETS}
+    else:
+        mods = {l.name: l.module for l in layers_or_model}
+    names = sorted(mods)
+    sums = torch.zeros(len(names), 2, dtype=torch.int64)
+    for i, name in enumerate(names):
+        rows, offset = local_rows(mods[name].weight)
+        sums[i] = torch.tensor(_checksum_rows(rows.detach().to(dtype), offset))
+    if dist.is_available() and dist.is_initialized() and any(hasattr(mods[n].weight, "to_local") for n in names):
+        dist.all_reduce(sums, group=group)
+    return {n: tuple(s.tolist()) for n, s in zip(names, sums)}
+
+
+def check_fingerprints(trainer: dict, engine: dict) -> None:
+    """Raise naming the first layer whose checksums differ."""
+    if set(trainer) != set(engine):
+        raise RuntimeError(f"trainer and engine hold different layers: "
+                           f"{sorted(set(trainer) ^ set(engine))[:3]}")
+    for name in sorted(trainer):
+        if tuple(trainer[name]) != tuple(engine[name]):
+            raise RuntimeError(f"engine weights differ from the trainer's at {name}: resync with a full payload")
+
+
+# -----------------------------------------------------------------------------
+# Transport over torch.distributed (gloo on CPU, NCCL on GPU)
+
+def send(payload: Payload, group, dst: int, device=None) -> int:
+    """Send one payload as (length, buffer); returns the bytes sent."""
+    buf = encode(payload)
+    if device is not None:
+        buf = buf.to(device)
+    dist.send(torch.tensor([buf.numel()], dtype=torch.int64, device=buf.device), dst, group=group)
+    dist.send(buf, dst, group=group)
+    return buf.numel()
+
+
+def recv(group, src: int, device=None) -> Payload:
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src, group=group)
+    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(buf, src, group=group)
+    return decode(buf)
+
+
+# -----------------------------------------------------------------------------
+# vLLM worker extension (runs inside each vLLM worker; vLLM imported only here)
+
+class WorkerExtension:
+    """Mixed into vLLM workers with `LLM(..., worker_extension_cls="sync.WorkerExtension")`.
+
+    The trainer calls these with `llm.collective_rpc("logra_...", args=(...))`, then
+    `llm.reset_prefix_cache()` after every weight change (cached KV blocks hold old weights).
+    Written against vLLM 0.10/0.11 (V1 engine): `self.model_runner.model`, `self.device`,
+    `vllm.distributed.utils.StatelessProcessGroup.create(host, port, rank, world_size)` and
+    `PyNcclCommunicator(pg, device).broadcast(tensor, src, stream)`. The trainer is rank 0
+    of a two-member group with its engine.
+    """
+
+    def logra_init(self, host: str, port: int, base_seed: int, rank: int, update: int = 0) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        pg = StatelessProcessGroup.create(host=host, port=port, rank=1, world_size=2)
+        self.logra_comm = PyNcclCommunicator(pg, device=self.device)
+        self.logra_weights = EngineWeights(self.model_runner.model, base_seed=base_seed, rank=rank,
+                                           layout="vllm", update=update)
+
+    def _logra_receive(self) -> Payload:
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.logra_comm.broadcast(size, src=0, stream=torch.cuda.current_stream())
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.logra_comm.broadcast(buf, src=0, stream=torch.cuda.current_stream())
+        return decode(buf)
+
+    def logra_apply(self) -> int:
+        """Receive one delta payload from the trainer and merge it; returns the engine's update count."""
+        self.logra_weights.apply(self._logra_receive())
+        return self.logra_weights.update
+
+    def logra_load_full(self) -> int:
+        self.logra_weights.load_full(self._logra_receive())
+        return self.logra_weights.update
+
+    def logra_fingerprint(self) -> dict:
+        return self.logra_weights.fingerprint()

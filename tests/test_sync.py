@@ -1,0 +1,211 @@
+"""sync.py: engines that track the trainer bit for bit over 200 payloads, in both layouts."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config
+
+import rowadam
+import sketch
+import sync
+from distributed import run_gloo
+from standin import vllm_standin
+from tiny import tiny_batch, tiny_qwen2
+
+SEED, RANK = 17, 8
+
+
+def lm_loss(model, ids):
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def trainer(update_ratio=6e-5):
+    model = tiny_qwen2()
+    engine_model = copy.deepcopy(model).to(torch.bfloat16)
+    layers = sketch.attach(model, rank=RANK, seed=SEED)
+    opt = rowadam.RowAdam(layers, base_seed=SEED, update_ratio=update_ratio)
+    return model, layers, opt, engine_model
+
+
+def masters(layers):
+    return {l.name: l.module.weight.detach() for l in layers}
+
+
+def step(model, layers, opt, i, group=None):
+    """One update on fresh data; returns the payload of what was merged."""
+    lm_loss(model, tiny_batch(seed=1000 + i)).backward()
+    opt.prepare(group)
+    update = opt.update
+    factors = opt.merge(1.0)
+    return sync.Payload(update, SEED, RANK, {l.name: f for l, f in zip(layers, factors)})
+
+
+def engine_weight(engine, name):
+    s = engine.slots[name]
+    return s.param.detach()[s.row:s.row + s.rows]
+
+
+def test_200_payloads_track_the_trainer_in_both_layouts():
+    model, layers, opt, hf_engine_model = trainer()
+    fused_model = vllm_standin(hf_engine_model)
+    naive = {l.name: w.clone() for l, w in zip(layers, (l.module.weight.detach().to(torch.bfloat16) for l in layers))}
+    engines = [sync.EngineWeights(hf_engine_model, base_seed=SEED, rank=RANK),
+               sync.EngineWeights(fused_model, base_seed=SEED, rank=RANK, layout="vllm")]
+    start = sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
+    for e in engines:
+        e.load_full(sync.decode(sync.encode(start)))  # start-up resync over the buffer path
+    for i in range(200):
+        payload = sync.decode(sync.encode(step(model, layers, opt, i)))
+        for e in engines:
+            e.apply(payload)
+        for l in layers:  # the naive engine: bf16 W -= bf16(F @ A) in place
+            a = sketch.make_projection(RANK, l.module.in_features, sketch.projection_seed(SEED, i, l.name))
+            naive[l.name] -= (payload.factors[l.name].float() @ a).to(torch.bfloat16)
+    total = equal = naive_equal = 0
+    for l in layers:
+        ref = l.module.weight.detach().to(torch.bfloat16)  # bf16(trainer master)
+        for e in engines:
+            got = engine_weight(e, l.name)
+            equal += (got == ref).sum().item()
+            total += ref.numel()
+            # within one bf16 ulp everywhere: compare as ordered integers
+            assert ((got.view(torch.int16).int() - ref.view(torch.int16).int()).abs() <= 1).all()
+        naive_equal += (naive[l.name] == ref).sum().item()
+    assert equal / total >= 0.9999, equal / total
+    print(f"engines bitwise equal: {equal / total:.6f}")
+    trainer_fp = sync.fingerprint(layers)
+    for e in engines:
+        sync.check_fingerprints(trainer_fp, e.fingerprint())
+    # The naive engine drifted: most updates were rounded away.
+    assert naive_equal / (total / 2) < 0.9, naive_equal / (total / 2)
+    ulps = max((naive[l.name].view(torch.int16).int() - l.module.weight.detach().to(torch.bfloat16)
+                .view(torch.int16).int()).abs().max().item() for l in layers)
+    assert ulps >= 2, ulps  # beyond the one-ulp band the tracked engines stay in
+
+
+def snapshot(engine):
+    return {n: (s.master.clone(), engine_weight(engine, n).clone()) for n, s in engine.slots.items()}, engine.update
+
+
+def assert_unchanged(engine, snap):
+    state, update = snap
+    assert engine.update == update
+    for n, (m, w) in state.items():
+        assert torch.equal(engine.slots[n].master, m) and torch.equal(engine_weight(engine, n), w)
+
+
+def test_bad_payloads_are_rejected_and_change_nothing():
+    model, layers, opt, engine_model = trainer(update_ratio=1e-3)
+    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+    engine.load_full(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32))
+    payloads = [step(model, layers, opt, i) for i in range(4)]
+    engine.apply(payloads[0])
+    engine.apply(payloads[1])
+    snap = snapshot(engine)
+    with pytest.raises(ValueError, match="skips"):
+        engine.apply(payloads[3])
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.apply(payloads[1])
+    good = sync.encode(payloads[2])
+    corrupt = good.clone()
+    corrupt[-5] ^= 0x40
+    with pytest.raises(ValueError, match="checksum"):
+        sync.decode(corrupt)
+    with pytest.raises(ValueError, match="truncated|size mismatch"):
+        sync.decode(good[:-3])
+    with pytest.raises(ValueError, match="truncated"):
+        sync.decode(good[:40])
+    with pytest.raises(ValueError, match="magic"):
+        sync.decode(torch.zeros(64, dtype=torch.uint8))
+    header = good.clone()
+    header[20:24] = torch.tensor(list(b"}}}}"), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="malformed"):
+        sync.decode(header)
+    p = payloads[2]
+    for bad, match in [
+        (sync.Payload(2, SEED + 1, RANK, p.factors), "seed"),
+        (sync.Payload(2, SEED, RANK, dict(list(p.factors.items())[1:])), "missing"),
+        (sync.Payload(2, SEED, RANK, {**p.factors, "model.layers.0.mlp.up_proj": torch.zeros(80, 4, dtype=torch.bfloat16)}), "shape"),
+        (sync.Payload(2, SEED, RANK, {**p.factors, "model.layers.1.mlp.down_proj": torch.full((48, RANK), float("nan"), dtype=torch.bfloat16)}), "non-finite"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine.apply(bad)
+    assert_unchanged(engine, snap)
+    engine.apply(sync.decode(good))  # the right one still goes through
+    assert engine.update == 3
+
+
+def test_fused_row_offsets_for_real_configs():
+    configs = {
+        "Qwen2.5-Math-1.5B": Qwen2Config(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                                         num_key_value_heads=2, num_hidden_layers=2),
+        "Qwen2.5-Math-7B": Qwen2Config(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                                       num_key_value_heads=4, num_hidden_layers=2),
+    }
+    for cfg in configs.values():
+        engine = sync.EngineWeights(vllm_standin(config=cfg, device="meta"), base_seed=0, rank=256, layout="vllm")
+        hd = cfg.hidden_size // cfg.num_attention_heads  # 128 for both
+        q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
+        expect = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv), "o_proj": (0, cfg.hidden_size),
+                  "gate_proj": (0, inter), "up_proj": (inter, inter), "down_proj": (0, cfg.hidden_size)}
+        assert len(engine.slots) == 7 * cfg.num_hidden_layers
+        for name, slot in engine.slots.items():
+            assert (slot.row, slot.rows) == expect[name.rsplit(".", 1)[-1]], name
+            assert name.startswith("model.layers.")
+
+
+def test_fused_weights_match_hf_layout_blocks():
+    hf = tiny_qwen2().to(torch.bfloat16)
+    fused = sync.EngineWeights(vllm_standin(hf), base_seed=0, rank=4, layout="vllm")
+    plain = sync.EngineWeights(hf, base_seed=0, rank=4)
+    assert set(fused.slots) == set(plain.slots)
+    for name in plain.slots:
+        assert torch.equal(engine_weight(fused, name), engine_weight(plain, name))
+
+
+# ---------------------------------------------------------------------------
+# Two processes: trainer sends, engine receives
+
+def _two_process(rank, world, out_dir):
+    model, layers, opt, engine_model = trainer(update_ratio=1e-4)
+    trainers = torch.distributed.new_group([0])  # the data-parallel group: the trainer alone
+    prints = []
+    if rank == 0:
+        sync.send(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32), None, 1)
+        for i in range(5):
+            sync.send(step(model, layers, opt, i, trainers), None, 1)
+            prints.append(sync.fingerprint(layers))
+    else:
+        engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+        engine.load_full(sync.recv(None, 0))
+        for _ in range(5):
+            engine.apply(sync.recv(None, 0))
+            prints.append(engine.fingerprint())
+    torch.save(prints, os.path.join(out_dir, f"fp{rank}.pt"))
+
+
+def test_two_process_sync(tmp_path):
+    run_gloo(_two_process, 2, str(tmp_path))
+    trainer_fp, engine_fp = (torch.load(tmp_path / f"fp{r}.pt") for r in range(2))
+    assert len(trainer_fp) == len(engine_fp) == 5
+    for a, b in zip(trainer_fp, engine_fp):
+        sync.check_fingerprints(a, b)
+    assert trainer_fp[0] != trainer_fp[-1]  # the weights did move
+
+
+def test_fingerprint_mismatch_names_the_layer():
+    _, layers, _, engine_model = trainer()
+    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+    fp = engine.fingerprint()
+    with torch.no_grad():
+        engine.slots["model.layers.1.self_attn.v_proj"].param[3, 5] += 1.0
+    with pytest.raises(RuntimeError, match="model.layers.1.self_attn.v_proj"):
+        sync.check_fingerprints(fp, engine.fingerprint())
+    # Checksums of row shards add up to the whole (FSDP2 fingerprints rely on it).
+    w = torch.randn(37, 11).to(torch.bfloat16)
+    parts = [sync._checksum_rows(w[:19], 0), sync._checksum_rows(w[19:], 19)]
+    assert tuple(map(sum, zip(*parts))) == sync.checksum(w)
