@@ -151,6 +151,25 @@ def predict_kl(model, layers, directions, input_ids, response_mask, *, temperatu
     am = None if attention_mask is None else attention_mask[:max_responses, :max_tokens]
     decoder, head = _decoder_and_head(model)
     total = torch.zeros(2, dtype=torch.float64, device=ids.device)  # (sum kl1, count)
+    # Under FSDP2 the root module owns the embedding, final norm and output head; calling the
+    # decoder and head directly bypasses its hooks, so gather its parameters explicitly.
+    fsdp_root = hasattr(model, "unshard") and hasattr(model, "reshard")
+    if fsdp_root:
+        model.unshard()
+    try:
+        _probe_sums(model, decoder, head, layers, directions, ids, mask, am, temperature, total)
+    finally:
+        if fsdp_root:
+            model.reshard()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, group=group)
+    kl_sum, count = total.tolist()
+    if count == 0:
+        raise ValueError("no generated token to score: response_mask has no position after the first")
+    return kl_sum / count
+
+
+def _probe_sums(model, decoder, head, layers, directions, ids, mask, am, temperature, total):
     with probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level():
         hidden = decoder(input_ids=ids, attention_mask=am).last_hidden_state  # (B', T', h), dual
         if fwAD.unpack_dual(hidden).tangent is None:
@@ -163,12 +182,6 @@ def predict_kl(model, layers, directions, input_ids, response_mask, *, temperatu
             kl = token_kl(z, u, temperature)  # (c,)
             total[0] += kl.sum()
             total[1] += kl.numel()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total, group=group)
-    kl_sum, count = total.tolist()
-    if count == 0:
-        raise ValueError("no generated token to score: response_mask has no position after the first")
-    return kl_sum / count
 
 
 # -----------------------------------------------------------------------------

@@ -51,6 +51,10 @@ Departures, numbered
    leaves the optimizer exactly as it was.
 3. float64 weights are accepted (for tests against float64 references); bf16/fp16 weights
    are refused: an update of 6e-5 relative is far below their resolution.
+4. The merge computes `F @ A` in float64 and rounds it once. A bf16 factor times +-1/sqrt(r)
+   is exact in float64 for r a power of 4 (r = 256: 1/16), so the delta is the correctly
+   rounded one whatever the summation order: a sharded trainer and an unsharded engine hold
+   bit-identical fp32 masters. The cost is one float64 (c, k) block per chunk.
 """
 
 import math
@@ -121,13 +125,19 @@ def local_rows(weight):
 
 @torch.no_grad()
 def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_ROWS):
-    """W[o:o+n] -= F[o:o+n] @ A for this rank's rows, in row chunks (never a whole (n, k) delta)."""
+    """W[o:o+n] -= F[o:o+n] @ A for this rank's rows, in row chunks (never a whole (n, k) delta).
+
+    F @ A is computed in float64 and rounded once to W's dtype (departure 4), so the result
+    does not depend on the chunking or the device: FSDP row shards and the engines' merges
+    (sync.py) give the same bits as an unsharded merge.
+    """
     n = rows.shape[0]
+    a = projection.to(torch.float64)  # (r, k)
     for start in range(0, n, chunk_rows):
         stop = min(start + chunk_rows, n)
-        f = factor[row_offset + start:row_offset + stop].to(rows.dtype)  # (c, r)
+        f = factor[row_offset + start:row_offset + stop].to(torch.float64)  # (c, r)
         # Shapes: (c, r) @ (r, k) -> (c, k)
-        rows[start:stop].sub_(f @ projection.to(rows.dtype))
+        rows[start:stop].sub_((f @ a).to(rows.dtype))
 
 
 def _sum_across(values, group):
