@@ -1,0 +1,611 @@
+"""
+train.py: the whole LoGRA RL loop, top to bottom.
+
+    python train.py                                   # the tiny preset on this CPU, end to end
+    python train.py --optimizer adam                  # the dense AdamW baseline, same task
+    torchrun --nproc_per_node 2 train.py --model tiny # FSDP2 over 2 CPU processes (gloo)
+    python train.py --resume runs/tiny-logra          # continue a run from its checkpoint
+
+One update, in the order the paper runs it (SPEC sections 5-7):
+
+    rollout   the engine (a bf16 copy of the policy, updated only by sync payloads) samples
+              one response per prompt at temperature 1.0, with per-token log-probs
+    reward    1 for a correct boxed answer, -0.01 otherwise
+    baseline  A = r - b, b a running mean over the global batch
+    loss      REINFORCE with truncated importance sampling, / global response tokens
+    backward  into the sketches S = G A^T (no weight gradient exists)
+    RowAdam   all_reduce the sketches, per-row scaling, global scale -> U
+    KL probe  forward-mode AD predicts KL(alpha) = alpha^2 KL1; alpha spends the budget
+              (cosine 2e-4 -> 2e-5 for the paper's presets, minus the engine mismatch)
+    merge     W -= bf16(alpha U) A_t in the fp32 master weights; A_t -> A_{t+1}
+    sync      the same bf16 factors go to the engine, which merges them itself;
+              fingerprints confirm both hold the same weights
+
+The tiny preset: two-digit addition/subtraction ("37+45=" -> "\\boxed{82}"), a character
+tokenizer and a 2-layer Qwen2 built from a config, all made here. RL with a binary reward
+needs a policy that is sometimes right, so the preset first makes its base policy with a
+short supervised warm-up (cached next to the run directory, done once), as the paper starts
+from a pretrained model. Its update_ratio and KL budget are larger than the paper's, tuned
+so that a few minutes on a CPU show learning; the paper's values stay the defaults of the
+real-model presets.
+
+Departures, numbered
+--------------------
+1. Rollout sampling draws its randomness per prompt (a seed from the run seed, update number
+   and the prompt's global index, Gumbel-max sampling), so one process and two processes
+   sample the same responses and the run is bitwise reproducible after a resume.
+2. The tiny engine generates without a KV cache (prompts are 6 tokens, responses at most 8):
+   simpler, and fast enough at this size.
+3. The dense baseline trains the same seven target projections as LoGRA, with every other
+   parameter frozen as for LoGRA, so the two differ only in how the targets are updated.
+"""
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import random
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import kl_control
+import ppo
+import rowadam
+import sketch
+import sync
+
+# -----------------------------------------------------------------------------
+# Presets: every model size in one dict, picked by name
+
+PRESETS = {
+    "tiny": dict(
+        model=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False),
+        rank=32, batch=64, micro_batch=64, updates=150, temperature=1.0, max_new_tokens=8,
+        update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, alpha_max=3.0, probe_responses=2,
+        adam_lr=1e-4, warmup_steps=1000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
+        eval_every=25, eval_problems=256, eval_samples=2, eval_temperature=1.0, eval_top_p=1.0,
+        checkpointing=False, save_every=10, seed=0,
+    ),
+}
+
+
+def resolve_config(args) -> dict:
+    """The preset's values with the command line's overrides: everything the run depends on."""
+    cfg = copy.deepcopy(PRESETS[args.model])
+    cfg["preset"] = args.model
+    cfg["optimizer"] = args.optimizer
+    for key in ("rank", "batch", "micro_batch", "updates", "update_ratio", "kl_start", "kl_end",
+                "kl_horizon", "probe_responses", "adam_lr", "warmup_steps", "eval_every", "eval_problems",
+                "save_every", "seed"):
+        value = getattr(args, key)
+        if value is not None:
+            cfg[key] = value
+    cfg["micro_batch"] = min(cfg["micro_batch"], cfg["batch"])
+    return cfg
+
+
+# -----------------------------------------------------------------------------
+# The tiny task: two-digit arithmetic with a boxed answer, a character tokenizer
+
+class Arithmetic:
+    """Problems "ab+cd=" / "ab-cd=" (a, b in 0..99), answers "\\boxed{n}", graded exactly."""
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>", "\\boxed{")
+    CHARS = "0123456789+-=}"
+    PROMPT_TOKENS = 7  # <bos> and "ab+cd="
+    OPS = "+"
+
+    def __init__(self, seed: int, heldout: int):
+        self.vocab = list(self.SPECIALS) + list(self.CHARS)
+        self.index = {t: i for i, t in enumerate(self.vocab)}
+        self.pad, self.bos, self.eos = 0, 1, 2
+        self.seed = seed
+        # Held-out problems: a fixed sample of the 20,000, never drawn for training.
+        rng = random.Random(f"heldout:{seed}")
+        every = [(a, op, b) for a in range(100) for op in self.OPS for b in range(100)]
+        self.heldout = rng.sample(every, heldout)
+        self._heldout_set = set(self.heldout)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        out, i = [], 0
+        while i < len(text):
+            if text.startswith("\\boxed{", i):
+                out.append(self.index["\\boxed{"])
+                i += len("\\boxed{")
+            else:
+                out.append(self.index[text[i]])
+                i += 1
+        return out
+
+    def decode(self, ids) -> str:
+        return "".join(self.vocab[i] for i in ids if i > self.eos)
+
+    @staticmethod
+    def prompt(problem) -> str:
+        a, op, b = problem
+        return f"{a:02d}{op}{b:02d}="
+
+    @staticmethod
+    def answer(problem) -> int:
+        a, op, b = problem
+        return a + b if op == "+" else a - b
+
+    def train_problem(self, index: int):
+        """The index-th training problem: a pure function of (seed, index)."""
+        rng = random.Random(f"train:{self.seed}:{index}")
+        while True:
+            p = (rng.randrange(100), rng.choice(self.OPS), rng.randrange(100))
+            if p not in self._heldout_set:
+                return p
+
+    def prompt_ids(self, problems) -> torch.Tensor:
+        return torch.tensor([[self.bos] + self.encode(self.prompt(p)) for p in problems])  # (B, P)
+
+    def correct(self, problem, response_ids) -> bool:
+        """The last \\boxed{...} of the response must hold exactly the answer."""
+        text = self.decode(response_ids)
+        start = text.rfind("\\boxed{")
+        if start < 0 or not text.endswith("}"):
+            return False
+        return text[start + len("\\boxed{"):-1] == str(self.answer(problem))
+
+
+# -----------------------------------------------------------------------------
+# The rollout engine: a bf16 copy of the policy that changes only through sync payloads
+
+def stable_seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+class Rollout:
+    def __init__(self, ids, mask, logprobs, eos):
+        self.ids, self.mask, self.logprobs, self.eos = ids, mask, logprobs, eos  # (B, T) x3, (B,)
+
+
+class Engine:
+    def __init__(self, model, *, base_seed, rank, eos, pad):
+        self.model = model.eval()
+        self.weights = sync.EngineWeights(model, base_seed=base_seed, rank=rank)
+        self.eos, self.pad = eos, pad
+
+    @torch.no_grad()
+    def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
+        """Sample one response per prompt; per-token log-probs as the sampler saw them."""
+        b, p = prompts.shape
+        vocab = self.model.config.vocab_size
+        # Gumbel-max with noise drawn per prompt from its own seed (departure 1).
+        noise = torch.stack([torch.rand(max_new_tokens, vocab, generator=torch.Generator().manual_seed(s))
+                             for s in seeds])  # (B, L, V)
+        gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
+        ids = prompts
+        logprobs = torch.zeros(b, p + max_new_tokens)
+        done = torch.zeros(b, dtype=torch.bool)
+        for step in range(max_new_tokens):
+            logits = self.model(input_ids=ids).logits[:, -1].float() / temperature  # (B, V)
+            if top_p < 1.0:
+                logits = top_p_filter(logits, top_p)
+            token = torch.argmax(logits + gumbel[:, step], dim=-1)  # (B,)
+            logp = torch.log_softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)
+            token = torch.where(done, self.pad, token)
+            logprobs[:, p + step] = torch.where(done, 0.0, logp)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            done |= token == self.eos
+            if done.all():
+                break
+        t = ids.shape[1]
+        mask = torch.zeros(b, t, dtype=torch.bool)
+        mask[:, p:] = ids[:, p:] != self.pad  # generated tokens, EOS included
+        return Rollout(ids, mask, logprobs[:, :t], done)
+
+
+def top_p_filter(logits, top_p):
+    """Keep the smallest set of tokens whose probability reaches top_p; others get -inf."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+    drop = cum - torch.softmax(sorted_logits, -1) >= top_p  # mass before this token already enough
+    sorted_logits[drop] = float("-inf")
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def evaluate(engine, task, cfg, world, rank) -> float:
+    """Held-out Pass@1: mean correctness of eval_samples samples per problem (sums reduced)."""
+    problems = task.heldout[rank::world]
+    right = total = 0
+    for s in range(cfg["eval_samples"]):
+        seeds = [stable_seed("eval", cfg["seed"], i * world + rank, s) for i in range(len(problems))]
+        ro = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["eval_temperature"],
+                             top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"])
+        for i, prob in enumerate(problems):
+            right += task.correct(prob, ro.ids[i, task.PROMPT_TOKENS:].tolist())
+        total += len(problems)
+    counts = torch.tensor([right, total], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+# -----------------------------------------------------------------------------
+# Model, warm-up, distribution
+
+def build_model(cfg, vocab_size):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(cfg["seed"])  # Hugging Face initialises with the global generator
+    config = Qwen2Config(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0, **cfg["model"])
+    return Qwen2ForCausalLM(config)
+
+
+def warmup(model, task, cfg, path, log):
+    """Supervised warm-up on correct answers: the base policy, made once and cached."""
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, weights_only=True))
+        log(f"base policy: loaded {path}")
+        return
+    t0 = time.time()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["warmup_lr"], weight_decay=0.0)
+    model.train()
+    for step in range(cfg["warmup_steps"]):
+        first = -1 - step * cfg["warmup_batch"]
+        problems = [task.train_problem(first - i) for i in range(cfg["warmup_batch"])]
+        # A share of the examples answer without the box the grader requires (see the docstring).
+        coin = random.Random(f"warmup-format:{cfg['seed']}:{step}")
+        answers = [f"{task.answer(p)}" if coin.random() < cfg["warmup_unboxed"] else f"\\boxed{{{task.answer(p)}}}"
+                   for p in problems]
+        seqs = [[task.bos] + task.encode(task.prompt(p) + a) + [task.eos] for p, a in zip(problems, answers)]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [task.pad] * (width - len(s)) for s in seqs])  # (B, T)
+        labels = ids.clone()
+        labels[:, :task.PROMPT_TOKENS] = -100  # the prompt is given, not learned
+        labels[ids == task.pad] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        lr = cfg["warmup_lr"] * 0.5 * (1 + math.cos(math.pi * step / cfg["warmup_steps"]))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, path)
+    log(f"base policy: {cfg['warmup_steps']} warm-up steps in {time.time() - t0:.0f} s, saved {path}")
+
+
+def target_modules(model):
+    return {sketch.clean_name(n): m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in sketch.TARGETS}
+
+
+def shard(model, world, optimizer):
+    """FSDP2: one unit per decoder layer, then the root (its embedding, norm and head)."""
+    if world == 1:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if optimizer == "adam":
+        # Each rank's loss is already divided by the global token count: sum, do not average.
+        for m in model.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(1.0)
+
+
+def full_weight(w):
+    return w.full_tensor() if hasattr(w, "full_tensor") else w
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: atomic, complete
+
+def save_checkpoint(run_dir, model, opt, optimizer, baseline, mismatch, update, cfg, rank):
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = {
+        "config": cfg,
+        "update": update,
+        "model": get_model_state_dict(model, options=full),
+        "optimizer": opt.state_dict() if optimizer == "logra" else get_optimizer_state_dict(model, opt, options=full),
+        "baseline": baseline.state_dict(),
+        "mismatch": mismatch.state_dict(),
+        "rng": torch.get_rng_state(),
+        "data_position": update * cfg["batch"],
+    }
+    if rank == 0:
+        # Write a temporary file, then rename: a crash never leaves a half-written checkpoint.
+        path = os.path.join(run_dir, "checkpoint.pt")
+        tmp = f"{path}.tmp"
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def load_checkpoint(run_dir, model, opt, optimizer, baseline, mismatch):
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    state = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, state["model"], options=full)
+    if optimizer == "logra":
+        opt.load_state_dict(state["optimizer"])
+    else:
+        set_optimizer_state_dict(model, opt, state["optimizer"], options=full)
+    baseline.load_state_dict(state["baseline"])
+    mismatch.load_state_dict(state["mismatch"])
+    torch.set_rng_state(state["rng"])
+    return state["update"]
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="LoGRA RL training (see the module docstring)")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="preset name")
+    p.add_argument("--optimizer", default="logra", choices=["logra", "adam"])
+    p.add_argument("--run-dir", default=None, help="default: runs/<model>-<optimizer>")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    for key, typ in (("rank", int), ("batch", int), ("micro-batch", int), ("updates", int),
+                     ("update-ratio", float), ("kl-start", float), ("kl-end", float), ("kl-horizon", int),
+                     ("probe-responses", int),
+                     ("adam-lr", float), ("warmup-steps", int), ("eval-every", int),
+                     ("eval-problems", int), ("save-every", int), ("seed", int)):
+        p.add_argument(f"--{key}", type=typ, default=None, help="override the preset")
+    return p.parse_args(argv)
+
+
+def fail(msg):
+    print(f"train.py: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def validate(cfg, world, run_dir, resume):
+    """Everything that can be checked before any work is done."""
+    m = cfg["model"]
+    head_dim = m["hidden_size"] // m["num_attention_heads"]
+    widths = (m["hidden_size"], m["intermediate_size"], m["num_attention_heads"] * head_dim)
+    if cfg["optimizer"] == "logra" and not 0 < cfg["rank"] <= min(widths):
+        fail(f"--rank {cfg['rank']} must be in 1..{min(widths)}, the smallest target in_features of '{cfg['preset']}'")
+    if cfg["batch"] % world:
+        fail(f"--batch {cfg['batch']} does not split across {world} ranks: use a multiple of {world}")
+    if (cfg["batch"] // world) % cfg["micro_batch"] and cfg["micro_batch"] < cfg["batch"] // world:
+        fail(f"--micro-batch {cfg['micro_batch']} must divide the per-rank batch {cfg['batch'] // world}")
+    if cfg["updates"] < 1 or cfg["eval_problems"] < world:
+        fail("--updates must be >= 1 and --eval-problems >= the number of ranks")
+    if resume:
+        path = os.path.join(resume, "config.json")
+        if not os.path.exists(os.path.join(resume, "checkpoint.pt")) or not os.path.exists(path):
+            fail(f"--resume {resume}: no config.json and checkpoint.pt there")
+        with open(path) as f:
+            saved = json.load(f)
+        diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k))
+        if diff:
+            fail(f"--resume {resume}: the run was made with a different configuration ({', '.join(diff)}); "
+                 f"pass the same options as the original run")
+    elif os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+        fail(f"{run_dir} already holds a run: use --resume {run_dir}, or another --run-dir")
+
+
+def memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB on Linux)
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = resolve_config(args)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
+    validate(cfg, world, run_dir, args.resume)
+
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    log = print if rank == 0 else (lambda *a, **k: None)
+    os.makedirs(run_dir, exist_ok=True)
+    if rank == 0 and not args.resume:
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+
+    # --- the task, the base policy, the engine --------------------------------------------
+    task = Arithmetic(cfg["seed"], cfg["eval_problems"])
+    model = build_model(cfg, task.vocab_size)
+    key = hashlib.sha256(json.dumps([cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"],
+                                     cfg["warmup_lr"], cfg["warmup_unboxed"], task.vocab]).encode()).hexdigest()[:12]
+    base_path = os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
+    if rank == 0:
+        warmup(model, task, cfg, base_path, log)
+    if world > 1:
+        dist.barrier()
+        if rank:
+            model.load_state_dict(torch.load(base_path, weights_only=True))
+    model.eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
+    engine = Engine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"], rank=cfg["rank"],
+                    eos=task.eos, pad=task.pad)
+
+    # --- optimizer -------------------------------------------------------------------------
+    if cfg["optimizer"] == "logra":
+        layers = sketch.attach(model, rank=cfg["rank"], seed=cfg["seed"])
+        shard(model, world, "logra")
+        opt = rowadam.RowAdam(layers, base_seed=cfg["seed"], update_ratio=cfg["update_ratio"])
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for m in target_modules(model).values():
+            m.weight.requires_grad_(True)  # departure 3: the same targets as LoGRA
+        shard(model, world, "adam")
+        targets = [m.weight for m in target_modules(model).values()]
+        opt = torch.optim.AdamW(targets, lr=cfg["adam_lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    if cfg["checkpointing"]:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    baseline, mismatch = ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7)
+
+    start = 0
+    if args.resume:
+        start = load_checkpoint(run_dir, model, opt, cfg["optimizer"], baseline, mismatch)
+        log(f"resumed {run_dir} at update {start}")
+    # The engine starts from the trainer's fp32 master weights (a full resync).
+    modules = target_modules(model)
+    engine.weights.load_full(sync.full_payload({n: full_weight(m.weight) for n, m in modules.items()},
+                                               update=start, base_seed=cfg["seed"], rank=cfg["rank"],
+                                               dtype=torch.float32))
+    check = (lambda: sync.fingerprint(layers)) if cfg["optimizer"] == "logra" else None
+    if check:
+        sync.check_fingerprints(check(), engine.weights.fingerprint())
+
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    per_rank = cfg["batch"] // world
+    first_pass = None
+    if start == 0:
+        first_pass = evaluate(engine, task, cfg, world, rank)
+        log(f"step 0 | base policy | pass@1 {first_pass:.3f} on {len(task.heldout)} held-out problems")
+        if rank == 0:
+            with open(metrics_path, "w") as f:
+                f.write(json.dumps({"update": 0, "pass1": first_pass}) + "\n")
+
+    for update in range(start, cfg["updates"]):
+        t0 = time.perf_counter()
+        # --- rollout ---------------------------------------------------------------------
+        first = update * cfg["batch"] + rank * per_rank  # global index of this rank's first prompt
+        problems = [task.train_problem(first + i) for i in range(per_rank)]
+        seeds = [stable_seed("rollout", cfg["seed"], update, first + i) for i in range(per_rank)]
+        ro = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["temperature"],
+                             max_new_tokens=cfg["max_new_tokens"])
+
+        # --- reward ----------------------------------------------------------------------
+        correct = torch.tensor([task.correct(prob, ro.ids[i, task.PROMPT_TOKENS:].tolist()) for i, prob in enumerate(problems)])
+        rewards = ppo.outcome_reward(correct)  # (B,)
+
+        # --- baseline --------------------------------------------------------------------
+        advantages = baseline.advantages(rewards)  # (B,)
+
+        # --- loss, backward into the sketches (LoGRA) or into .grad (AdamW) -------------------
+        num_tokens = ppo.global_token_count(ro.mask)
+        trainer_logp = torch.zeros_like(ro.logprobs)  # (B, T), for the mismatch estimate
+        watch = {}
+        for s in range(0, per_rank, cfg["micro_batch"]):
+            rows = slice(s, s + cfg["micro_batch"])
+            logits = model(input_ids=ro.ids[rows]).logits  # (b, T, V)
+            logp = ppo.response_logprobs(logits, ro.ids[rows], cfg["temperature"])  # (b, T)
+            loss, watch = ppo.policy_loss(logp, advantages[rows], ro.mask[rows],
+                                          rollout_logprobs=ro.logprobs[rows], num_tokens=num_tokens)
+            loss.backward()
+            trainer_logp[rows] = logp.detach()
+
+        if cfg["optimizer"] == "logra":
+            # --- RowAdam ---------------------------------------------------------------------
+            sketch_norm = opt.prepare()
+            # --- KL probe ------------------------------------------------------------------
+            mismatch.observe(ro.logprobs, trainer_logp, ro.mask, ro.eos)
+            budget = mismatch.adjust(kl_control.kl_budget(update, start=cfg["kl_start"], end=cfg["kl_end"],
+                                                          horizon=cfg["kl_horizon"]))
+            try:
+                kl1 = kl_control.predict_kl(model, layers, opt.directions, ro.ids, ro.mask,
+                                            temperature=cfg["temperature"],
+                                            max_responses=cfg["probe_responses"])
+                alpha = kl_control.solve_alpha(kl1, budget=budget, alpha_max=cfg["alpha_max"])
+            except Exception:
+                opt.discard()  # nothing is merged: weights and optimizer state stay as they were
+                raise
+            # --- merge -----------------------------------------------------------------------
+            factors = opt.merge(alpha)
+            # --- sync ------------------------------------------------------------------------
+            payload = sync.Payload(update, cfg["seed"], cfg["rank"], {l.name: f for l, f in zip(layers, factors)})
+            buffer = sync.encode(payload)
+            engine.weights.apply(sync.decode(buffer))
+            sync.check_fingerprints(check(), engine.weights.fingerprint())
+            sync_bytes = buffer.numel()
+        else:
+            mismatch.observe(ro.logprobs, trainer_logp, ro.mask, ro.eos)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            kl1 = alpha = budget = sketch_norm = float("nan")
+            weights = {n: full_weight(m.weight) for n, m in modules.items()}
+            buffer = sync.encode(sync.full_payload(weights, update=update + 1, base_seed=cfg["seed"], rank=cfg["rank"]))
+            engine.weights.load_full(sync.decode(buffer))
+            sync_bytes = buffer.numel()
+
+        # --- log, evaluate, checkpoint ------------------------------------------------------
+        done = update + 1
+        totals = torch.tensor([rewards.sum().item(), correct.sum().item(), float(per_rank)], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(totals)
+        row = {"update": done, "reward": totals[0].item() / totals[2].item(),
+               "accuracy": totals[1].item() / totals[2].item(), "kl_pred": alpha**2 * kl1, "alpha": alpha,
+               "budget": budget, "mismatch": mismatch.m, "sketch_norm": sketch_norm,
+               "tis_weight": watch.get("tis_weight"), "sync_bytes": sync_bytes, "mem_gib": memory_gib()}
+        if cfg["eval_every"] and (done % cfg["eval_every"] == 0 or done == cfg["updates"]):
+            row["pass1"] = evaluate(engine, task, cfg, world, rank)
+        row["time_s"] = time.perf_counter() - t0
+        log(f"step {done} | reward {row['reward']:.3f} | "
+            + (f"pass@1 {row['pass1']:.3f} | " if "pass1" in row else "")
+            + f"kl {row['kl_pred']:.2e} | alpha {row['alpha']:.2f} | budget {row['budget']:.2e} | "
+            f"mismatch {row['mismatch']:.1e} | mem {row['mem_gib']:.2f} GiB | {row['time_s'] * 1e3:.0f} ms")
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if cfg["save_every"] and (done % cfg["save_every"] == 0 or done == cfg["updates"]):
+            save_checkpoint(run_dir, model, opt, cfg["optimizer"], baseline, mismatch, done, cfg, rank)
+
+    # --- summary ---------------------------------------------------------------------------
+    if rank == 0:
+        rows = [json.loads(line) for line in open(metrics_path)]
+        passes = [r["pass1"] for r in rows if "pass1" in r]
+        if len(passes) >= 2:
+            log(f"held-out pass@1: base {passes[0]:.3f} -> final {passes[-1]:.3f} "
+                f"({100 * (passes[-1] - passes[0]):+.1f} points, {len(task.heldout)} problems)")
+        plot(rows, os.path.join(run_dir, "curves.png"), log)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def plot(rows, path, log):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("no plot: install matplotlib (pip install -e '.[plot]') to get curves.png")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    steps = [r["update"] for r in rows if "reward" in r]
+    axes[0].plot(steps, [r["reward"] for r in rows if "reward" in r], label="train reward")
+    axes[0].plot([r["update"] for r in rows if "pass1" in r], [r["pass1"] for r in rows if "pass1" in r],
+                 "o-", label="held-out pass@1")
+    axes[0].set_xlabel("update")
+    axes[0].legend()
+    axes[1].semilogy(steps, [r["kl_pred"] for r in rows if "reward" in r], label="predicted KL")
+    axes[1].semilogy(steps, [r["budget"] for r in rows if "reward" in r], "--", label="budget")
+    axes[1].set_xlabel("update")
+    axes[1].legend()
+    axes[2].plot(steps, [r["alpha"] for r in rows if "reward" in r], label="alpha")
+    axes[2].set_xlabel("update")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log(f"curves: {path}")
+
+
+if __name__ == "__main__":
+    main()
