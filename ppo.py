@@ -52,7 +52,7 @@ def _distributed():
 def outcome_reward(correct, *, failure_reward=-0.01):
     """1.0 for a correct final answer, `failure_reward` otherwise; a bool or a bool tensor."""
     if isinstance(correct, torch.Tensor):
-        return torch.where(correct.bool(), 1.0, failure_reward).to(torch.float32)
+        return torch.where(correct.bool(), 1.0, failure_reward).to(torch.float32)  # same device
     return 1.0 if correct else float(failure_reward)
 
 
@@ -73,7 +73,8 @@ class RunningBaseline:
         if not torch.isfinite(rewards).all():
             raise ValueError("rewards must be finite")
         # Global mean as a reduced (sum, count) (departure 1).
-        totals = torch.tensor([rewards.double().sum().item(), float(rewards.numel())], dtype=torch.float64)
+        totals = torch.tensor([rewards.double().sum().item(), float(rewards.numel())], dtype=torch.float64,
+                              device=rewards.device)
         if _distributed():
             dist.all_reduce(totals, group=group)
         total, count = totals.tolist()
@@ -82,7 +83,10 @@ class RunningBaseline:
         mean = total / count
         b = mean if self.value is None else self.value
         adv = (rewards.double() - b).to(rewards.dtype)  # (B,)
-        self.value = (1 - self.weight) * b + self.weight * mean
+        # b <- (1 - w) b + w mean, written as b + w (mean - b): when every reward equals b the
+        # baseline stays exactly b, so equal rewards keep giving advantages of exactly 0
+        # (otherwise round-off noise becomes a "direction" that RowAdam scales to full size).
+        self.value = b + self.weight * (mean - b)
         return adv
 
     def state_dict(self):
@@ -97,7 +101,7 @@ class RunningBaseline:
 
 def global_token_count(mask, group=None) -> int:
     """Response tokens of this rank's part of the batch, summed over ranks (one all_reduce)."""
-    n = torch.tensor([float(mask.sum().item())], dtype=torch.float64)
+    n = torch.tensor([float(mask.sum().item())], dtype=torch.float64, device=mask.device)
     if _distributed():
         dist.all_reduce(n, group=group)
     return int(n.item())

@@ -290,7 +290,8 @@ def fingerprint(layers_or_model, dtype=torch.bfloat16, group=None) -> dict:
     else:
         mods = {l.name: l.module for l in layers_or_model}
     names = sorted(mods)
-    sums = torch.zeros(len(names), 2, dtype=torch.int64)
+    device = local_rows(mods[names[0]].weight)[0].device
+    sums = torch.zeros(len(names), 2, dtype=torch.int64, device=device)  # on the device: NCCL reduces it
     for i, name in enumerate(names):
         rows, offset = local_rows(mods[name].weight)
         sums[i] = torch.tensor(_checksum_rows(rows.detach().to(dtype), offset))

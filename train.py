@@ -71,7 +71,19 @@ PRESETS = {
         update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, alpha_max=3.0, probe_responses=2,
         adam_lr=1e-4, warmup_steps=1000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
         eval_every=25, eval_problems=256, eval_samples=2, eval_temperature=1.0, eval_top_p=1.0,
-        checkpointing=False, save_every=10, seed=0,
+        checkpointing=False, save_every=10, seed=0, device="cpu",
+    ),
+    # The GPU smoke preset (bench/gpu_smoke.py): the tiny task on a Qwen2.5-0.5B-shaped model
+    # built from a config with random weights, no warm-up: memory and time, not learning.
+    "smoke-0.5b": dict(
+        model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                   vocab_size=151936),
+        rank=256, batch=32, micro_batch=8, updates=4, temperature=1.0, max_new_tokens=96,
+        update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0, probe_responses=2,
+        adam_lr=1e-6, warmup_steps=0, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
+        eval_every=0, eval_problems=32, eval_samples=1, eval_temperature=1.0, eval_top_p=1.0,
+        checkpointing=True, save_every=0, seed=0, device="cuda",
     ),
 }
 
@@ -129,7 +141,7 @@ class Arithmetic:
         return out
 
     def decode(self, ids) -> str:
-        return "".join(self.vocab[i] for i in ids if i > self.eos)
+        return "".join(self.vocab[i] if i < len(self.vocab) else "?" for i in ids if i > self.eos)
 
     @staticmethod
     def prompt(problem) -> str:
@@ -182,20 +194,21 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
         """Sample one response per prompt; per-token log-probs as the sampler saw them."""
+        device = next(self.model.parameters()).device
         b, p = prompts.shape
         vocab = self.model.config.vocab_size
-        # Gumbel-max with noise drawn per prompt from its own seed (departure 1).
-        noise = torch.stack([torch.rand(max_new_tokens, vocab, generator=torch.Generator().manual_seed(s))
-                             for s in seeds])  # (B, L, V)
-        gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
-        ids = prompts
-        logprobs = torch.zeros(b, p + max_new_tokens)
-        done = torch.zeros(b, dtype=torch.bool)
+        # Gumbel-max with noise drawn per prompt from its own generator (departure 1).
+        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        ids = prompts.to(device)
+        logprobs = torch.zeros(b, p + max_new_tokens, device=device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
             logits = self.model(input_ids=ids).logits[:, -1].float() / temperature  # (B, V)
             if top_p < 1.0:
                 logits = top_p_filter(logits, top_p)
-            token = torch.argmax(logits + gumbel[:, step], dim=-1)  # (B,)
+            noise = torch.stack([torch.rand(vocab, generator=g, device=device) for g in gens])  # (B, V)
+            gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
+            token = torch.argmax(logits + gumbel, dim=-1)  # (B,)
             logp = torch.log_softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)
             token = torch.where(done, self.pad, token)
             logprobs[:, p + step] = torch.where(done, 0.0, logp)
@@ -204,7 +217,7 @@ class Engine:
             if done.all():
                 break
         t = ids.shape[1]
-        mask = torch.zeros(b, t, dtype=torch.bool)
+        mask = torch.zeros(b, t, dtype=torch.bool, device=device)
         mask[:, p:] = ids[:, p:] != self.pad  # generated tokens, EOS included
         return Rollout(ids, mask, logprobs[:, :t], done)
 
@@ -229,8 +242,8 @@ def evaluate(engine, task, cfg, world, rank) -> float:
         for i, prob in enumerate(problems):
             right += task.correct(prob, ro.ids[i, task.PROMPT_TOKENS:].tolist())
         total += len(problems)
-    counts = torch.tensor([right, total], dtype=torch.float64)
-    if world > 1:
+    counts = torch.tensor([right, total], dtype=torch.float64, device=ro.ids.device)
+    if dist.is_initialized():
         dist.all_reduce(counts)
     return (counts[0] / counts[1]).item()
 
@@ -242,7 +255,9 @@ def build_model(cfg, vocab_size):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(cfg["seed"])  # Hugging Face initialises with the global generator
-    config = Qwen2Config(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0, **cfg["model"])
+    kw = dict(cfg["model"])
+    kw["vocab_size"] = max(vocab_size, kw.get("vocab_size", 0))  # a larger vocab: realistic head cost
+    config = Qwen2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
     return Qwen2ForCausalLM(config)
 
 
@@ -286,20 +301,36 @@ def target_modules(model):
     return {sketch.clean_name(n): m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in sketch.TARGETS}
 
 
-def shard(model, world, optimizer):
-    """FSDP2: one unit per decoder layer, then the root (its embedding, norm and head)."""
-    if world == 1:
-        return
-    from torch.distributed.fsdp import fully_shard
+def shard(model, world, optimizer, device):
+    """FSDP2: one unit per decoder layer, then the root (its embedding, norm and head).
 
+    On GPUs always (also with one rank): fp32 master weights at rest, bf16 compute, fp32
+    gradient reduction. On the CPU only with several ranks, in fp32.
+    """
+    if device.type == "cpu" and world == 1:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
+        else MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     if optimizer == "adam":
         # Each rank's loss is already divided by the global token count: sum, do not average.
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 m.set_gradient_divide_factor(1.0)
+
+
+def enable_checkpointing(model):
+    """Non-reentrant activation checkpointing of every decoder layer (transformers 5 name first)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()  # Hugging Face checkpoints only in train mode (Qwen2 has no dropout)
 
 
 def full_weight(w):
@@ -401,9 +432,23 @@ def validate(cfg, world, run_dir, resume):
         fail(f"{run_dir} already holds a run: use --resume {run_dir}, or another --run-dir")
 
 
-def memory_gib() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+class Laps:
+    """Wall time per phase of an update; on a GPU each mark waits for the queued kernels."""
+
+    def __init__(self, device):
+        self.device, self.times, self.last = device, {}, time.perf_counter()
+
+    def __call__(self, name):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times[name] = self.times.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+def memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB on Linux)
 
 
@@ -417,9 +462,21 @@ def main(argv=None):
     run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
     validate(cfg, world, run_dir, args.resume)
 
-    if world > 1:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
+    if cfg["device"] == "cuda":
+        if not torch.cuda.is_available():
+            fail(f"preset '{cfg['preset']}' needs a GPU (torch.cuda.is_available() is False)")
+        # One code path for 1 and N GPUs: a process group always (single process: defaults).
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(k, v)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        if world > 1:
+            dist.init_process_group("gloo")
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
     log = print if rank == 0 else (lambda *a, **k: None)
     os.makedirs(run_dir, exist_ok=True)
     if rank == 0 and not args.resume:
@@ -432,31 +489,34 @@ def main(argv=None):
     key = hashlib.sha256(json.dumps([cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"],
                                      cfg["warmup_lr"], cfg["warmup_unboxed"], task.vocab]).encode()).hexdigest()[:12]
     base_path = os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
-    if rank == 0:
-        warmup(model, task, cfg, base_path, log)
-    if world > 1:
-        dist.barrier()
-        if rank:
-            model.load_state_dict(torch.load(base_path, weights_only=True))
-    model.eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
+    if cfg["warmup_steps"]:
+        if rank == 0:
+            warmup(model, task, cfg, base_path, log)
+        if world > 1:
+            dist.barrier()
+            if rank:
+                model.load_state_dict(torch.load(base_path, weights_only=True))
+    model.to(device).eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
     engine = Engine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"], rank=cfg["rank"],
                     eos=task.eos, pad=task.pad)
 
     # --- optimizer -------------------------------------------------------------------------
     if cfg["optimizer"] == "logra":
         layers = sketch.attach(model, rank=cfg["rank"], seed=cfg["seed"])
-        shard(model, world, "logra")
+        if cfg["checkpointing"]:
+            enable_checkpointing(model)
+        shard(model, world, "logra", device)
         opt = rowadam.RowAdam(layers, base_seed=cfg["seed"], update_ratio=cfg["update_ratio"])
     else:
         for p in model.parameters():
             p.requires_grad_(False)
         for m in target_modules(model).values():
             m.weight.requires_grad_(True)  # departure 3: the same targets as LoGRA
-        shard(model, world, "adam")
+        if cfg["checkpointing"]:
+            enable_checkpointing(model)
+        shard(model, world, "adam", device)
         targets = [m.weight for m in target_modules(model).values()]
         opt = torch.optim.AdamW(targets, lr=cfg["adam_lr"], betas=(0.9, 0.95), weight_decay=0.0)
-    if cfg["checkpointing"]:
-        model.activation_checkpointing_enable({"use_reentrant": False})
     baseline, mismatch = ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7)
 
     start = 0
@@ -468,9 +528,7 @@ def main(argv=None):
     engine.weights.load_full(sync.full_payload({n: full_weight(m.weight) for n, m in modules.items()},
                                                update=start, base_seed=cfg["seed"], rank=cfg["rank"],
                                                dtype=torch.float32))
-    check = (lambda: sync.fingerprint(layers)) if cfg["optimizer"] == "logra" else None
-    if check:
-        sync.check_fingerprints(check(), engine.weights.fingerprint())
+    sync.check_fingerprints(sync.fingerprint(model), engine.weights.fingerprint())
 
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     per_rank = cfg["batch"] // world
@@ -483,16 +541,20 @@ def main(argv=None):
                 f.write(json.dumps({"update": 0, "pass1": first_pass}) + "\n")
 
     for update in range(start, cfg["updates"]):
-        t0 = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        lap = Laps(device)
         # --- rollout ---------------------------------------------------------------------
         first = update * cfg["batch"] + rank * per_rank  # global index of this rank's first prompt
         problems = [task.train_problem(first + i) for i in range(per_rank)]
         seeds = [stable_seed("rollout", cfg["seed"], update, first + i) for i in range(per_rank)]
         ro = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["temperature"],
                              max_new_tokens=cfg["max_new_tokens"])
+        lap("rollout")
 
         # --- reward ----------------------------------------------------------------------
-        correct = torch.tensor([task.correct(prob, ro.ids[i, task.PROMPT_TOKENS:].tolist()) for i, prob in enumerate(problems)])
+        correct = torch.tensor([task.correct(prob, ro.ids[i, task.PROMPT_TOKENS:].tolist())
+                                for i, prob in enumerate(problems)], device=device)
         rewards = ppo.outcome_reward(correct)  # (B,)
 
         # --- baseline --------------------------------------------------------------------
@@ -510,6 +572,7 @@ def main(argv=None):
                                           rollout_logprobs=ro.logprobs[rows], num_tokens=num_tokens)
             loss.backward()
             trainer_logp[rows] = logp.detach()
+        lap("train")
 
         if cfg["optimizer"] == "logra":
             # --- RowAdam ---------------------------------------------------------------------
@@ -526,36 +589,43 @@ def main(argv=None):
             except Exception:
                 opt.discard()  # nothing is merged: weights and optimizer state stay as they were
                 raise
+            lap("probe")
             # --- merge -----------------------------------------------------------------------
             factors = opt.merge(alpha)
+            lap("merge")
             # --- sync ------------------------------------------------------------------------
             payload = sync.Payload(update, cfg["seed"], cfg["rank"], {l.name: f for l, f in zip(layers, factors)})
             buffer = sync.encode(payload)
             engine.weights.apply(sync.decode(buffer))
-            sync.check_fingerprints(check(), engine.weights.fingerprint())
-            sync_bytes = buffer.numel()
         else:
             mismatch.observe(ro.logprobs, trainer_logp, ro.mask, ro.eos)
             opt.step()
             opt.zero_grad(set_to_none=True)
             kl1 = alpha = budget = sketch_norm = float("nan")
+            lap("merge")
             weights = {n: full_weight(m.weight) for n, m in modules.items()}
             buffer = sync.encode(sync.full_payload(weights, update=update + 1, base_seed=cfg["seed"], rank=cfg["rank"]))
             engine.weights.load_full(sync.decode(buffer))
-            sync_bytes = buffer.numel()
+        sync.check_fingerprints(sync.fingerprint(model), engine.weights.fingerprint())
+        sync_bytes = buffer.numel()
+        lap("sync")
 
         # --- log, evaluate, checkpoint ------------------------------------------------------
         done = update + 1
-        totals = torch.tensor([rewards.sum().item(), correct.sum().item(), float(per_rank)], dtype=torch.float64)
-        if world > 1:
+        totals = torch.tensor([rewards.sum().item(), correct.sum().item(), float(per_rank)],
+                              dtype=torch.float64, device=device)
+        if distributed:
             dist.all_reduce(totals)
         row = {"update": done, "reward": totals[0].item() / totals[2].item(),
                "accuracy": totals[1].item() / totals[2].item(), "kl_pred": alpha**2 * kl1, "alpha": alpha,
                "budget": budget, "mismatch": mismatch.m, "sketch_norm": sketch_norm,
-               "tis_weight": watch.get("tis_weight"), "sync_bytes": sync_bytes, "mem_gib": memory_gib()}
+               "tis_weight": watch.get("tis_weight"), "sync_bytes": sync_bytes, "mem_gib": memory_gib(device),
+               "tokens": num_tokens, "tokens_per_s": num_tokens / sum(lap.times.values())}
         if cfg["eval_every"] and (done % cfg["eval_every"] == 0 or done == cfg["updates"]):
             row["pass1"] = evaluate(engine, task, cfg, world, rank)
-        row["time_s"] = time.perf_counter() - t0
+            lap("eval")
+        row.update({f"time_{k}": v for k, v in lap.times.items()})
+        row["time_s"] = sum(lap.times.values())
         log(f"step {done} | reward {row['reward']:.3f} | "
             + (f"pass@1 {row['pass1']:.3f} | " if "pass1" in row else "")
             + f"kl {row['kl_pred']:.2e} | alpha {row['alpha']:.2f} | budget {row['budget']:.2e} | "
@@ -574,7 +644,7 @@ def main(argv=None):
             log(f"held-out pass@1: base {passes[0]:.3f} -> final {passes[-1]:.3f} "
                 f"({100 * (passes[-1] - passes[0]):+.1f} points, {len(task.heldout)} problems)")
         plot(rows, os.path.join(run_dir, "curves.png"), log)
-    if world > 1:
+    if distributed:
         dist.destroy_process_group()
 
 

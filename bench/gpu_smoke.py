@@ -1,0 +1,95 @@
+"""GPU smoke run: LoGRA and dense AdamW side by side on one GPU, a few updates each.
+
+A Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, vocab 151936) built from a config with
+random weights, the tiny arithmetic task, the Hugging Face engine in place of vLLM, FSDP2 on
+one rank with bf16 compute over fp32 master weights, activation checkpointing: the
+`smoke-0.5b` preset of train.py. Prints peak GPU memory and update time (median over the
+updates after the first) side by side. Finishes in a few minutes on one H100/H200.
+
+    python bench/gpu_smoke.py [--updates 4]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(optimizer, updates, out_dir):
+    run_dir = os.path.join(out_dir, optimizer)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533",
+           os.path.join(ROOT, "train.py"), "--model", "smoke-0.5b", "--optimizer", optimizer,
+           "--updates", str(updates), "--run-dir", run_dir]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(proc.stdout[-3000:], proc.stderr[-3000:] if proc.returncode else "", sep="\n", flush=True)
+    if proc.returncode:
+        raise SystemExit(f"{optimizer} run failed ({proc.returncode})")
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
+    return rows, time.time() - t0
+
+
+def device_checks():
+    """Bits that must not depend on the device: projections, merges; the sketch vs dense."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import rowadam
+    import sketch
+
+    seed = sketch.projection_seed(7, 3, "model.layers.0.mlp.down_proj")
+    cpu, gpu = sketch.make_projection(256, 4864, seed), sketch.make_projection(256, 4864, seed, device="cuda")
+    print(f"projection bit-identical on cpu and cuda: {torch.equal(cpu, gpu.cpu())}")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(896, 4864, generator=g)
+    f = (torch.randn(896, 256, generator=g) * 1e-4).to(torch.bfloat16)
+    w_cpu, w_gpu = w.clone(), w.cuda()
+    rowadam.merge_rows(w_cpu, f, cpu)
+    rowadam.merge_rows(w_gpu[:300], f.cuda(), gpu, row_offset=0, chunk_rows=128)  # another chunking, sharded
+    rowadam.merge_rows(w_gpu[300:], f.cuda(), gpu, row_offset=300, chunk_rows=512)
+    print(f"merge bit-identical cpu (unsharded) vs cuda (2 shards): {torch.equal(w_cpu, w_gpu.cpu())}")
+    x = torch.randn(4, 100, 4864, device="cuda", dtype=torch.float64, requires_grad=True)
+    wt = torch.randn(896, 4864, device="cuda", dtype=torch.float64) / 70
+    dy = torch.randn(4, 100, 896, device="cuda", dtype=torch.float64)
+    a = gpu.double()
+    s = torch.zeros(896, 256, device="cuda", dtype=torch.float64)
+    sketch.sketched_linear(x, wt, None, a, s).backward(dy)
+    ref = (dy.flatten(0, 1).t() @ x.detach().flatten(0, 1)) @ a.t()
+    print(f"sketch vs dense G A^T on cuda, float64: max rel err {((s - ref).abs().max() / ref.abs().max()).item():.1e}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--updates", type=int, default=4)
+    args = p.parse_args()
+    import torch
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    device_checks()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for optimizer in ("logra", "adam"):
+            results[optimizer] = run(optimizer, args.updates, tmp)
+    print("| | peak GPU memory (max over updates) | update time (median, after the first) | "
+          "rollout | train | probe | merge | sync | sync bytes | wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    base_mem = max(r["mem_gib"] for r in results["adam"][0])
+    base_time = statistics.median(r["time_s"] for r in results["adam"][0][1:])
+    for name, (rows, wall) in results.items():
+        mem = max(r["mem_gib"] for r in rows)
+        later = rows[1:]
+        t = statistics.median(r["time_s"] for r in later)
+        phases = " | ".join(f"{statistics.median(r.get('time_' + k, 0.0) for r in later) * 1e3:.0f} ms"
+                            for k in ("rollout", "train", "probe", "merge", "sync"))
+        print(f"| {name} | {mem:.2f} GiB ({mem / base_mem:.2f}x) | {t * 1e3:.0f} ms ({t / base_time:.2f}x) | {phases} "
+              f"| {rows[-1]['sync_bytes'] / 2**20:.1f} MiB | {wall:.0f} s |")
+
+
+if __name__ == "__main__":
+    main()
