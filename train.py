@@ -48,6 +48,7 @@ import math
 import os
 import random
 import resource
+import subprocess
 import sys
 import time
 
@@ -88,11 +89,44 @@ PRESETS = {
 }
 
 
+# The paper's setup (SPEC section 8): 4 training GPUs with FSDP2 + 4 vLLM engines on one node.
+_PAPER = dict(
+    task="math", rank=256, batch=128, micro_batch=4, updates=200, temperature=1.0, max_new_tokens=3072,
+    context=4096, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0,
+    probe_responses=2, adam_lr=1e-6, warmup_steps=0, eval_every=10, eval_problems=500, eval_samples=4,
+    eval_temperature=0.7, eval_top_p=0.7, checkpointing=True, save_every=20, seed=0, device="cuda",
+    engine_gpus="4,5,6,7", gpu_memory_utilization=0.85,
+)
+PRESETS.update({
+    "1.5b": dict(_PAPER, hf_id="Qwen/Qwen2.5-Math-1.5B", model=dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True,
+        rope_theta=10000.0, rms_norm_eps=1e-6)),
+    "7b": dict(_PAPER, hf_id="Qwen/Qwen2.5-Math-7B", model=dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_theta=10000.0, rms_norm_eps=1e-6)),
+    # The paper's 27B Qwen model is not public: --model-path is required. For --dry-run and
+    # bench/memory_model.py we assume Qwen2.5-32B's widths cut to 52 layers (26.9B parameters).
+    "27b": dict(_PAPER, hf_id=None, model=dict(
+        hidden_size=5120, intermediate_size=27648, num_hidden_layers=52, num_attention_heads=40,
+        num_key_value_heads=8, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_theta=1000000.0, rms_norm_eps=1e-6)),
+})
+for _p in PRESETS.values():
+    _p.setdefault("task", "arithmetic")
+    _p.setdefault("sync", "factors")
+
+
 def resolve_config(args) -> dict:
     """The preset's values with the command line's overrides: everything the run depends on."""
     cfg = copy.deepcopy(PRESETS[args.model])
     cfg["preset"] = args.model
     cfg["optimizer"] = args.optimizer
+    cfg["sync"] = args.sync
+    if cfg["task"] == "math":
+        cfg["model_path"] = args.model_path or cfg.pop("hf_id")
+        cfg["engine_gpus"] = args.engine_gpus or cfg["engine_gpus"]
     for key in ("rank", "batch", "micro_batch", "updates", "update_ratio", "kl_start", "kl_end",
                 "kl_horizon", "probe_responses", "adam_lr", "warmup_steps", "eval_every", "eval_problems",
                 "save_every", "seed"):
@@ -161,8 +195,8 @@ class Arithmetic:
             if p not in self._heldout_set:
                 return p
 
-    def prompt_ids(self, problems) -> torch.Tensor:
-        return torch.tensor([[self.bos] + self.encode(self.prompt(p)) for p in problems])  # (B, P)
+    def prompt_ids(self, problems) -> list[list[int]]:
+        return [[self.bos] + self.encode(self.prompt(p)) for p in problems]
 
     def correct(self, problem, response_ids) -> bool:
         """The last \\boxed{...} of the response must hold exactly the answer."""
@@ -181,11 +215,17 @@ def stable_seed(*parts) -> int:
 
 
 class Rollout:
-    def __init__(self, ids, mask, logprobs, eos):
-        self.ids, self.mask, self.logprobs, self.eos = ids, mask, logprobs, eos  # (B, T) x3, (B,)
+    """Right-padded prompt + response ids (B, T), response mask (B, T), the sampler's log-probs
+    of the generated tokens (B, T), whether each response ended with EOS (B,), and the
+    response token ids per sample (for grading)."""
+
+    def __init__(self, ids, mask, logprobs, eos, responses):
+        self.ids, self.mask, self.logprobs, self.eos, self.responses = ids, mask, logprobs, eos, responses
 
 
 class Engine:
+    """The CPU (and GPU smoke) rollout engine: a Hugging Face model in bf16, merged by sync payloads."""
+
     def __init__(self, model, *, base_seed, rank, eos, pad):
         self.model = model.eval()
         self.weights = sync.EngineWeights(model, base_seed=base_seed, rank=rank)
@@ -195,6 +235,7 @@ class Engine:
     def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
         """Sample one response per prompt; per-token log-probs as the sampler saw them."""
         device = next(self.model.parameters()).device
+        prompts = torch.tensor(prompts)  # (B, P): the tiny task's prompts all have one length
         b, p = prompts.shape
         vocab = self.model.config.vocab_size
         # Gumbel-max with noise drawn per prompt from its own generator (departure 1).
@@ -219,7 +260,22 @@ class Engine:
         t = ids.shape[1]
         mask = torch.zeros(b, t, dtype=torch.bool, device=device)
         mask[:, p:] = ids[:, p:] != self.pad  # generated tokens, EOS included
-        return Rollout(ids, mask, logprobs[:, :t], done)
+        responses = [[i for i in row if i != self.pad] for row in ids[:, p:].tolist()]
+        return Rollout(ids, mask, logprobs[:, :t], done, responses)
+
+    def apply(self, payload) -> int:
+        """Merge one payload, through the wire format; returns the bytes it took."""
+        buf = sync.encode(payload)
+        self.weights.apply(sync.decode(buf))
+        return buf.numel()
+
+    def load_full(self, payload) -> int:
+        buf = sync.encode(payload)
+        self.weights.load_full(sync.decode(buf))
+        return buf.numel()
+
+    def fingerprint(self):
+        return self.weights.fingerprint()
 
 
 def top_p_filter(logits, top_p):
@@ -231,21 +287,242 @@ def top_p_filter(logits, top_p):
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def evaluate(engine, task, cfg, world, rank) -> float:
-    """Held-out Pass@1: mean correctness of eval_samples samples per problem (sums reduced)."""
+def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
+    """Held-out (Pass@1, Pass@k), k = eval_samples: the mean correctness of the k samples of a
+    problem, and whether any of them is correct; sums and counts reduced over ranks."""
     problems = task.heldout[rank::world]
-    right = total = 0
+    right = torch.zeros(len(problems), cfg["eval_samples"])
     for s in range(cfg["eval_samples"]):
         seeds = [stable_seed("eval", cfg["seed"], i * world + rank, s) for i in range(len(problems))]
         ro = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["eval_temperature"],
                              top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"])
-        for i, prob in enumerate(problems):
-            right += task.correct(prob, ro.ids[i, task.PROMPT_TOKENS:].tolist())
-        total += len(problems)
-    counts = torch.tensor([right, total], dtype=torch.float64, device=ro.ids.device)
+        right[:, s] = torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)], dtype=torch.float32)
+    counts = torch.tensor([right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems)],
+                          dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
+    return (counts[0] / counts[2]).item(), (counts[1] / counts[3]).item()
+
+
+# -----------------------------------------------------------------------------
+# The paper's task on GPUs: DAPO-Math-17k, MATH-500, math-verify, vLLM engines
+
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+DAPO_PREFIX = "Solve the following math problem step by step."
+DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
+
+
+def grade(prediction: str, gold: str) -> bool:
+    """math-verify: is the response's final answer equal to the gold answer?
+
+    The gold answer is wrapped in $...$ so that bare LaTeX (`\\sqrt{2}`, `[1,3)`) is read as
+    LaTeX; the prediction is parsed as generated (its last \\boxed{} is what counts).
+    """
+    from math_verify import parse, verify
+
+    try:
+        return bool(verify(parse(f"${gold}$"), parse(prediction)))
+    except Exception:  # a parse or sympy failure is a wrong answer, not a crash of the run
+        return False
+
+
+def dapo_problem(content: str) -> str:
+    """The problem statement inside a DAPO-Math-17k prompt, without DAPO's answer-format lines."""
+    text = content.strip()
+    if text.startswith(DAPO_PREFIX):
+        text = text.split("\n\n", 1)[-1]  # drops the instruction paragraph
+    if text.endswith(DAPO_SUFFIX):
+        text = text[: -len(DAPO_SUFFIX)]
+    return text.strip()
+
+
+def load_math_data():
+    """(train problems, eval problems) as (problem, gold) pairs; says how to get them if missing."""
+    try:
+        from datasets import load_dataset
+
+        dapo = load_dataset("BytedTsinghua-SIA/DAPO-Math-17k", split="train")
+        math500 = load_dataset("HuggingFaceH4/MATH-500", split="test")
+    except Exception as e:  # ImportError, offline hub, missing cache
+        fail(f"could not load the data ({type(e).__name__}: {e}). Install the gpu extra "
+             f"(pip install -e '.[gpu]') and fetch both data sets once with network access: "
+             f"huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k; "
+             f"huggingface-cli download --repo-type dataset HuggingFaceH4/MATH-500")
+    seen, train = set(), []
+    for row in dapo:  # DAPO-Math-17k repeats each problem many times: keep the first of each
+        problem = dapo_problem(row["prompt"][0]["content"])
+        if problem not in seen:
+            seen.add(problem)
+            train.append((problem, row["reward_model"]["ground_truth"]))
+    return train, [(r["problem"], r["answer"]) for r in math500]
+
+
+class MathTask:
+    """Qwen-Math chat prompts; a response is right when math-verify accepts its final answer."""
+
+    def __init__(self, tokenizer, train, heldout, seed):
+        self.tokenizer, self.train, self.heldout, self.seed = tokenizer, train, heldout, seed
+        self.pad, self.eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    def train_problem(self, index: int):
+        """An epoch-wise shuffle of the deduplicated training set, a pure function of the index."""
+        epoch, i = divmod(index, len(self.train))
+        order = list(range(len(self.train)))
+        random.Random(f"math:{self.seed}:{epoch}").shuffle(order)
+        return self.train[order[i]]
+
+    def prompt_ids(self, problems) -> list[list[int]]:
+        return [self.tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}],
+            add_generation_prompt=True, tokenize=True) for p, _ in problems]
+
+    def correct(self, problem, response_ids) -> bool:
+        return grade(self.tokenizer.decode(response_ids, skip_special_tokens=True), problem[1])
+
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def engine_env(gpu: int, base=None) -> dict:
+    """The environment of an engine process: its own GPU, and none of torchrun's variables.
+
+    A vLLM `LLM` started inside an initialised torchrun world would try to join it.
+    """
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in TORCHRUN_VARS and not k.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))}
+    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    here = os.path.dirname(os.path.abspath(__file__))  # vLLM workers import sync.WorkerExtension
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class VLLMEngine:
+    """The trainer's handle on one vLLM engine process (own GPU), same interface as `Engine`.
+
+    Commands go over a local multiprocessing connection; weights go over a two-member NCCL
+    group (this trainer rank = member 0, the engine's worker = member 1), set up through
+    sync.WorkerExtension. Written against vLLM 0.11 (V1 engine, `logprobs_mode`).
+    """
+
+    def __init__(self, cfg, gpu: int, trainer_rank: int, device):
+        from multiprocessing.connection import Listener
+
+        self.cfg, self.device, self.eos = cfg, device, None
+        self.listener = Listener(("127.0.0.1", 0), authkey=b"logra")
+        spec = json.dumps({"model": cfg["model_path"], "context": cfg["context"], "seed": cfg["seed"],
+                           "gpu_memory_utilization": cfg["gpu_memory_utilization"],
+                           "address": list(self.listener.address)})
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve-engine", spec],
+                                     env=engine_env(gpu))
+        self.conn = self.listener.accept()
+        self.eos, self.pad = self._call("ready")
+        # The weight channel: StatelessProcessGroup + PyNcclCommunicator on both sides.
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        port = 29600 + trainer_rank
+        self.conn.send(("init_sync", ("127.0.0.1", port, cfg["seed"], cfg["rank"])))
+        pg = StatelessProcessGroup.create(host="127.0.0.1", port=port, rank=0, world_size=2)
+        self.comm = PyNcclCommunicator(pg, device=device)
+        self._reply()
+
+    def _reply(self):
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"engine process failed: {value}")
+        return value
+
+    def _call(self, command, *args):
+        self.conn.send((command, args))
+        return self._reply()
+
+    def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
+        outs = self._call("generate", prompts, seeds, temperature, top_p, max_new_tokens)
+        return rollout_from_lists(prompts, outs, self.pad, self.device)
+
+    def _push(self, command, payload):
+        buf = sync.encode(payload).to(self.device)
+        self.conn.send((command, ()))
+        stream = torch.cuda.current_stream(self.device)
+        self.comm.broadcast(torch.tensor([buf.numel()], dtype=torch.int64, device=self.device), src=0, stream=stream)
+        self.comm.broadcast(buf, src=0, stream=stream)
+        self._reply()
+        return buf.numel()
+
+    def apply(self, payload):
+        return self._push("apply", payload)
+
+    def load_full(self, payload):
+        return self._push("load_full", payload)
+
+    def fingerprint(self):
+        return self._call("fingerprint")
+
+    def close(self):
+        self.conn.send(("stop", ()))
+        self.proc.wait(timeout=120)
+
+
+def rollout_from_lists(prompts, outputs, pad, device) -> Rollout:
+    """Right-padded (B, T) tensors from per-sample (response ids, log-probs, ended with EOS)."""
+    seqs = [list(p) + list(r) for p, (r, _, _) in zip(prompts, outputs)]
+    t = max(map(len, seqs))
+    ids = torch.full((len(seqs), t), pad, dtype=torch.long)
+    mask = torch.zeros(len(seqs), t, dtype=torch.bool)
+    logprobs = torch.zeros(len(seqs), t)
+    for i, (p, (r, lp, _)) in enumerate(zip(prompts, outputs)):
+        ids[i, :len(p) + len(r)] = torch.tensor(seqs[i])
+        mask[i, len(p):len(p) + len(r)] = True
+        logprobs[i, len(p):len(p) + len(r)] = torch.tensor(lp, dtype=torch.float32)
+    eos = torch.tensor([e for _, _, e in outputs], dtype=torch.bool)
+    return Rollout(ids.to(device), mask.to(device), logprobs.to(device), eos.to(device),
+                   [list(r) for r, _, _ in outputs])
+
+
+def serve_engine(spec: str) -> None:
+    """The engine process: one vLLM `LLM` on this process's GPU, serving the trainer's commands."""
+    from multiprocessing.connection import Client
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(spec)
+    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["context"], seed=spec["seed"],
+              gpu_memory_utilization=spec["gpu_memory_utilization"], enable_prefix_caching=True,
+              worker_extension_cls="sync.WorkerExtension",
+              logprobs_mode="processed_logprobs")  # log-probs after temperature/top-p, as sampled
+    tok = llm.get_tokenizer()
+    conn = Client(tuple(spec["address"]), authkey=b"logra")
+    while True:
+        command, args = conn.recv()
+        try:
+            if command == "ready":
+                value = (tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+            elif command == "init_sync":
+                value = llm.collective_rpc("logra_init", args=args)[0]
+            elif command == "generate":
+                prompts, seeds, temperature, top_p, max_new = args
+                params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new, logprobs=0,
+                                         seed=s) for s in seeds]
+                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+                value = []
+                for o in outs:
+                    c = o.outputs[0]
+                    lps = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+                    value.append((list(c.token_ids), lps, c.finish_reason == "stop"))
+            elif command in ("apply", "load_full"):
+                value = llm.collective_rpc(f"logra_{command}")[0]
+                llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            elif command == "fingerprint":
+                value = llm.collective_rpc("logra_fingerprint")[0]
+            elif command == "stop":
+                return
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", value))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 # -----------------------------------------------------------------------------
@@ -323,6 +600,56 @@ def shard(model, world, optimizer, device):
                 m.set_gradient_divide_factor(1.0)
 
 
+def freeze_for(model, optimizer):
+    """LoGRA: every parameter frozen (sketch.attach also does). AdamW: only the targets train
+    (departure 3). Done before FSDP2 wraps the parameters."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if optimizer == "adam":
+        for m in target_modules(model).values():
+            m.weight.requires_grad_(True)
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        fail(f"could not load the tokenizer of {path} ({type(e).__name__}). Download the checkpoint once "
+             f"with network access (huggingface-cli download {path}) or pass --model-path DIR")
+
+
+def load_pretrained_sharded(cfg, device, world, rank, optimizer):
+    """Meta-device model, FSDP2-sharded, then filled by a sharded load: rank 0 reads the
+    checkpoint once and the state dict is broadcast, each rank keeping its own rows."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(cfg["model_path"])
+    except Exception as e:
+        fail(f"no checkpoint at {cfg['model_path']} ({type(e).__name__}). Download it once with network "
+             f"access (huggingface-cli download {cfg['model_path']}) or pass --model-path DIR")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    freeze_for(model, optimizer)
+    shard(model, world, optimizer, device)
+    model.to_empty(device=device)
+    for module in model.modules():  # non-persistent buffers (rotary inv_freq) are not in checkpoints
+        if hasattr(module, "inv_freq"):
+            fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers():
+                getattr(module, name).copy_(buf)
+    full = {}
+    if rank == 0:
+        full = AutoModelForCausalLM.from_pretrained(cfg["model_path"], torch_dtype=torch.float32).state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
 def enable_checkpointing(model):
     """Non-reentrant activation checkpointing of every decoder layer (transformers 5 name first)."""
     kwargs = {"use_reentrant": False}
@@ -391,6 +718,12 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", default="logra", choices=["logra", "adam"])
     p.add_argument("--run-dir", default=None, help="default: runs/<model>-<optimizer>")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    p.add_argument("--sync", default="factors", choices=["factors", "full"],
+                   help="LoGRA's bf16 factors + seed (default), or full bf16 weights (the paper's control)")
+    p.add_argument("--model-path", default=None, help="local Hugging Face checkpoint (required for 27b)")
+    p.add_argument("--engine-gpus", default=None, help="GPUs of the vLLM engines, one per training rank")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the preset on the meta device, print the sharding plan and memory estimate, exit")
     for key, typ in (("rank", int), ("batch", int), ("micro-batch", int), ("updates", int),
                      ("update-ratio", float), ("kl-start", float), ("kl-end", float), ("kl-horizon", int),
                      ("probe-responses", int),
@@ -403,6 +736,9 @@ def parse_args(argv=None):
 def fail(msg):
     print(f"train.py: error: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+GPUS_PER_NODE = 8
 
 
 def validate(cfg, world, run_dir, resume):
@@ -418,6 +754,16 @@ def validate(cfg, world, run_dir, resume):
         fail(f"--micro-batch {cfg['micro_batch']} must divide the per-rank batch {cfg['batch'] // world}")
     if cfg["updates"] < 1 or cfg["eval_problems"] < world:
         fail("--updates must be >= 1 and --eval-problems >= the number of ranks")
+    if cfg["task"] == "math":
+        if not cfg["model_path"]:
+            fail(f"preset '{cfg['preset']}' has no public checkpoint: pass --model-path DIR "
+                 f"(a local Qwen2/Qwen3-family Hugging Face checkpoint)")
+        gpus = [g for g in cfg["engine_gpus"].split(",") if g]
+        if len(gpus) != world or len(set(gpus)) != len(gpus):
+            fail(f"--engine-gpus {cfg['engine_gpus']} must name {world} distinct GPUs, one per training rank")
+        if any(int(g) < world for g in gpus) or any(int(g) >= GPUS_PER_NODE for g in gpus):
+            fail(f"--engine-gpus {cfg['engine_gpus']}: training ranks use GPUs 0..{world - 1}; engines need "
+                 f"other GPUs among 0..{GPUS_PER_NODE - 1}")
     if resume:
         path = os.path.join(resume, "config.json")
         if not os.path.exists(os.path.join(resume, "checkpoint.pt")) or not os.path.exists(path):
@@ -430,6 +776,58 @@ def validate(cfg, world, run_dir, resume):
                  f"pass the same options as the original run")
     elif os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
         fail(f"{run_dir} already holds a run: use --resume {run_dir}, or another --run-dir")
+
+
+def memory_estimate(model_cfg: dict, world: int, rank: int) -> dict:
+    """Per-GPU bytes of the persistent training state under `world`-way FSDP2, from shapes.
+
+    Weights are fp32 masters, row-sharded; AdamW holds an fp32 gradient and two fp32 moments
+    for each target weight (its shard); LoGRA holds, per target, the sketch S and direction U
+    (d, r) and the row moments v (d,) in full on every rank, and the projection A (r, k).
+    Activations, the unsharded bf16 layer in flight and allocator slack are not included.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**model_cfg))
+    total = sum(p.numel() for p in model.parameters())
+    shapes = [m.weight.shape for m in target_modules(model).values()]
+    targets = sum(d * k for d, k in shapes)
+    shard = lambda n: -(-n // world)  # noqa: E731  (ceil: FSDP2 pads the last shard)
+    d_sum, k_sum = sum(d for d, _ in shapes), sum(k for _, k in shapes)
+    return {
+        "params": total, "target_params": targets, "layers": model_cfg["num_hidden_layers"],
+        "weights": 4 * shard(total),
+        "adam_grads": 4 * shard(targets), "adam_moments": 8 * shard(targets),
+        "logra_sketches": 4 * d_sum * rank, "logra_directions": 4 * d_sum * rank,
+        "logra_moments": 4 * d_sum, "logra_projections": 4 * rank * k_sum,
+    }
+
+
+def dry_run(cfg, world):
+    """Print the preset's sharding plan, per-GPU state estimate and GPU assignment; no GPU needed."""
+    m = memory_estimate(cfg["model"], world, cfg["rank"])
+    gib = 2**30
+    adam = m["weights"] + m["adam_grads"] + m["adam_moments"]
+    logra = m["weights"] + m["logra_sketches"] + m["logra_directions"] + m["logra_moments"] + m["logra_projections"]
+    print(f"preset {cfg['preset']}: {m['params'] / 1e9:.2f}B parameters ({m['target_params'] / 1e9:.2f}B in the "
+          f"seven target projections), checkpoint {cfg.get('model_path') or 'built from its config'}")
+    print(f"sharding: FSDP2 over {world} training ranks, {m['layers']} decoder-layer units + the root "
+          f"(embedding, final norm, lm_head); every weight row-sharded (rank i holds rows "
+          f"[i*ceil(d/{world}), ...)); "
+          + ("bf16 compute, fp32 master weights and gradient reduction" if cfg["device"] == "cuda" else "fp32"))
+    print(f"per-GPU persistent state (activations not included), rank {cfg['rank']}:")
+    print("| | weights (fp32 shard) | gradients | optimizer state | sketches + directions | projections | total |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| AdamW | {m['weights'] / gib:.2f} GiB | {m['adam_grads'] / gib:.2f} GiB | {m['adam_moments'] / gib:.2f} GiB "
+          f"| - | - | {adam / gib:.2f} GiB |")
+    print(f"| LoGRA | {m['weights'] / gib:.2f} GiB | - | {m['logra_moments'] / gib:.4f} GiB (row moments) "
+          f"| {(m['logra_sketches'] + m['logra_directions']) / gib:.2f} GiB | {m['logra_projections'] / gib:.2f} GiB "
+          f"| {logra / gib:.2f} GiB ({logra / adam:.2f}x) |")
+    if cfg["task"] == "math":
+        print(f"GPUs: training ranks on 0..{world - 1}, vLLM engines on {cfg['engine_gpus']} "
+              f"(one per rank, CUDA_VISIBLE_DEVICES set, torchrun's variables removed)")
+    return m
 
 
 class Laps:
@@ -458,6 +856,12 @@ def memory_gib(device) -> float:
 def main(argv=None):
     args = parse_args(argv)
     cfg = resolve_config(args)
+    if args.dry_run:  # the paper's layout by default: 4 training ranks
+        world = int(os.environ.get("WORLD_SIZE", "4" if cfg["task"] == "math" else "1"))
+        if cfg["task"] == "math" and not cfg["model_path"]:
+            cfg["model_path"] = "(--model-path)"
+        validate(cfg, world, os.devnull, None)
+        return dry_run(cfg, world)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
     validate(cfg, world, run_dir, args.resume)
@@ -484,37 +888,40 @@ def main(argv=None):
             json.dump(cfg, f, indent=1)
 
     # --- the task, the base policy, the engine --------------------------------------------
-    task = Arithmetic(cfg["seed"], cfg["eval_problems"])
-    model = build_model(cfg, task.vocab_size)
-    key = hashlib.sha256(json.dumps([cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"],
-                                     cfg["warmup_lr"], cfg["warmup_unboxed"], task.vocab]).encode()).hexdigest()[:12]
-    base_path = os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
-    if cfg["warmup_steps"]:
-        if rank == 0:
-            warmup(model, task, cfg, base_path, log)
-        if world > 1:
-            dist.barrier()
-            if rank:
-                model.load_state_dict(torch.load(base_path, weights_only=True))
-    model.to(device).eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
-    engine = Engine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"], rank=cfg["rank"],
-                    eos=task.eos, pad=task.pad)
+    if cfg["task"] == "math":
+        # The paper's setup: a pretrained checkpoint, loaded once and sharded; vLLM engines.
+        tokenizer = load_tokenizer(cfg["model_path"])
+        train_set, heldout = load_math_data()
+        task = MathTask(tokenizer, train_set, heldout[:cfg["eval_problems"]], cfg["seed"])
+        model = load_pretrained_sharded(cfg, device, world, rank, cfg["optimizer"])
+        gpus = [int(g) for g in cfg["engine_gpus"].split(",")]
+        engine = VLLMEngine(cfg, gpus[int(os.environ.get("LOCAL_RANK", "0"))], rank, device)
+    else:
+        task = Arithmetic(cfg["seed"], cfg["eval_problems"])
+        model = build_model(cfg, task.vocab_size)
+        key = hashlib.sha256(json.dumps([cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"],
+                                         cfg["warmup_lr"], cfg["warmup_unboxed"], task.vocab]).encode()).hexdigest()[:12]
+        base_path = os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
+        if cfg["warmup_steps"]:
+            if rank == 0:
+                warmup(model, task, cfg, base_path, log)
+            if world > 1:
+                dist.barrier()
+                if rank:
+                    model.load_state_dict(torch.load(base_path, weights_only=True))
+        model.to(device).eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
+        engine = Engine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"], rank=cfg["rank"],
+                        eos=task.eos, pad=task.pad)
+        freeze_for(model, cfg["optimizer"])
+        shard(model, world, cfg["optimizer"], device)
 
     # --- optimizer -------------------------------------------------------------------------
+    if cfg["checkpointing"]:
+        enable_checkpointing(model)
     if cfg["optimizer"] == "logra":
         layers = sketch.attach(model, rank=cfg["rank"], seed=cfg["seed"])
-        if cfg["checkpointing"]:
-            enable_checkpointing(model)
-        shard(model, world, "logra", device)
         opt = rowadam.RowAdam(layers, base_seed=cfg["seed"], update_ratio=cfg["update_ratio"])
     else:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for m in target_modules(model).values():
-            m.weight.requires_grad_(True)  # departure 3: the same targets as LoGRA
-        if cfg["checkpointing"]:
-            enable_checkpointing(model)
-        shard(model, world, "adam", device)
         targets = [m.weight for m in target_modules(model).values()]
         opt = torch.optim.AdamW(targets, lr=cfg["adam_lr"], betas=(0.9, 0.95), weight_decay=0.0)
     baseline, mismatch = ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7)
@@ -523,22 +930,23 @@ def main(argv=None):
     if args.resume:
         start = load_checkpoint(run_dir, model, opt, cfg["optimizer"], baseline, mismatch)
         log(f"resumed {run_dir} at update {start}")
-    # The engine starts from the trainer's fp32 master weights (a full resync).
+    # The engine starts from the trainer's fp32 master weights (a full resync), so that its own
+    # merges reproduce the trainer's bits; fingerprints confirm it before the first rollout.
     modules = target_modules(model)
-    engine.weights.load_full(sync.full_payload({n: full_weight(m.weight) for n, m in modules.items()},
-                                               update=start, base_seed=cfg["seed"], rank=cfg["rank"],
-                                               dtype=torch.float32))
-    sync.check_fingerprints(sync.fingerprint(model), engine.weights.fingerprint())
+    engine.load_full(sync.full_payload({n: full_weight(m.weight) for n, m in modules.items()},
+                                       update=start, base_seed=cfg["seed"], rank=cfg["rank"], dtype=torch.float32))
+    sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
 
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     per_rank = cfg["batch"] // world
     first_pass = None
     if start == 0:
-        first_pass = evaluate(engine, task, cfg, world, rank)
-        log(f"step 0 | base policy | pass@1 {first_pass:.3f} on {len(task.heldout)} held-out problems")
+        first_pass, first_passk = evaluate(engine, task, cfg, world, rank, device)
+        log(f"step 0 | base policy | pass@1 {first_pass:.3f} | pass@{cfg['eval_samples']} {first_passk:.3f} "
+            f"on {len(task.heldout)} held-out problems")
         if rank == 0:
             with open(metrics_path, "w") as f:
-                f.write(json.dumps({"update": 0, "pass1": first_pass}) + "\n")
+                f.write(json.dumps({"update": 0, "pass1": first_pass, "passk": first_passk}) + "\n")
 
     for update in range(start, cfg["updates"]):
         if device.type == "cuda":
@@ -553,8 +961,7 @@ def main(argv=None):
         lap("rollout")
 
         # --- reward ----------------------------------------------------------------------
-        correct = torch.tensor([task.correct(prob, ro.ids[i, task.PROMPT_TOKENS:].tolist())
-                                for i, prob in enumerate(problems)], device=device)
+        correct = torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)], device=device)
         rewards = ppo.outcome_reward(correct)  # (B,)
 
         # --- baseline --------------------------------------------------------------------
@@ -593,21 +1000,21 @@ def main(argv=None):
             # --- merge -----------------------------------------------------------------------
             factors = opt.merge(alpha)
             lap("merge")
-            # --- sync ------------------------------------------------------------------------
-            payload = sync.Payload(update, cfg["seed"], cfg["rank"], {l.name: f for l, f in zip(layers, factors)})
-            buffer = sync.encode(payload)
-            engine.weights.apply(sync.decode(buffer))
         else:
             mismatch.observe(ro.logprobs, trainer_logp, ro.mask, ro.eos)
             opt.step()
             opt.zero_grad(set_to_none=True)
             kl1 = alpha = budget = sketch_norm = float("nan")
             lap("merge")
+        # --- sync ----------------------------------------------------------------------------
+        if cfg["optimizer"] == "logra" and cfg["sync"] == "factors":
+            sync_bytes = engine.apply(sync.Payload(update, cfg["seed"], cfg["rank"],
+                                                   {l.name: f for l, f in zip(layers, factors)}))
+        else:  # AdamW, or the paper's control: full bf16 target weights
             weights = {n: full_weight(m.weight) for n, m in modules.items()}
-            buffer = sync.encode(sync.full_payload(weights, update=update + 1, base_seed=cfg["seed"], rank=cfg["rank"]))
-            engine.weights.load_full(sync.decode(buffer))
-        sync.check_fingerprints(sync.fingerprint(model), engine.weights.fingerprint())
-        sync_bytes = buffer.numel()
+            sync_bytes = engine.load_full(sync.full_payload(weights, update=update + 1, base_seed=cfg["seed"],
+                                                            rank=cfg["rank"]))
+        sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
         lap("sync")
 
         # --- log, evaluate, checkpoint ------------------------------------------------------
@@ -622,7 +1029,7 @@ def main(argv=None):
                "tis_weight": watch.get("tis_weight"), "sync_bytes": sync_bytes, "mem_gib": memory_gib(device),
                "tokens": num_tokens, "tokens_per_s": num_tokens / sum(lap.times.values())}
         if cfg["eval_every"] and (done % cfg["eval_every"] == 0 or done == cfg["updates"]):
-            row["pass1"] = evaluate(engine, task, cfg, world, rank)
+            row["pass1"], row["passk"] = evaluate(engine, task, cfg, world, rank, device)
             lap("eval")
         row.update({f"time_{k}": v for k, v in lap.times.items()})
         row["time_s"] = sum(lap.times.values())
@@ -678,4 +1085,7 @@ def plot(rows, path, log):
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve-engine":  # an engine process (VLLMEngine)
+        serve_engine(sys.argv[2])
+    else:
+        main()
