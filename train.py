@@ -668,45 +668,67 @@ def full_weight(w):
 # Checkpoints: atomic, complete
 
 def save_checkpoint(run_dir, model, opt, optimizer, baseline, mismatch, update, cfg, rank):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    """A sharded checkpoint (torch.distributed.checkpoint): every rank writes its own shards.
 
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = {
-        "config": cfg,
-        "update": update,
-        "model": get_model_state_dict(model, options=full),
-        "optimizer": opt.state_dict() if optimizer == "logra" else get_optimizer_state_dict(model, opt, options=full),
-        "baseline": baseline.state_dict(),
-        "mismatch": mismatch.state_dict(),
-        "rng": torch.get_rng_state(),
-        "data_position": update * cfg["batch"],
-    }
+    It is written to `checkpoint-<update>/`, and only then does the `latest` file (replaced
+    atomically by a rename) point to it: a crash while saving leaves the previous checkpoint
+    in charge, never a half-written one. Older checkpoints are removed afterwards.
+    """
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    name = f"checkpoint-{update}"
+    dcp.save(_checkpoint_state(model, opt, optimizer, baseline, mismatch, update, cfg, rank),
+             checkpoint_id=os.path.join(run_dir, name))
+    if dist.is_initialized():
+        dist.barrier()  # every rank's shards are on disk
     if rank == 0:
-        # Write a temporary file, then rename: a crash never leaves a half-written checkpoint.
-        path = os.path.join(run_dir, "checkpoint.pt")
-        tmp = f"{path}.tmp"
-        torch.save(state, tmp)
-        with open(tmp, "rb") as f:
+        tmp = os.path.join(run_dir, "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(name)
+            f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, os.path.join(run_dir, "latest"))
+        for old in os.listdir(run_dir):
+            if old.startswith("checkpoint-") and old != name:
+                shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
 
 
-def load_checkpoint(run_dir, model, opt, optimizer, baseline, mismatch):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+def _checkpoint_state(model, opt, optimizer, baseline, mismatch, update, cfg, rank):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    state = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
-    full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, state["model"], options=full)
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": opt.state_dict() if optimizer == "logra" else get_optimizer_state_dict(model, opt),
+        "run": {"update": update, "data_position": update * cfg["batch"], "config": json.dumps(cfg),
+                "baseline": json.dumps(baseline.state_dict()), "mismatch": json.dumps(mismatch.state_dict())},
+        f"rng_rank{rank}": torch.get_rng_state(),  # rollouts draw from per-prompt seeds; kept for completeness
+    }
+
+
+def latest_checkpoint(run_dir):
+    path = os.path.join(run_dir, "latest")
+    if not os.path.exists(path):
+        return None
+    return os.path.join(run_dir, open(path).read().strip())
+
+
+def load_checkpoint(run_dir, model, opt, optimizer, baseline, mismatch, cfg, rank):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = _checkpoint_state(model, opt, optimizer, baseline, mismatch, 0, cfg, rank)  # the template
+    dcp.load(state, checkpoint_id=latest_checkpoint(run_dir))
+    set_model_state_dict(model, state["model"])
     if optimizer == "logra":
         opt.load_state_dict(state["optimizer"])
     else:
-        set_optimizer_state_dict(model, opt, state["optimizer"], options=full)
-    baseline.load_state_dict(state["baseline"])
-    mismatch.load_state_dict(state["mismatch"])
-    torch.set_rng_state(state["rng"])
-    return state["update"]
+        set_optimizer_state_dict(model, opt, state["optimizer"])
+    baseline.load_state_dict(json.loads(state["run"]["baseline"]))
+    mismatch.load_state_dict(json.loads(state["run"]["mismatch"]))
+    torch.set_rng_state(state[f"rng_rank{rank}"])
+    return state["run"]["update"]
 
 
 # -----------------------------------------------------------------------------
@@ -766,15 +788,15 @@ def validate(cfg, world, run_dir, resume):
                  f"other GPUs among 0..{GPUS_PER_NODE - 1}")
     if resume:
         path = os.path.join(resume, "config.json")
-        if not os.path.exists(os.path.join(resume, "checkpoint.pt")) or not os.path.exists(path):
-            fail(f"--resume {resume}: no config.json and checkpoint.pt there")
+        if latest_checkpoint(resume) is None or not os.path.exists(path):
+            fail(f"--resume {resume}: no config.json and checkpoint there")
         with open(path) as f:
             saved = json.load(f)
         diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k))
         if diff:
             fail(f"--resume {resume}: the run was made with a different configuration ({', '.join(diff)}); "
                  f"pass the same options as the original run")
-    elif os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+    elif latest_checkpoint(run_dir) is not None:
         fail(f"{run_dir} already holds a run: use --resume {run_dir}, or another --run-dir")
 
 
@@ -928,7 +950,7 @@ def main(argv=None):
 
     start = 0
     if args.resume:
-        start = load_checkpoint(run_dir, model, opt, cfg["optimizer"], baseline, mismatch)
+        start = load_checkpoint(run_dir, model, opt, cfg["optimizer"], baseline, mismatch, cfg, rank)
         log(f"resumed {run_dir} at update {start}")
     # The engine starts from the trainer's fp32 master weights (a full resync), so that its own
     # merges reproduce the trainer's bits; fingerprints confirm it before the first rollout.

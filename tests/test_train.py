@@ -30,8 +30,20 @@ def run(args, *, check=True, **kw):
     return out
 
 
+def read_checkpoint(run_dir):
+    """The latest sharded (DCP) checkpoint of a run, gathered into one dict."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    latest = os.path.join(run_dir, open(os.path.join(run_dir, "latest")).read().strip())
+    out = os.path.join(latest + ".pt")
+    dcp_to_torch_save(latest, out)
+    state = torch.load(out, weights_only=False)
+    os.remove(out)
+    return state
+
+
 def model_state(run_dir):
-    return torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["model"]
+    return read_checkpoint(run_dir)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +60,8 @@ def test_smoke_run(runs, optimizer):
     assert "pass1" in rows[0] and all(-0.01 <= r["reward"] <= 1.0 for r in rows[1:])
     assert "step 3 | reward" in out.stdout
     assert json.load(open(d / "config.json"))["optimizer"] == optimizer
-    state = torch.load(d / "checkpoint.pt", weights_only=False)
-    assert state["update"] == 3
+    state = read_checkpoint(d)
+    assert state["run"]["update"] == 3 and json.loads(state["run"]["config"])["optimizer"] == optimizer
     if optimizer == "logra":
         assert all(0 < r["alpha"] <= 3.0 and r["kl_pred"] >= 0 for r in rows[1:])
         assert state["optimizer"]["update"] == 3
@@ -100,7 +112,7 @@ def test_sigkill_and_resume_is_bitwise(runs):
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    saved = torch.load(killed / "checkpoint.pt", weights_only=False)["update"]
+    saved = read_checkpoint(killed)["run"]["update"]
     assert saved < 12, "the run finished before it was killed"
     out = run([*args, "--resume", str(killed)])
     assert f"resumed {killed} at update {saved}" in out.stdout
@@ -124,9 +136,9 @@ def test_resume_with_other_configuration_is_refused(runs):
     d = runs / "smoke-logra"
     if not d.exists():
         run([*SMALL, "--updates", "3", "--run-dir", str(d)])
-    before = (d / "checkpoint.pt").stat().st_mtime
+    before = (d / "latest").stat().st_mtime
     out = run([*SMALL, "--updates", "5", "--resume", str(d)], check=False)
     assert out.returncode != 0 and "different configuration (updates)" in out.stderr
-    assert (d / "checkpoint.pt").stat().st_mtime == before
+    assert (d / "latest").stat().st_mtime == before
     out = run([*SMALL, "--updates", "3", "--run-dir", str(d)], check=False)
     assert out.returncode != 0 and "already holds a run" in out.stderr
