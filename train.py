@@ -91,7 +91,7 @@ PRESETS = {
 
 # The paper's setup (SPEC section 8): 4 training GPUs with FSDP2 + 4 vLLM engines on one node.
 _PAPER = dict(
-    task="math", rank=256, batch=128, micro_batch=4, updates=200, temperature=1.0, max_new_tokens=3072,
+    task="math", rank=256, batch=128, micro_batch=2, updates=200, temperature=1.0, max_new_tokens=3072,
     context=4096, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0,
     probe_responses=2, adam_lr=1e-6, warmup_steps=0, eval_every=10, eval_problems=500, eval_samples=4,
     eval_temperature=0.7, eval_top_p=0.7, checkpointing=True, save_every=20, seed=0, device="cuda",
