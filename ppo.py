@@ -182,7 +182,7 @@ def response_logprobs(logits, input_ids, temperature=1.0, chunk=1024):
     from torch.utils.checkpoint import checkpoint
 
     def picked_logprob(z, y):  # z (B, c, V), y (B, c)
-        z = z.float() / temperature
+        z = z.to(torch.promote_types(z.dtype, torch.float32)) / temperature  # fp32 at least
         return z.gather(-1, y[..., None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
     z, y = logits[:, :-1], input_ids[:, 1:]  # the logits at t - 1 score the token at t
