@@ -1072,6 +1072,11 @@ def main(argv=None):
         if len(passes) >= 2:
             log(f"held-out pass@1: base {passes[0]:.3f} -> final {passes[-1]:.3f} "
                 f"({100 * (passes[-1] - passes[0]):+.1f} points, {len(task.heldout)} problems)")
+        updates = [r for r in rows if "time_s" in r]
+        if updates:
+            mem = [r["mem_gib"] for r in updates]
+            log(f"memory per update: average {sum(mem) / len(mem):.2f} GiB, peak {max(mem):.2f} GiB; "
+                f"{3600 / (sum(r['time_s'] for r in updates) / len(updates)):.0f} updates/h")
         plot(rows, os.path.join(run_dir, "curves.png"), log)
     if distributed:
         dist.destroy_process_group()
