@@ -1,0 +1,76 @@
+"""Per-GPU training-state memory of the paper's presets under 4-way FSDP2, next to Table 1.
+
+From the presets' shapes (train.memory_estimate, on the meta device): fp32 weight shards;
+dense AdamW's fp32 gradient and two moments for the seven target projections; LoGRA's
+sketches S and directions U (d, r), row moments (d,) and projections A (r, k), r = 256.
+The paper's Table 1 reports the average GPU memory of whole runs, activations, the
+unsharded bf16 layers in flight and allocator slack included: the difference is what those
+take. Its dense baseline may train all parameters while this project's AdamW trains the
+seven targets (train.py departure 3): for the 7B model the embedding and head would add
+about 4.4 GiB per GPU of gradient and moments.
+
+The 27B model is not public. We assume Qwen2.5-32B's widths (hidden 5120, intermediate
+27648, 40 heads, 8 KV heads, vocab 152064) cut to 52 layers, which gives 26.9B parameters:
+the paper's model is a Qwen model of that size, and these widths are Qwen's own at that scale.
+
+    python bench/memory_model.py
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train  # noqa: E402
+
+PAPER = {"1.5b": (9.18, 7.18), "7b": (31.82, 17.29), "27b": (None, 51.54)}  # Table 1, avg GiB/GPU
+GIB = 2**30
+
+
+def main():
+    rows = []
+    print("| model | AdamW state (est.) | paper AdamW avg | implied rest | LoGRA state (est.) | paper LoGRA avg "
+          "| implied rest | est. saving | paper saving |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in ("1.5b", "7b", "27b"):
+        m = train.memory_estimate(train.PRESETS[name]["model"], 4, 256)
+        adam = (m["weights"] + m["adam_grads"] + m["adam_moments"]) / GIB
+        logra = (m["weights"] + m["logra_sketches"] + m["logra_directions"] + m["logra_moments"]
+                 + m["logra_projections"]) / GIB
+        p_adam, p_logra = PAPER[name]
+        rest_adam = f"{p_adam - adam:.2f} GiB" if p_adam else "-"
+        paper_adam = f"{p_adam:.2f} GiB" if p_adam else "OOM"
+        saving = f"{100 * (p_logra - p_adam) / p_adam:+.1f}%" if p_adam else "feasible"
+        print(f"| {name} ({m['params'] / 1e9:.2f}B) | {adam:.2f} GiB | {paper_adam} | {rest_adam} | {logra:.2f} GiB "
+              f"| {p_logra:.2f} GiB | {p_logra - logra:.2f} GiB | {100 * (logra - adam) / adam:+.1f}% | {saving} |")
+        rows.append((name, adam, logra, p_adam, p_logra))
+    chart(rows)
+
+
+def chart(rows):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no chart: pip install matplotlib")
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x = range(len(rows))
+    ax.bar([i - 0.3 for i in x], [r[1] for r in rows], 0.2, label="AdamW state (est.)")
+    ax.bar([i - 0.1 for i in x], [r[3] or 0 for r in rows], 0.2, label="AdamW paper avg (27b: OOM)")
+    ax.bar([i + 0.1 for i in x], [r[2] for r in rows], 0.2, label="LoGRA state (est.)")
+    ax.bar([i + 0.3 for i in x], [r[4] for r in rows], 0.2, label="LoGRA paper avg")
+    ax.axhline(80, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(list(x), [r[0] for r in rows])
+    ax.set_ylabel("GiB per training GPU (4-way FSDP)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory_model.png")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"chart: {path}")
+
+
+if __name__ == "__main__":
+    main()
