@@ -69,16 +69,20 @@ def freeze_but_targets(model):
 
 # Each setup returns (model, optimizer or None, step function, extra bytes MemTracker cannot see).
 
-def dense_adamw(base, rank):
-    model = copy.deepcopy(base)
-    freeze_but_targets(model)
-    opt = torch.optim.AdamW(targets_of(model), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0)
-
+def optimizer_step(model, opt):
+    """One step of a torch-style optimizer: loss, backward, step, gradients freed."""
     def step(ids, mask, adv):
         loss_of(model, ids, mask, adv).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return model, opt, step, 0
+    return step
+
+
+def dense_adamw(base, rank):
+    model = copy.deepcopy(base)
+    freeze_but_targets(model)
+    opt = torch.optim.AdamW(targets_of(model), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0)
+    return model, opt, optimizer_step(model, opt), 0
 
 
 def lora(base, rank):
@@ -87,12 +91,7 @@ def lora(base, rank):
     model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
                                                            target_modules=list(sketch.TARGETS)))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, weight_decay=0.0)
-
-    def step(ids, mask, adv):
-        loss_of(model, ids, mask, adv).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model, opt, step, 0
+    return model, opt, optimizer_step(model, opt), 0
 
 
 def galore(base, rank):
@@ -102,12 +101,7 @@ def galore(base, rank):
     freeze_but_targets(model)
     opt = GaLoreAdamW([{"params": targets_of(model), "rank": rank, "update_proj_gap": 200, "scale": 0.25,
                         "proj_type": "std"}], lr=1e-6, weight_decay=0.0)
-
-    def step(ids, mask, adv):
-        loss_of(model, ids, mask, adv).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model, opt, step, 0
+    return model, opt, optimizer_step(model, opt), 0
 
 
 def apollo(base, rank):
@@ -117,12 +111,7 @@ def apollo(base, rank):
     freeze_but_targets(model)
     opt = APOLLOAdamW([{"params": targets_of(model), "rank": rank, "proj": "random", "scale_type": "channel",
                         "scale": 1, "update_proj_gap": 200, "proj_type": "std"}], lr=1e-6, weight_decay=0.0)
-
-    def step(ids, mask, adv):
-        loss_of(model, ids, mask, adv).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model, opt, step, 0
+    return model, opt, optimizer_step(model, opt), 0
 
 
 def logra(base, rank):
