@@ -5,6 +5,8 @@ train.py: the whole LoGRA RL loop, top to bottom.
     python train.py --optimizer adam                  # the dense AdamW baseline, same task
     torchrun --nproc_per_node 2 train.py --model tiny # FSDP2 over 2 CPU processes (gloo)
     python train.py --resume runs/tiny-logra          # continue a run from its checkpoint
+    torchrun --nproc_per_node 4 train.py --model 7b   # the paper's run: 4 GPUs + 4 vLLM engines
+    python train.py --model 7b --dry-run              # its sharding plan and memory, no GPU
 
 One update, in the order the paper runs it (SPEC sections 5-7):
 
@@ -21,13 +23,18 @@ One update, in the order the paper runs it (SPEC sections 5-7):
     sync      the same bf16 factors go to the engine, which merges them itself;
               fingerprints confirm both hold the same weights
 
-The tiny preset: two-digit addition/subtraction ("37+45=" -> "\\boxed{82}"), a character
-tokenizer and a 2-layer Qwen2 built from a config, all made here. RL with a binary reward
-needs a policy that is sometimes right, so the preset first makes its base policy with a
-short supervised warm-up (cached next to the run directory, done once), as the paper starts
-from a pretrained model. Its update_ratio and KL budget are larger than the paper's, tuned
-so that a few minutes on a CPU show learning; the paper's values stay the defaults of the
-real-model presets.
+The tiny preset: two-digit additions ("37+45=" -> "\\boxed{82}"), a character tokenizer
+and a 2-layer Qwen2 built from a config, all made here. RL with a binary reward needs a
+policy that is sometimes right, so the preset first makes its base policy with a short
+supervised warm-up (cached next to the run directory, done once), as the paper starts from a
+pretrained model; 70% of the warm-up answers lack the box the grader requires, so the base
+policy often fails the format, as pretrained models do. Its rank, update_ratio and KL budget
+are tuned so that a minute on a CPU shows learning; the paper's values stay the defaults of
+the real-model presets (1.5b, 7b, 27b), which train Qwen checkpoints on DAPO-Math-17k with
+vLLM engines, evaluate on MATH-500 and grade with math-verify.
+
+Sections: presets; the tiny task and its engine; the paper's task and vLLM engines; model,
+warm-up and FSDP2; checkpoints; command line and dry run; the run.
 
 Departures, numbered
 --------------------
@@ -38,6 +45,10 @@ Departures, numbered
    simpler, and fast enough at this size.
 3. The dense baseline trains the same seven target projections as LoGRA, with every other
    parameter frozen as for LoGRA, so the two differ only in how the targets are updated.
+4. math-verify reads the gold answer wrapped in $...$ (bare LaTeX such as [1,3) or \\sqrt{2}
+   is otherwise not parsed as LaTeX); SPEC writes verify(parse(gold), parse(pred)).
+5. The KL probe scores the first `probe_responses` (2) responses of each rank, as the paper;
+   its sample therefore grows with the number of ranks.
 """
 
 import argparse
@@ -276,6 +287,9 @@ class Engine:
 
     def fingerprint(self):
         return self.weights.fingerprint()
+
+    def close(self):
+        pass  # nothing to stop: the model lives in this process
 
 
 def top_p_filter(logits, top_p):
@@ -961,7 +975,6 @@ def main(argv=None):
 
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     per_rank = cfg["batch"] // world
-    first_pass = None
     if start == 0:
         first_pass, first_passk = evaluate(engine, task, cfg, world, rank, device)
         log(f"step 0 | base policy | pass@1 {first_pass:.3f} | pass@{cfg['eval_samples']} {first_passk:.3f} "
@@ -1078,6 +1091,7 @@ def main(argv=None):
             log(f"memory per update: average {sum(mem) / len(mem):.2f} GiB, peak {max(mem):.2f} GiB; "
                 f"{3600 / (sum(r['time_s'] for r in updates) / len(updates)):.0f} updates/h")
         plot(rows, os.path.join(run_dir, "curves.png"), log)
+    engine.close()
     if distributed:
         dist.destroy_process_group()
 
