@@ -179,6 +179,11 @@ class LayerSketch:
         self.sketch.zero_()
 
 
+def target_modules(model: nn.Module, targets=TARGETS) -> dict:
+    """{clean name: module} of every module whose last name part is a target, in module order."""
+    return {clean_name(n): m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets}
+
+
 def _require_grad_hook(module, args, output):
     return output.requires_grad_(True) if torch.is_grad_enabled() else output
 
@@ -193,9 +198,7 @@ def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: i
     if rank <= 0:
         raise ValueError(f"rank must be positive, got {rank}")
     found = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in targets:
-            continue
+    for name, module in target_modules(model, targets).items():
         if not isinstance(module, nn.Linear):
             raise TypeError(f"target {name} is a {type(module).__name__}, not nn.Linear: "
                             f"remove its name from `targets`")
@@ -207,9 +210,8 @@ def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: i
         raise ValueError(f"no nn.Linear named one of {targets} in {type(model).__name__}")
 
     layers = []
-    for name, module in found:
+    for clean, module in found:
         weight = module.weight
-        clean = clean_name(name)
         acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         a = make_projection(rank, module.in_features, projection_seed(seed, update, clean),
                             device=weight.device, dtype=acc_dtype)  # (r, k)

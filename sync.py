@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from rowadam import local_rows, merge_rows
-from sketch import TARGETS, clean_name, make_projection, projection_seed
+from sketch import TARGETS, clean_name, make_projection, projection_seed, target_modules
 
 MAGIC = b"LOGRASYN"
 VERSION = 1
@@ -286,7 +286,7 @@ def fingerprint(layers_or_model, dtype=torch.bfloat16, group=None) -> dict:
     adds the shards, so every rank returns the whole model's fingerprint.
     """
     if isinstance(layers_or_model, torch.nn.Module):
-        mods = {clean_name(n): m for n, m in layers_or_model.named_modules() if n.rsplit(".", 1)[-1] in TARGETS}
+        mods = target_modules(layers_or_model)
     else:
         mods = {l.name: l.module for l in layers_or_model}
     names = sorted(mods)

@@ -588,10 +588,6 @@ def warmup(model, task, cfg, path, log):
     log(f"base policy: {cfg['warmup_steps']} warm-up steps in {time.time() - t0:.0f} s, saved {path}")
 
 
-def target_modules(model):
-    return {sketch.clean_name(n): m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in sketch.TARGETS}
-
-
 def shard(model, world, optimizer, device):
     """FSDP2: one unit per decoder layer, then the root (its embedding, norm and head).
 
@@ -620,7 +616,7 @@ def freeze_for(model, optimizer):
     for p in model.parameters():
         p.requires_grad_(False)
     if optimizer == "adam":
-        for m in target_modules(model).values():
+        for m in sketch.target_modules(model).values():
             m.weight.requires_grad_(True)
 
 
@@ -827,7 +823,7 @@ def memory_estimate(model_cfg: dict, world: int, rank: int) -> dict:
     with torch.device("meta"):
         model = Qwen2ForCausalLM(Qwen2Config(**model_cfg))
     total = sum(p.numel() for p in model.parameters())
-    shapes = [m.weight.shape for m in target_modules(model).values()]
+    shapes = [m.weight.shape for m in sketch.target_modules(model).values()]
     targets = sum(d * k for d, k in shapes)
     shard = lambda n: -(-n // world)  # noqa: E731  (ceil: FSDP2 pads the last shard)
     d_sum, k_sum = sum(d for d, _ in shapes), sum(k for _, k in shapes)
@@ -958,7 +954,7 @@ def main(argv=None):
         layers = sketch.attach(model, rank=cfg["rank"], seed=cfg["seed"])
         opt = rowadam.RowAdam(layers, base_seed=cfg["seed"], update_ratio=cfg["update_ratio"])
     else:
-        targets = [m.weight for m in target_modules(model).values()]
+        targets = [m.weight for m in sketch.target_modules(model).values()]
         opt = torch.optim.AdamW(targets, lr=cfg["adam_lr"], betas=(0.9, 0.95), weight_decay=0.0)
     baseline, mismatch = ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7)
 
@@ -968,7 +964,7 @@ def main(argv=None):
         log(f"resumed {run_dir} at update {start}")
     # The engine starts from the trainer's fp32 master weights (a full resync), so that its own
     # merges reproduce the trainer's bits; fingerprints confirm it before the first rollout.
-    modules = target_modules(model)
+    modules = sketch.target_modules(model)
     engine.load_full(sync.full_payload({n: full_weight(m.weight) for n, m in modules.items()},
                                        update=start, base_seed=cfg["seed"], rank=cfg["rank"], dtype=torch.float32))
     sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
@@ -1014,13 +1010,14 @@ def main(argv=None):
                                           rollout_logprobs=ro.logprobs[rows], num_tokens=num_tokens)
             loss.backward()
             trainer_logp[rows] = logp.detach()
+        # The engine/trainer log-prob gap on EOS responses (shrinks LoGRA's KL budget; logged).
+        mismatch.observe(ro.logprobs, trainer_logp, ro.mask, ro.eos)
         lap("train")
 
         if cfg["optimizer"] == "logra":
             # --- RowAdam ---------------------------------------------------------------------
             sketch_norm = opt.prepare()
             # --- KL probe ------------------------------------------------------------------
-            mismatch.observe(ro.logprobs, trainer_logp, ro.mask, ro.eos)
             budget = mismatch.adjust(kl_control.kl_budget(update, start=cfg["kl_start"], end=cfg["kl_end"],
                                                           horizon=cfg["kl_horizon"]))
             try:
@@ -1036,7 +1033,6 @@ def main(argv=None):
             factors = opt.merge(alpha)
             lap("merge")
         else:
-            mismatch.observe(ro.logprobs, trainer_logp, ro.mask, ro.eos)
             opt.step()
             opt.zero_grad(set_to_none=True)
             kl1 = alpha = budget = sketch_norm = float("nan")

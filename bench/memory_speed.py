@@ -57,7 +57,7 @@ def loss_of(model, ids, mask, adv):
 
 
 def targets_of(model):
-    return [m.weight for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in sketch.TARGETS]
+    return [m.weight for m in sketch.target_modules(model).values()]
 
 
 def freeze_but_targets(model):

@@ -49,7 +49,7 @@ def main():
     args = p.parse_args()
     model = one_layer_model(args.hidden, args.intermediate, args.heads, args.kv_heads)
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
-    targets = [m.weight for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in sketch.TARGETS]
+    targets = [m.weight for m in sketch.target_modules(model).values()]
     weight_bytes = nbytes(targets)
 
     # Dense AdamW on the same seven weights.
