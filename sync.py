@@ -21,9 +21,9 @@ Pieces
 - `fingerprint(...)` / `EngineWeights.fingerprint()` / `check_fingerprints(a, b)`: two
   integer checksums per layer of the bf16 weights, comparable between the trainer (whose
   fp32 master is rounded the same way) and the engine; a mismatch names the first layer.
-- `send`/`recv` over a `torch.distributed` group, and `WorkerExtension` for vLLM
-  (`LLM(worker_extension_cls="sync.WorkerExtension")`), whose methods run inside each vLLM
-  worker via `llm.collective_rpc(...)`.
+- `send`/`recv` over a `torch.distributed` group. The vLLM side (the worker extension that
+  calls `EngineWeights` inside each vLLM worker, and the weight channel) is in engine.py;
+  this file is pure torch.
 
 Why a master copy on the engine: a relative step of 6e-5 is far below bf16's resolution
 (~4e-3). A plain in-place bf16 `W -= F @ A` rounds almost every update away, and the engine
@@ -329,46 +329,3 @@ def recv(group, src: int, device=None) -> Payload:
     buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(buf, src, group=group)
     return decode(buf)
-
-
-# -----------------------------------------------------------------------------
-# vLLM worker extension (runs inside each vLLM worker; vLLM imported only here)
-
-class WorkerExtension:
-    """Mixed into vLLM workers with `LLM(..., worker_extension_cls="sync.WorkerExtension")`.
-
-    The trainer calls these with `llm.collective_rpc("logra_...", args=(...))`, then
-    `llm.reset_prefix_cache()` after every weight change (cached KV blocks hold old weights).
-    Written against vLLM 0.10/0.11 (V1 engine): `self.model_runner.model`, `self.device`,
-    `vllm.distributed.utils.StatelessProcessGroup.create(host, port, rank, world_size)` and
-    `PyNcclCommunicator(pg, device).broadcast(tensor, src, stream)`. The trainer is rank 0
-    of a two-member group with its engine.
-    """
-
-    def logra_init(self, host: str, port: int, base_seed: int, rank: int, update: int = 0) -> None:
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        pg = StatelessProcessGroup.create(host=host, port=port, rank=1, world_size=2)
-        self.logra_comm = PyNcclCommunicator(pg, device=self.device)
-        self.logra_weights = EngineWeights(self.model_runner.model, base_seed=base_seed, rank=rank,
-                                           layout="vllm", update=update)
-
-    def _logra_receive(self) -> Payload:
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.logra_comm.broadcast(size, src=0, stream=torch.cuda.current_stream())
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self.logra_comm.broadcast(buf, src=0, stream=torch.cuda.current_stream())
-        return decode(buf)
-
-    def logra_apply(self) -> int:
-        """Receive one delta payload from the trainer and merge it; returns the engine's update count."""
-        self.logra_weights.apply(self._logra_receive())
-        return self.logra_weights.update
-
-    def logra_load_full(self) -> int:
-        self.logra_weights.load_full(self._logra_receive())
-        return self.logra_weights.update
-
-    def logra_fingerprint(self) -> dict:
-        return self.logra_weights.fingerprint()

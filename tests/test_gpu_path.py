@@ -1,5 +1,5 @@
-"""The GPU path's CPU-testable parts: presets and --dry-run, grading, data prompts, engine
-processes' environment, rollouts from engine outputs, and the sharded checkpoint load."""
+"""The paper path's CPU-testable parts: presets and --dry-run, grading, data prompts, rollouts
+from engine outputs, and the sharded checkpoint load (the engine processes: test_engine.py)."""
 
 import os
 import subprocess
@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import engine
 import train
 from distributed import run_gloo
 from tiny import tiny_qwen2
@@ -95,22 +96,10 @@ def test_dapo_prompt_extraction():
     assert train.dapo_problem("  Plain problem.  ") == "Plain problem."
 
 
-def test_engine_environment():
-    base = {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1",
-            "TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0", "HOME": "/root",
-            "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "PYTHONPATH": "/other"}
-    env = train.engine_env(6, base)
-    assert env["CUDA_VISIBLE_DEVICES"] == "6" and env["HOME"] == "/root"
-    assert not any(k in env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                      "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK"))
-    assert env["PYTHONPATH"].split(os.pathsep) == [ROOT, "/other"]  # workers import sync.WorkerExtension
-    assert base["RANK"] == "2"  # the trainer's own environment is untouched
-
-
 def test_rollout_from_engine_outputs():
     prompts = [[5, 6, 7], [8]]
     outputs = [([1, 2, 0], [-0.5, -0.25, -1.0], True), ([3, 4, 9, 9], [-1.0, -2.0, -0.125, -0.5], False)]
-    ro = train.rollout_from_lists(prompts, outputs, pad=99, device="cpu")
+    ro = engine.rollout_from_lists(prompts, outputs, pad=99, device="cpu")
     assert ro.ids.tolist() == [[5, 6, 7, 1, 2, 0], [8, 3, 4, 9, 9, 99]]
     assert ro.mask.tolist() == [[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 0]]
     assert ro.logprobs[0, 3:].tolist() == [-0.5, -0.25, -1.0] and ro.logprobs[1, 1:5].tolist() == [-1.0, -2.0, -0.125, -0.5]
