@@ -358,12 +358,14 @@ class VLLMEngine:
     """The trainer's handle on one vLLM engine process; the same interface as `HFEngine`.
 
     `gpu`: index of the engine's GPU among those this process sees (None: a CPU engine).
+    `residual_on_host`: keep the exact-merge residuals (sync.EngineWeights) in pinned host
+    memory instead of on the engine's GPU (the 27B preset: they do not fit beside the weights).
     `eos`/`pad`: token ids when the engine runs without a tokenizer (the tiny task); None
     takes them from the checkpoint's tokenizer. `timeout` bounds start-up and every command.
     """
 
     def __init__(self, *, model_path, context, seed, rank, gpu, device, log_path, timeout,
-                 gpu_memory_utilization=0.85, eos=None, pad=None):
+                 gpu_memory_utilization=0.85, eos=None, pad=None, residual_on_host=False):
         self.device = torch.device(device)
         where = f"GPU {engine_env(gpu).get('CUDA_VISIBLE_DEVICES')}" if gpu is not None else "the CPU"
         spec = {"model": model_path, "context": context, "seed": seed, "device": self.device.type,
@@ -374,7 +376,7 @@ class VLLMEngine:
             self.eos, self.pad = self.proc.reply("for vLLM to start")
             # The weight channel: the trainer opens the store; both members join the group at once.
             store = WeightChannel.open_store("127.0.0.1", timeout)
-            self.proc.conn.send(("init_sync", ("127.0.0.1", store.port, seed, rank, timeout)))
+            self.proc.conn.send(("init_sync", ("127.0.0.1", store.port, seed, rank, timeout, residual_on_host)))
             self.channel = WeightChannel(store, 0, self.device, timeout)
             self.proc.reply("to join the weight channel")
         except BaseException:
@@ -510,10 +512,12 @@ class WorkerExtension:
     model and `self.device` its device (vLLM 0.11-0.32, V1 engine).
     """
 
-    def logra_init(self, host: str, port: int, base_seed: int, rank: int, timeout: float) -> None:
+    def logra_init(self, host: str, port: int, base_seed: int, rank: int, timeout: float,
+                   residual_on_host: bool = False) -> None:
         model = self.model_runner.model
         self.logra_cpu_layers = _restore_cpu_weights(model) if self.device.type == "cpu" else []
-        self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=rank, layout="vllm")
+        self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=rank, layout="vllm",
+                                                residual_device="cpu" if residual_on_host else None)
         store = WeightChannel.join_store(host, port, timeout)
         self.logra_channel = WeightChannel(store, 1, self.device, timeout)
 

@@ -55,6 +55,11 @@ Departures, numbered
    is exact in float64 for r a power of 4 (r = 256: 1/16), so the delta is the correctly
    rounded one whatever the summation order: a sharded trainer and an unsharded engine hold
    bit-identical fp32 masters. The cost is one float64 (c, k) block per chunk.
+5. After every fp32 merge, a weight that lies exactly halfway between two bf16 values moves
+   one fp32 ulp (2^-24 relative) toward zero (`avoid_bf16_ties_`, about 1 weight in 65536).
+   Then fp32 = bf16(fp32) + an int16 count of fp32 ulps, exactly, so a rollout engine can hold
+   the trainer's fp32 master as vLLM's bf16 weight plus a 2-byte residual (sync.py) instead
+   of a 4-byte copy. Both sides apply the same rule to the same bits.
 """
 
 import math
@@ -138,6 +143,21 @@ def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_RO
         f = factor[row_offset + start:row_offset + stop].to(torch.float64)  # (c, r)
         # Shapes: (c, r) @ (r, k) -> (c, k)
         rows[start:stop].sub_((f @ a).to(rows.dtype))
+        if rows.dtype == torch.float32:
+            avoid_bf16_ties_(rows[start:stop])  # departure 5
+
+
+def avoid_bf16_ties_(w):
+    """Move every fp32 value that lies exactly halfway between two bf16 values (low 16 bits
+    0x8000) one fp32 ulp toward zero, in place (departure 5).
+
+    An fp32 weight is then exactly its bf16 rounding plus a residual in [-32767, 32767] fp32
+    ulps, which an int16 holds: the rollout engines keep that residual next to vLLM's bf16
+    weight instead of a whole fp32 copy (sync.py). Both sides apply it after every merge.
+    """
+    bits = w.view(torch.int32)  # (n, k) raw fp32 words
+    bits.sub_(((bits & 0xFFFF) == 0x8000).to(torch.int32))
+    return w
 
 
 def _sum_across(values, group):

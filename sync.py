@@ -6,7 +6,8 @@ What it is
 After update t is merged, the trainer sends each rollout engine, per target layer, only the
 bf16 factor `F = alpha U` (d, r) that RowAdam merged, plus the update number. The engine
 regenerates `A_t` from the seed rule of sketch.py and merges `W -= F @ A_t` itself. The
-payload is `sum_layers d * r * 2` bytes, about r/k of a full bf16 weight sync (SPEC section 6).
+payload is `sum_layers d * r * 2` bytes, about r/k of a full bf16 weight sync
+(arXiv:2610.06647, section 3.4).
 
 Pieces
 ------
@@ -15,9 +16,11 @@ Pieces
   `torch.distributed` backend as one message. `full_payload` carries full weights instead
   (start-up, recovery, and the paper's `--sync full` control), in the same format.
 - `EngineWeights(model, base_seed=..., rank=..., layout="hf" | "vllm")`: the engine side.
-  It keeps an fp32 master copy of each target weight and sets the model's bf16 weight to
-  bf16(master) after every merge, so the engine holds exactly what the trainer holds,
-  rounded once (departure 1). Payloads must arrive in order.
+  Next to the model's bf16 weight it keeps an int16 residual per target weight, so that
+  bf16 weight + residual is the trainer's fp32 master exactly (departure 1); every merge
+  rebuilds the master chunk by chunk, merges as the trainer does and splits it again, so
+  the model's weight is always bf16(trainer master). Payloads must arrive in order; a full
+  sync may be streamed one decoder layer per payload (`layer_groups`).
 - `fingerprint(...)` / `EngineWeights.fingerprint()` / `check_fingerprints(a, b)`: two
   integer checksums per layer of the bf16 weights, comparable between the trainer (whose
   fp32 master is rounded the same way) and the engine; a mismatch names the first layer.
@@ -25,9 +28,9 @@ Pieces
   calls `EngineWeights` inside each vLLM worker, and the weight channel) is in engine.py;
   this file is pure torch.
 
-Why a master copy on the engine: a relative step of 6e-5 is far below bf16's resolution
-(~4e-3). A plain in-place bf16 `W -= F @ A` rounds almost every update away, and the engine
-silently drifts from the trainer (tests/test_sync.py shows it).
+Why the engine needs more than its bf16 weight: a relative step of 6e-5 is far below bf16's
+resolution (~4e-3). A plain in-place bf16 `W -= F @ A` rounds almost every update away, and
+the engine silently drifts from the trainer (tests/test_sync.py shows it).
 
 vLLM fuses q/k/v into `qkv_proj` (rows [q; k; v]) and gate/up into `gate_up_proj`
 (rows [gate; up]); the "vllm" layout applies each sub-layer's factor to its own row block.
@@ -36,10 +39,12 @@ Shape legend: d out rows, k in columns, r rank.
 
 Departures, numbered
 --------------------
-1. The engine's residual is carried as a full fp32 master of the target weights (4 extra
-   bytes per target weight on the engine), the simplest representation that reproduces
-   bf16(trainer master) bit for bit. A bf16 "low part" keeps only 16 of fp32's 24 mantissa
-   bits and lets engine and trainer round differently near bf16 ties.
+1. The engine carries the trainer's fp32 master as its bf16 weight plus an int16 residual
+   (2 extra bytes per target weight, not the 4 of an fp32 copy: 12.2 GiB instead of 24.3
+   at 7B). fp32 = bf16(fp32) + r fp32 ulps with r in [-32768, 32768]; only the value
+   +32768 (a bf16 tie rounded down) does not fit an int16, and the trainer's merge never
+   leaves a tie (rowadam.py, departure 5), nor does the trainer's start-up sync (train.py
+   applies `rowadam.avoid_bf16_ties_` first). An fp32 payload with a tie is refused.
 2. Each layer in a payload carries two integer checksums of its bytes, so a corrupted buffer
    is refused before anything is merged.
 3. vLLM tensor parallelism inside an engine is not supported (the paper runs one engine per
@@ -52,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rowadam import local_rows, merge_rows
+from rowadam import MERGE_CHUNK_ROWS, local_rows, merge_rows
 from sketch import TARGETS, clean_name, make_projection, projection_seed, target_modules
 
 MAGIC = b"LOGRASYN"
@@ -85,6 +90,17 @@ class Payload:
 def full_payload(weights: dict, *, update: int, base_seed: int, rank: int, dtype=torch.bfloat16) -> Payload:
     """A full-weight payload from {clean name: (d, k) weight}. Send fp32 for an exact resync."""
     return Payload(update, base_seed, rank, {n: w.detach().to(dtype) for n, w in weights.items()}, kind="full")
+
+
+def layer_groups(names) -> list[list[str]]:
+    """Target names grouped by decoder layer (`model.layers.<i>.`), in layer order: the units
+    of a streamed full sync, so that neither side holds more than one layer's targets."""
+    groups = {}
+    for name in names:
+        parts = name.split(".")
+        key = int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+        groups.setdefault(key, []).append(name)
+    return [groups[k] for k in sorted(groups)]
 
 
 def checksum(t: torch.Tensor) -> tuple[int, int]:
@@ -184,7 +200,32 @@ class _Slot:
     param: torch.nn.Parameter  # the model's bf16 weight (maybe fused)
     row: int  # first row of this sub-layer inside `param`
     rows: int  # d
-    master: torch.Tensor  # fp32 rows of this sub-layer (d, k)
+    residual: torch.Tensor  # int16 (d, k): fp32 master = bf16 weight + residual fp32 ulps
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.param.detach()[self.row:self.row + self.rows]  # (d, k) bf16 view
+
+
+def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """fp32 master (c, k) from its bf16 rounding `hi` and int16 residual `lo` (in fp32 ulps).
+
+    fp32 bit patterns of one sign are ordered like integers, so the residual is a plain
+    integer difference of raw words, also across binade boundaries.
+    """
+    return (hi.to(torch.float32).view(torch.int32) + lo.to(hi.device, torch.int32)).view(torch.float32)
+
+
+def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16(w), int16 residual) of an fp32 tensor without bf16 ties (rowadam.avoid_bf16_ties_)."""
+    hi = w.to(torch.bfloat16)  # round to nearest even
+    lo = w.view(torch.int32) - hi.to(torch.float32).view(torch.int32)  # in [-32767, 32767]
+    return hi, lo.to(torch.int16)
+
+
+def bf16_ties(w: torch.Tensor) -> int:
+    """How many fp32 values lie exactly halfway between two bf16 values (not representable)."""
+    return int(((w.contiguous().view(torch.int32) & 0xFFFF) == 0x8000).sum())
 
 
 def _target_blocks(model, layout):
@@ -214,20 +255,38 @@ def _target_blocks(model, layout):
 
 
 class EngineWeights:
-    """The rollout engine's target weights: bf16 in the model, fp32 master alongside."""
+    """The rollout engine's target weights: vLLM's (or the HF model's) bf16 weight, plus an
+    int16 residual that makes it the trainer's exact fp32 master (departure 1).
 
-    def __init__(self, model, *, base_seed, rank, layout="hf", update=0):
+    `residual_device`: where the residuals live (default: beside the weights; "cpu" puts them
+    in pinned host memory, merged chunk by chunk, for models whose residual does not fit on
+    the engine's GPU beside its weights and KV cache). A full sync may arrive in parts (one
+    decoder layer per payload); deltas are refused until every layer has been received.
+    """
+
+    def __init__(self, model, *, base_seed, rank, layout="hf", update=0, residual_device=None):
         self.base_seed, self.rank, self.update = base_seed, rank, update
         self.slots = {}
+        self._loading = {}  # name -> update of a full sync that has not reached every layer yet
         for name, param, row, rows in _target_blocks(model, layout):
             if rank > param.shape[1]:
                 raise ValueError(f"{name}: rank {rank} exceeds in_features {param.shape[1]}")
-            master = param.detach()[row:row + rows].to(torch.float32)  # (d, k), a copy
-            self.slots[name] = _Slot(name, param, row, rows, master)
+            if param.dtype != torch.bfloat16:
+                raise TypeError(f"{name}: engine weights must be bf16, got {param.dtype}")
+            device = torch.device(residual_device) if residual_device is not None else param.device
+            pin = device.type == "cpu" and param.device.type == "cuda"
+            residual = torch.zeros(rows, param.shape[1], dtype=torch.int16, device=device,
+                                   pin_memory=pin)  # (d, k): the weights start as their own masters
+            self.slots[name] = _Slot(name, param, row, rows, residual)
 
-    def _write(self, slot):
-        with torch.no_grad():
-            slot.param[slot.row:slot.row + slot.rows].copy_(slot.master)  # bf16(master)
+    def state_bytes(self) -> int:
+        """Bytes this object adds to the engine (the residuals), wherever they live."""
+        return sum(s.residual.numel() * s.residual.element_size() for s in self.slots.values())
+
+    def master(self, name: str) -> torch.Tensor:
+        """The fp32 master of one target (d, k), rebuilt (for checks; the merges work in chunks)."""
+        slot = self.slots[name]
+        return join_master(slot.weight, slot.residual)
 
     def _check(self, payload, kind):
         if payload.kind != kind:
@@ -235,45 +294,71 @@ class EngineWeights:
         if payload.base_seed != self.base_seed or payload.rank != self.rank:
             raise ValueError(f"payload has seed {payload.base_seed}, rank {payload.rank}; engine expects "
                              f"seed {self.base_seed}, rank {self.rank}")
-        if set(payload.factors) != set(self.slots):
-            missing = sorted(set(self.slots) - set(payload.factors))[:3]
-            extra = sorted(set(payload.factors) - set(self.slots))[:3]
-            raise ValueError(f"payload layers differ from the engine's: missing {missing}, unknown {extra}")
+        unknown = sorted(set(payload.factors) - set(self.slots))[:3]
+        missing = sorted(set(self.slots) - set(payload.factors))[:3]
+        if unknown or (kind == "delta" and missing) or not payload.factors:
+            raise ValueError(f"payload layers differ from the engine's: missing {missing}, unknown {unknown}")
         for name, t in payload.factors.items():
             slot = self.slots[name]
-            want = (slot.rows, self.rank) if kind == "delta" else tuple(slot.master.shape)
+            want = (slot.rows, self.rank) if kind == "delta" else tuple(slot.residual.shape)
             if tuple(t.shape) != want:
                 raise ValueError(f"{name}: tensor shape {tuple(t.shape)}, expected {want}")
             if not torch.isfinite(t).all():
                 raise ValueError(f"{name}: non-finite values in the payload")
+            if kind == "full" and t.dtype == torch.float32 and bf16_ties(t):
+                raise ValueError(f"{name}: {bf16_ties(t)} fp32 values lie exactly on a bf16 tie, which the engine's "
+                                 f"bf16 + int16 state cannot hold; call rowadam.avoid_bf16_ties_ on the trainer's "
+                                 f"weights before a full fp32 sync")
 
     @torch.no_grad()
     def apply(self, payload: Payload) -> None:
         """Merge W -= F @ A_update into every target; only the next update number is accepted."""
+        if self._loading:
+            raise ValueError(f"a full sync is incomplete ({len(self.slots) - len(self._loading)} of "
+                             f"{len(self.slots)} layers missing): no delta can be merged")
         if payload.update != self.update:
             what = "already merged (duplicate)" if payload.update < self.update else "skips updates"
             raise ValueError(f"payload for update {payload.update} {what}: engine expects update {self.update}")
         self._check(payload, "delta")  # everything is checked before anything changes
         for name, f in payload.factors.items():
             slot = self.slots[name]
+            w = slot.weight  # (d, k) bf16
             seed = projection_seed(self.base_seed, payload.update, name)
-            a = make_projection(self.rank, slot.master.shape[1], seed, device=slot.master.device)  # (r, k)
-            merge_rows(slot.master, f.to(slot.master.device), a)  # the trainer's merge, same chunks
-            self._write(slot)
+            a = make_projection(self.rank, w.shape[1], seed, device=w.device)  # (r, k)
+            f = f.to(w.device)
+            # Chunk by chunk: rebuild the fp32 master, merge exactly as the trainer does, split.
+            for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
+                stop = min(start + MERGE_CHUNK_ROWS, slot.rows)
+                master = join_master(w[start:stop], slot.residual[start:stop])  # (c, k) fp32
+                merge_rows(master, f, a, row_offset=start)  # W -= F A, ties avoided
+                hi, lo = split_master(master)
+                w[start:stop].copy_(hi)
+                slot.residual[start:stop].copy_(lo)
         self.update += 1
 
     @torch.no_grad()
     def load_full(self, payload: Payload) -> None:
-        """Replace every target weight (a full payload); the engine then expects `payload.update`."""
+        """Replace target weights from a full payload: all of them, or some (a streamed sync,
+        one decoder layer per payload); once every target has arrived with the same update
+        number, the engine expects that update's delta next. fp32 payloads set the exact
+        master (no bf16 ties allowed), bf16 ones a master equal to the bf16 weight."""
         self._check(payload, "full")
+        if self._loading and set(self._loading.values()) != {payload.update}:
+            raise ValueError(f"a full sync for update {payload.update} arrived while one for update "
+                             f"{next(iter(self._loading.values()))} is incomplete")
         for name, w in payload.factors.items():
             slot = self.slots[name]
-            slot.master.copy_(w.to(slot.master.device, torch.float32))
-            self._write(slot)
-        self.update = payload.update
+            for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
+                chunk = w[start:start + MERGE_CHUNK_ROWS].to(slot.param.device, torch.float32)  # (c, k)
+                hi, lo = split_master(chunk)
+                slot.weight[start:start + chunk.shape[0]].copy_(hi)
+                slot.residual[start:start + chunk.shape[0]].copy_(lo)
+            self._loading[name] = payload.update
+        if len(self._loading) == len(self.slots):
+            self.update, self._loading = payload.update, {}
 
     def fingerprint(self) -> dict:
-        return {name: checksum(s.param.detach()[s.row:s.row + s.rows]) for name, s in self.slots.items()}
+        return {name: checksum(s.weight) for name, s in self.slots.items()}
 
 
 # -----------------------------------------------------------------------------

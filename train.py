@@ -543,6 +543,18 @@ def full_weight(w):
     return w.full_tensor() if hasattr(w, "full_tensor") else w
 
 
+def full_sync(engine, modules, *, update, cfg, dtype) -> int:
+    """Full target weights to the engine, streamed one decoder layer per payload: the trainer
+    gathers (FSDP2) one weight at a time and neither side holds more than one layer's targets
+    beyond its state. Returns the bytes sent."""
+    sent = 0
+    for names in sync.layer_groups(modules):
+        weights = {n: full_weight(modules[n].weight) for n in names}
+        sent += engine.load_full(sync.full_payload(weights, update=update, base_seed=cfg["seed"], rank=cfg["rank"],
+                                                   dtype=dtype))
+    return sent
+
+
 # -----------------------------------------------------------------------------
 # Checkpoints: atomic, complete
 
@@ -885,11 +897,17 @@ def main(argv=None):
     if args.resume:
         start = load_checkpoint(run_dir, model, opt, cfg["optimizer"], baseline, mismatch, cfg, rank)
         log(f"resumed {run_dir} at update {start}")
-    # The engine starts from the trainer's fp32 master weights (a full resync), so that its own
-    # merges reproduce the trainer's bits; fingerprints confirm it before the first rollout.
+    # LoGRA's engines merge the factors themselves: they start from the trainer's exact fp32
+    # master (no bf16 ties, so that bf16 + an int16 residual holds it; rowadam.py departure 5).
+    # AdamW's and --sync full's engines only ever receive full bf16 weights. Fingerprints
+    # confirm that both sides agree before the first rollout.
     modules = sketch.target_modules(model)
-    engine.load_full(sync.full_payload({n: full_weight(m.weight) for n, m in modules.items()},
-                                       update=start, base_seed=cfg["seed"], rank=cfg["rank"], dtype=torch.float32))
+    exact = cfg["optimizer"] == "logra" and cfg["sync"] == "factors"
+    if exact:
+        with torch.no_grad():
+            for m in modules.values():
+                rowadam.avoid_bf16_ties_(rowadam.local_rows(m.weight)[0])
+    full_sync(engine, modules, update=start, cfg=cfg, dtype=torch.float32 if exact else torch.bfloat16)
     sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
 
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -965,10 +983,8 @@ def main(argv=None):
         if cfg["optimizer"] == "logra" and cfg["sync"] == "factors":
             sync_bytes = engine.apply(sync.Payload(update, cfg["seed"], cfg["rank"],
                                                    {l.name: f for l, f in zip(layers, factors)}))
-        else:  # AdamW, or the paper's control: full bf16 target weights
-            weights = {n: full_weight(m.weight) for n, m in modules.items()}
-            sync_bytes = engine.load_full(sync.full_payload(weights, update=update + 1, base_seed=cfg["seed"],
-                                                            rank=cfg["rank"]))
+        else:  # AdamW, or the paper's control: full bf16 target weights, one layer at a time
+            sync_bytes = full_sync(engine, modules, update=update + 1, cfg=cfg, dtype=torch.bfloat16)
         sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
         lap("sync")
 

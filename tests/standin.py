@@ -31,9 +31,9 @@ def vllm_standin(hf_model=None, *, config=None, device=None, dtype=torch.bfloat1
             src = hf_model.model.layers[i]
             a, m = src.self_attn, src.mlp
             qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().to(dtype)
-            o = a.o_proj.weight.detach().to(dtype)
+            o = a.o_proj.weight.detach().to(dtype).clone()  # never share storage with hf_model
             gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().to(dtype)
-            down = m.down_proj.weight.detach().to(dtype)
+            down = m.down_proj.weight.detach().to(dtype).clone()
         else:
             qkv = torch.empty(q + 2 * kv, h, device=device, dtype=dtype)
             o = torch.empty(h, q, device=device, dtype=dtype)

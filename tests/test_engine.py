@@ -18,7 +18,7 @@ import engine
 import sync
 import train
 from distributed import run_gloo
-from rowadam import merge_rows
+from rowadam import avoid_bf16_ties_, merge_rows
 from sketch import make_projection, projection_seed, target_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,10 +207,11 @@ def test_vllm_engine_follows_the_trainer_bit_for_bit(vllm_engine, tiny_math):
     # Move the trainer's master off the checkpoint first, so that the resync has work to do.
     with torch.no_grad():
         for m in target_modules(model).values():
-            m.weight.mul_(1.0 + 1e-3)
+            avoid_bf16_ties_(m.weight.mul_(1.0 + 1e-3))  # as train.py does before an fp32 sync
     modules = target_modules(model)
-    vllm_engine.load_full(sync.full_payload({n: m.weight for n, m in modules.items()}, update=0, base_seed=SEED,
-                                            rank=RANK, dtype=torch.float32))
+    for names in sync.layer_groups(modules):  # streamed: one decoder layer per payload
+        vllm_engine.load_full(sync.full_payload({n: modules[n].weight for n in names}, update=0, base_seed=SEED,
+                                                rank=RANK, dtype=torch.float32))
     sync.check_fingerprints(sync.fingerprint(model), vllm_engine.fingerprint())
     g = torch.Generator().manual_seed(0)
     for update in range(12):
@@ -240,7 +241,7 @@ def test_vllm_logprobs_match_the_trainer(vllm_engine, tiny_math):
     modules = target_modules(model)
     with torch.no_grad():  # a weight change the engine must see (stale KV blocks would hide it)
         for m in modules.values():
-            m.weight.mul_(0.9)
+            avoid_bf16_ties_(m.weight.mul_(0.9))
     vllm_engine.load_full(sync.full_payload({n: m.weight for n, m in modules.items()}, update=100,
                                             base_seed=SEED, rank=RANK, dtype=torch.float32))
     tok_task = train.MathTask(__import__("transformers").AutoTokenizer.from_pretrained(tiny_math["model"]),
