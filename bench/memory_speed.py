@@ -123,7 +123,7 @@ def logra(base, rank):
         loss_of(model, ids, mask, adv).backward()
         opt.prepare()
         opt.merge(1.0)
-    state = sum(t.numel() * t.element_size() for l in layers for t in (l.sketch, l.projection)) \
+    state = sum(t.numel() * t.element_size() for l in layers for t in (l.sketch, l.signs)) \
         + sum(v.numel() * v.element_size() for v in opt.moments)
     return model, None, step, state
 
@@ -200,7 +200,7 @@ def main():
 
     # The physical limit of LoGRA's state: fp32 weights + sketches + projections + row moments.
     shapes = [w.shape for w in targets_of(base)]
-    limit = 4 * n_params + sum(4 * d * args.rank + 4 * args.rank * k + 4 * d for d, k in shapes)
+    limit = 4 * n_params + sum(4 * d * args.rank + args.rank * k + 4 * d for d, k in shapes)  # A as int8 signs
     if "LoGRA" in mem:
         lo = mem["LoGRA"]
         print(f"\nLoGRA, smallest state it could hold (fp32 weights + sketches + projections + row moments, "

@@ -167,6 +167,7 @@ def test_refresh_switches_projection():
     layer.refresh(5)
     expect = sketch.make_projection(4, layer.module.in_features, sketch.projection_seed(7, 5, layer.name))
     assert torch.equal(layer.projection, expect) and layer.update == 5
+    assert layer.signs.dtype == torch.int8 and set(layer.signs.unique().tolist()) == {-1, 1}
 
 
 # ---------------------------------------------------------------------------
