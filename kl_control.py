@@ -44,7 +44,8 @@ positions.
 Departures, numbered
 --------------------
 1. The probe runs the decoder once and applies the output head to the scored positions
-   only, in chunks, so the (B, T, V) logits and their tangent are never held at once.
+   only, in chunks of `HEAD_CHUNK_BYTES` (256 MiB) of work, so the (B, T, V) logits and
+   their tangent are never held at once, whatever the vocabulary.
 2. The cosine schedule is written as the weighted mean `w start + (1 - w) end`, which gives
    exactly `start` at update 0 and exactly `end` from update H - 1 on.
 3. `max_tokens` truncates each probed sequence (prompt included) to its first tokens.
@@ -57,7 +58,11 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 
-HEAD_CHUNK = 512  # positions per output-head chunk in the probe
+# Bytes of output-head work per probe chunk: a scored position holds about 56 V bytes at once
+# (the head's logits and tangent, and token_kl's float64 softmax and products), so at a
+# vocabulary of 152k a chunk is 31 positions. Sized in bytes, not positions (departure 1).
+HEAD_CHUNK_BYTES = 256 * 2**20
+BYTES_PER_VOCAB_ENTRY = 56
 
 
 # -----------------------------------------------------------------------------
@@ -98,7 +103,8 @@ def probe_mode(model):
 
 @contextmanager
 def injected_tangents(layers, directions):
-    """Each target layer's output gets the extra tangent -(X A^T) U^T (alpha = 1)."""
+    """Each target layer's output gets the extra tangent -(X A^T) U^T (alpha = 1). `directions`
+    are whole (d, r) or, for layers attached with a group, this rank's rows of U."""
 
     def hook_for(layer, u):
         def hook(module, args, out):
@@ -106,7 +112,10 @@ def injected_tangents(layers, directions):
             y, y_t = fwAD.unpack_dual(out)  # (..., d), upstream tangent or None
             # dY = -(X A^T) U^T. Shapes: (N, k) @ (k, r) -> (N, r); (N, r) @ (r, d) -> (N, d)
             p = x.reshape(-1, x.shape[-1]) @ layer.projection.to(x.dtype).t()
-            dy = -(p @ u.to(x.dtype).t()).reshape(y.shape)
+            # Row-sharded U (rowadam.py departure 6): this layer's whole U, gathered for this
+            # forward only, as FSDP gathers the weight.
+            u_all = layer.all_rows(u)  # (d, r)
+            dy = -(p @ u_all.to(x.dtype).t()).reshape(y.shape)
             return fwAD.make_dual(y, dy if y_t is None else y_t + dy)
         return hook
 
@@ -175,8 +184,9 @@ def _probe_sums(model, decoder, head, layers, directions, ids, mask, am, tempera
         if fwAD.unpack_dual(hidden).tangent is None:
             raise RuntimeError("the tangent was lost in the decoder (an op without forward AD?)")
         scored = hidden[:, :-1][mask[:, 1:]]  # (M, h): the positions that sampled a generated token
-        for start in range(0, scored.shape[0], HEAD_CHUNK):
-            z, u = fwAD.unpack_dual(head(scored[start:start + HEAD_CHUNK]))  # (c, V) each
+        chunk = max(1, HEAD_CHUNK_BYTES // (BYTES_PER_VOCAB_ENTRY * head.weight.shape[0]))  # positions
+        for start in range(0, scored.shape[0], chunk):
+            z, u = fwAD.unpack_dual(head(scored[start:start + chunk]))  # (c, V) each
             if u is None:
                 raise RuntimeError("the tangent was lost in the output head")
             kl = token_kl(z, u, temperature)  # (c,)

@@ -33,9 +33,9 @@ Defaults: beta2 = 0.95, eps = 1e-8, update_ratio = 6e-5, factor dtype bf16.
 
 Use
 ---
-    opt = RowAdam(layers, base_seed=seed)      # layers = sketch.attach(model, rank, seed)
+    opt = RowAdam(layers, base_seed=seed)      # layers = sketch.attach(model, rank, seed[, group])
     ...backward into the sketches...
-    opt.prepare()                               # all_reduce, directions, global scale
+    opt.prepare()                               # directions, global scale (this rank's rows)
     alpha = ...                                 # kl_control.py, from opt.directions
     factors = opt.merge(alpha)                  # W -= F A; zero sketches; refresh A
 
@@ -60,6 +60,11 @@ Departures, numbered
    Then fp32 = bf16(fp32) + an int16 count of fp32 ulps, exactly, so a rollout engine can hold
    the trainer's fp32 master as vLLM's bf16 weight plus a 2-byte residual (sync.py) instead
    of a 4-byte copy. Both sides apply the same rule to the same bits.
+6. State is row-sharded like the weights under FSDP2 (sketch.py departure 5): each rank holds
+   its rows of S, U and v and merges its rows of W. What the formulas take over all of a
+   layer's rows (mean root, minimum denominator, mean square scale, the norms, c) is summed
+   from per-rank partial sums in float64 with small all_reduces, so that no rank ever holds
+   a whole layer's S or U; the KL probe and the engine sync gather U or F one layer at a time.
 """
 
 import math
@@ -73,42 +78,77 @@ MERGE_CHUNK_ROWS = 1024
 
 
 # -----------------------------------------------------------------------------
-# The per-layer direction
+# The direction, over row shards
 
-def row_adam_direction(sketch, second_moment, *, step, beta2=0.95, eps=1e-8):
-    """RowAdam direction D (d, r) of one layer's sketch; updates `second_moment` (d,) in place.
+def _sum_over(values, group, op=None):
+    """Reduce a small vector over `group`; `group=None`: this process holds every row (identity)."""
+    if group is not None:
+        dist.all_reduce(values, op=op or dist.ReduceOp.SUM, group=group)
+    return values
 
-    Validates everything first: on error the moment is left unchanged.
+
+def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=None, group=None, out=None):
+    """RowAdam directions D (n, r), one per layer, from this rank's sketch rows S (n, r) and
+    row moments v (n,); returns (directions, new moments) and changes nothing in place.
+
+    Every quantity taken over all of a layer's rows (the mean root, the minimum denominator,
+    the mean square of the row scales, the two Frobenius norms) is this rank's partial sum or
+    minimum, reduced across `group` in float64 (departure 6); `rows[i]` is layer i's total row
+    count d. `group=None`: this process holds all rows (the formula of the module docstring). `out`: preallocated (n, r) buffers for the directions (no transient copies).
     """
-    if sketch.dim() != 2:
-        raise ValueError(f"sketch must be (d, r), got shape {tuple(sketch.shape)}")
-    if second_moment.shape != (sketch.shape[0],):
-        raise ValueError(f"second moment must have shape ({sketch.shape[0]},), got {tuple(second_moment.shape)}")
+    for sk, v in zip(sketches, moments):
+        if sk.dim() != 2:
+            raise ValueError(f"sketch must be (n, r), got shape {tuple(sk.shape)}")
+        if v.shape != (sk.shape[0],):
+            raise ValueError(f"second moment must have shape ({sk.shape[0]},), got {tuple(v.shape)}")
     if step < 1:
         raise ValueError(f"step is 1-based, got {step}")
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
+    device = sketches[0].device
+    rows = [sk.shape[0] for sk in sketches] if rows is None else rows
+    n_rows = torch.tensor(rows, dtype=torch.float64, device=device)  # (L,)
+
+    # v <- beta2 v + (1 - beta2) mean_j S_ij^2 ; root <- sqrt(v / (1 - beta2^t))
+    new_v = [beta2 * v + (1 - beta2) * sk.to(v.dtype).square().mean(dim=1) for sk, v in zip(sketches, moments)]  # (n,)
+    roots = [(v / (1 - beta2**step)).sqrt() for v in new_v]  # (n,)
+    # den <- root + max(eps mean(root), tiny), mean over all d rows of the layer
+    root_sum = _sum_over(torch.stack([r.double().sum() for r in roots]), group)  # (L,)
+    dens = []
+    for root, total, d in zip(roots, root_sum, n_rows):
+        tiny = torch.finfo(root.dtype).tiny
+        dens.append(root + torch.clamp(eps * (total / d).to(root.dtype), min=tiny))  # (n,)
+    # s <- min(den) / den, then s <- s / sqrt(mean(s^2))
+    inf = float("inf")
+    den_min = _sum_over(torch.stack([den.min().double() if den.numel() else torch.tensor(inf, dtype=torch.float64,
+                                     device=device) for den in dens]), group, dist.ReduceOp.MIN)  # (L,)
+    scales = [m.to(den.dtype) / den for m, den in zip(den_min, dens)]  # (n,) in (0, 1]
+    sq_sum = _sum_over(torch.stack([sc.double().square().sum() for sc in scales]), group)  # (L,)
+    scales = [sc / (q / d).sqrt().to(sc.dtype) for sc, q, d in zip(scales, sq_sum, n_rows)]
+    # D <- s[:, None] S, then D <- D ||S|| / ||D||
+    dirs = []
+    for i, (sk, sc) in enumerate(zip(sketches, scales)):
+        buf = out[i] if out is not None else torch.empty_like(sk)
+        dirs.append(torch.mul(sk, sc[:, None].to(sk.dtype), out=buf))  # (n, r)
+    norms = _sum_over(torch.stack([torch.stack([sk.double().square().sum(), d.double().square().sum()])
+                                   for sk, d in zip(sketches, dirs)]), group)  # (L, 2)
+    for d, (s_sq, d_sq) in zip(dirs, norms):
+        if d_sq > 0:
+            d.mul_((s_sq / d_sq).sqrt().to(d.dtype))
+    return dirs, new_v
+
+
+def row_adam_direction(sketch, second_moment, *, step, beta2=0.95, eps=1e-8):
+    """RowAdam direction D (d, r) of one whole layer's sketch; updates `second_moment` (d,) in place.
+
+    Validates everything first: on error the moment is left unchanged.
+    """
     if not torch.isfinite(sketch).all():
         raise FloatingPointError("sketch has non-finite values (inf/nan in the loss or its backward)")
-
-    s_ = sketch.to(second_moment.dtype)  # (d, r)
-    # v <- beta2 v + (1 - beta2) mean_j S_ij^2
-    v = beta2 * second_moment + (1 - beta2) * s_.square().mean(dim=1)  # (d,)
-    # root <- sqrt(v / (1 - beta2^t))
-    root = (v / (1 - beta2**step)).sqrt()  # (d,)
-    # den <- root + max(eps mean(root), tiny)
-    tiny = torch.finfo(root.dtype).tiny
-    den = root + torch.clamp(eps * root.mean(), min=tiny)  # (d,)
-    # s <- min(den) / den, then s <- s / sqrt(mean(s^2))
-    scale = den.min() / den  # (d,), in (0, 1]
-    scale = scale / scale.square().mean().sqrt()
-    # D <- s[:, None] S, then D <- D ||S|| / ||D||
-    d = scale[:, None] * s_  # (d, r)
-    d_norm = d.norm()
-    if d_norm > 0:
-        d = d * (s_.norm() / d_norm)
+    (d,), (v,) = row_adam_directions([sketch.to(second_moment.dtype)], [second_moment], step=step, beta2=beta2,
+                                     eps=eps)
     second_moment.copy_(v)
     return d.to(sketch.dtype)
 
@@ -160,13 +200,6 @@ def avoid_bf16_ties_(w):
     return w
 
 
-def _sum_across(values, group):
-    """Sum a small fp64 vector over the data-parallel group (identity with one process)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(values, group=group)
-    return values
-
-
 # -----------------------------------------------------------------------------
 # The optimizer
 
@@ -183,59 +216,72 @@ class RowAdam:
                                 f"resolution of ~4e-3 and would be rounded away)")
         if len({layer.update for layer in layers}) != 1 or len({l.base_seed for l in layers}) != 1:
             raise ValueError("all layers must share one base seed and update number")
+        if len({id(layer.group) for layer in layers}) != 1:
+            raise ValueError("all layers must share one process group (or none)")
         if layers[0].base_seed != base_seed:
             raise ValueError(f"layers were attached with seed {layers[0].base_seed}, not {base_seed}")
         if not 0.0 <= beta2 < 1.0 or not eps > 0 or not update_ratio > 0:
             raise ValueError("need 0 <= beta2 < 1, eps > 0, update_ratio > 0")
         self.layers = layers
+        self.group = layers[0].group  # rows are sharded over it (sketch.py departure 5), or None
         self.base_seed, self.beta2, self.eps = base_seed, beta2, eps
         self.update_ratio, self.factor_dtype = update_ratio, factor_dtype
         self.update = layers[0].update  # completed updates; the formulas' t is update + 1
-        # v: one fp32 second moment per output row, per layer.
+        # v: one fp32 second moment per output row this rank holds, per layer.
         self.moments = [torch.zeros(l.sketch.shape[0], dtype=l.sketch.dtype, device=l.sketch.device)
-                        for l in layers]  # (d,) each
-        self.directions = None  # U per layer (d, r), set by prepare
+                        for l in layers]  # (n,) each
+        # U per layer, this rank's rows (n, r): allocated once and written in place by every
+        # prepare (no transient copies); `directions` exposes them between prepare and merge.
+        self._u = [torch.empty_like(l.sketch) for l in layers]
+        self.directions = None
         self._pending_moments = None
 
     @property
     def rank(self):
         return self.layers[0].rank
 
-    # -- prepare: reduce sketches, directions, global scale -------------------------
+    # -- prepare: directions, global scale --------------------------------------------
 
     @torch.no_grad()
     def prepare(self, group=None) -> float:
-        """Sum the sketches over ranks, compute every layer's U = c D; return ||S|| (all layers)."""
+        """Compute every layer's U = c D (this rank's rows); return ||S|| over all layers.
+
+        The sketches were already summed over ranks: in backward (row-sharded layers) or, for
+        whole sketches held by several processes, here with one all_reduce each over `group`.
+        """
         if self.directions is not None:
             raise RuntimeError("prepare() was already called for this update: merge() or discard() first")
-        # One all_reduce of all sketches, into a copy: the sketches stay as they were if this fails.
-        flat = torch.cat([l.sketch.flatten() for l in self.layers])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flat, group=group)
-        if not torch.isfinite(flat).all():
+        if group is not None and self.group is None:
+            for l in self.layers:  # whole sketches on every process: sum them (in place)
+                dist.all_reduce(l.sketch, group=group)
+        sketches = [l.sketch for l in self.layers]  # (n, r) each, summed over ranks
+        bad = torch.tensor([float(sum(int(not torch.isfinite(s).all()) for s in sketches))],
+                           dtype=torch.float64, device=sketches[0].device)
+        if _sum_over(bad, self.group).item():
             raise FloatingPointError("summed sketch has non-finite values: nothing was changed")
-        sketches = list(torch.split(flat, [l.sketch.numel() for l in self.layers]))
-        sketches = [s.view_as(l.sketch) for s, l in zip(sketches, self.layers)]  # (d, r) each
 
-        moments = [v.clone() for v in self.moments]
-        dirs = [row_adam_direction(s, v, step=self.update + 1, beta2=self.beta2, eps=self.eps)
-                for s, v in zip(sketches, moments)]  # D (d, r) each
+        dirs, moments = row_adam_directions(sketches, self.moments, step=self.update + 1, beta2=self.beta2,
+                                            eps=self.eps, rows=[l.rows for l in self.layers], group=self.group,
+                                            out=self._u)  # D (n, r) each, in the U buffers
 
         # c = update_ratio sqrt( sum ||W||^2 / sum ||D A||^2 ), both summed over this rank's
         # rows, then across ranks (departure 1: ||D A||^2 = sum((D A A^T) * D)).
-        totals = torch.zeros(2, dtype=torch.float64, device=flat.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=sketches[0].device)
         for layer, d in zip(self.layers, dirs):
-            rows, offset = local_rows(layer.module.weight)
+            rows, _ = local_rows(layer.module.weight)
             a = layer.projection.to(torch.float64)  # (r, k)
             gram = a @ a.t()  # (r, r)
-            d_local = d[offset:offset + rows.shape[0]].to(torch.float64)  # (n, r)
+            d64 = d.to(torch.float64)  # (n, r)
             totals[0] += rows.to(torch.float64).square().sum()
-            totals[1] += ((d_local @ gram) * d_local).sum()
-        w_sq, da_sq = _sum_across(totals, group).tolist()
+            totals[1] += ((d64 @ gram) * d64).sum()
+            totals[2] += layer.sketch.to(torch.float64).square().sum()
+        w_sq, da_sq, s_sq = _sum_over(totals, self.group).tolist()
         c = self.update_ratio * math.sqrt(w_sq / da_sq) if da_sq > 0 else 0.0
-        self.directions = [c * d for d in dirs]  # U (d, r) each
+        for d in dirs:
+            d.mul_(c)  # U = c D, in place
+        self.directions = dirs
         self._pending_moments = moments
-        return flat.norm().item()
+        return math.sqrt(s_sq)
 
     def discard(self) -> None:
         """Abandon a prepared update: directions dropped, moments and counter unchanged."""
@@ -245,16 +291,20 @@ class RowAdam:
 
     @torch.no_grad()
     def merge(self, alpha: float) -> list[torch.Tensor]:
-        """Merge bf16(alpha U) @ A into every weight; return the factors F exactly as merged."""
+        """Merge bf16(alpha U) @ A into this rank's rows of every weight; return this rank's
+        rows of the factors F exactly as merged (`sketch.gather_rows` completes them)."""
         if self.directions is None:
             raise RuntimeError("merge() needs prepare() first")
         alpha = float(alpha)
         if not math.isfinite(alpha) or alpha < 0:
             raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
-        factors = [(alpha * u).to(self.factor_dtype) for u in self.directions]  # F (d, r) each
+        factors = [(alpha * u).to(self.factor_dtype) for u in self.directions]  # F (n, r) each
         for layer, f in zip(self.layers, factors):
-            rows, offset = local_rows(layer.module.weight)
-            merge_rows(rows, f, layer.projection, offset)
+            rows, _ = local_rows(layer.module.weight)
+            if rows.shape[0] != f.shape[0]:
+                raise RuntimeError(f"{layer.name}: {rows.shape[0]} local weight rows but {f.shape[0]} sketch rows "
+                                   f"(attach(..., group=...) must match the FSDP2 sharding)")
+            merge_rows(rows, f, layer.projection)
         for v, new in zip(self.moments, self._pending_moments):
             v.copy_(new)
         self.discard()
@@ -267,12 +317,22 @@ class RowAdam:
     # -- checkpoints ----------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """Moments, counter and configuration. Row-sharded moments are DTensors on the
+        weights' device mesh, so that torch.distributed.checkpoint saves every rank's rows."""
         return {
             "update": self.update,
-            "moments": {l.name: v.clone() for l, v in zip(self.layers, self.moments)},
+            "moments": {l.name: self._shared(l, v.clone()) for l, v in zip(self.layers, self.moments)},
             "base_seed": self.base_seed, "rank": self.rank,
             "beta2": self.beta2, "eps": self.eps, "update_ratio": self.update_ratio,
         }
+
+    def _shared(self, layer, v):
+        if self.group is None:
+            return v
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(v, layer.module.weight.device_mesh, [Shard(0)], run_check=False,
+                                  shape=(layer.rows,), stride=(1,))
 
     def load_state_dict(self, state: dict) -> None:
         names = [l.name for l in self.layers]
@@ -281,14 +341,14 @@ class RowAdam:
                              f"this optimizer has rank {self.rank}, seed {self.base_seed}")
         if list(state["moments"]) != names:
             raise ValueError("checkpoint holds a different set of target layers")
+        local = {n: (m.to_local() if hasattr(m, "to_local") else m) for n, m in state["moments"].items()}
         for l, v in zip(self.layers, self.moments):
-            if state["moments"][l.name].shape != v.shape:
-                raise ValueError(f"{l.name}: moment shape {tuple(state['moments'][l.name].shape)} "
-                                 f"!= {tuple(v.shape)}")
+            if local[l.name].shape != v.shape:
+                raise ValueError(f"{l.name}: moment shape {tuple(local[l.name].shape)} != {tuple(v.shape)}")
         if self.directions is not None:
             raise RuntimeError("cannot load state over a prepared update: discard() first")
         for l, v in zip(self.layers, self.moments):
-            v.copy_(state["moments"][l.name])
+            v.copy_(local[l.name])
         self.beta2, self.eps, self.update_ratio = state["beta2"], state["eps"], state["update_ratio"]
         self.update = state["update"]
         for layer in self.layers:

@@ -41,6 +41,11 @@ Departures, numbered
 4. A layer keeps the signs of `A` as int8 (1 byte per entry) and forms `A = signs / sqrt(r)`
    in the compute dtype when it is used: 0.27 GiB instead of 1.08 GiB of fp32 projections
    per GPU for the 7B targets at r = 256. The values are the ones an fp32 `A` would hold.
+5. Under FSDP2 each rank keeps only its rows of each sketch, the rows it holds of the weight
+   (`attach(..., group=...)`): backward forms this micro-batch's `dY^T P` (d, r) for the
+   layer and a reduce-scatter adds every rank's contribution into the owners' rows, as FSDP
+   reduce-scatters gradients. The sum over ranks then happens per micro-batch instead of
+   once per update, and a rank holds d/world rows of S (0.33 instead of 1.33 GiB at 7B).
 """
 
 import hashlib
@@ -48,6 +53,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -108,13 +114,13 @@ class _SketchedLinear(torch.autograd.Function):
     """Y = X W^T + b; backward gives dX and adds dY^T (X A^T) into `sketch`; no dW."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, projection, sketch):
+    def forward(ctx, x, weight, bias, projection, sketch, group):
         y = F.linear(x, weight, bias)  # (..., d)
         # P = X A^T, kept for the sketch instead of X.
         # Shapes: (N, k) @ (k, r) -> (N, r)
         p = x.reshape(-1, x.shape[-1]) @ projection.to(x.dtype).t()
         ctx.save_for_backward(p, weight)
-        ctx.sketch = sketch
+        ctx.sketch, ctx.group = sketch, group
         ctx.save_for_forward(weight)
         return y
 
@@ -125,37 +131,84 @@ class _SketchedLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])  # (N, d)
         # Sketch: S += dY^T P, accumulated in the sketch's dtype (fp32).
         # Shapes: (d, N) @ (N, r) -> (d, r)
-        sketch.addmm_(dy2.t().to(sketch.dtype), p.to(sketch.dtype))
+        if ctx.group is None:
+            sketch.addmm_(dy2.t().to(sketch.dtype), p.to(sketch.dtype))
+        else:  # this rank keeps its rows of the sum over the group (departure 5)
+            sketch.add_(reduce_scatter_rows(dy2.t().to(sketch.dtype) @ p.to(sketch.dtype), ctx.group))
         dx = None
         if ctx.needs_input_grad[0]:
             # Input gradient: dX = dY W, as in any linear layer.
             # Shapes: (..., d) @ (d, k) -> (..., k)
             dx = dy @ weight.to(dy.dtype)
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_t, weight_t, bias_t, projection_t, sketch_t):
+    def jvp(ctx, x_t, weight_t, bias_t, projection_t, sketch_t, group_t):
         # Forward-mode AD (the KL probe): the output tangent is dX W^T.
         # Shapes: (..., k) @ (k, d) -> (..., d)
         (weight,) = ctx.saved_tensors  # in jvp these are the ones saved for forward
         return x_t @ weight.to(x_t.dtype).t()
 
 
-def sketched_linear(x, weight, bias, projection, sketch):
+def sketched_linear(x, weight, bias, projection, sketch, group=None):
     """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r) in place.
 
-    Differentiable with respect to `x` only. Inputs of any leading shape (..., k).
+    With a process `group`, `sketch` holds this rank's rows only (`row_shard`) and backward
+    adds this rank's rows of the sum over the group (one reduce-scatter). Differentiable with
+    respect to `x` only. Inputs of any leading shape (..., k).
     """
     d, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
     if projection.shape[-1] != k or projection.dim() != 2:
         raise ValueError(f"projection must be (r, {k}), got {tuple(projection.shape)}")
-    if sketch.shape != (d, projection.shape[0]):
-        raise ValueError(f"sketch must be ({d}, {projection.shape[0]}), got {tuple(sketch.shape)}")
+    rows = d if group is None else row_shard(d, group)[1]
+    if sketch.shape != (rows, projection.shape[0]):
+        raise ValueError(f"sketch must be ({rows}, {projection.shape[0]}), got {tuple(sketch.shape)}")
     if not (torch.is_grad_enabled() and x.requires_grad):
         return F.linear(x, weight, bias)  # no backward will run: no P (departure 3)
-    return _SketchedLinear.apply(x, weight, bias, projection, sketch)
+    return _SketchedLinear.apply(x, weight, bias, projection, sketch, group)
+
+
+# -----------------------------------------------------------------------------
+# Row shards of a sketch (the rows an FSDP2 rank holds of the weight: torch.chunk of dim 0)
+
+# torch 2.13 names them *_single; older releases *_tensor.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def row_shard(d: int, group) -> tuple[int, int]:
+    """(first row, row count) of this rank's chunk of `d` rows: ceil(d / world) rows each."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    chunk = -(-d // world)
+    start = min(me * chunk, d)
+    return start, min(chunk, d - start)
+
+
+def _padded_rows(d: int, group) -> int:
+    return -(-d // dist.get_world_size(group)) * dist.get_world_size(group)
+
+
+def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
+    """This rank's rows (n, r) of the sum over `group` of every rank's `full` (d, r)."""
+    d = full.shape[0]
+    padded = full if _padded_rows(d, group) == d else \
+        torch.cat([full, full.new_zeros(_padded_rows(d, group) - d, *full.shape[1:])])  # (world * chunk, r)
+    out = full.new_empty(padded.shape[0] // dist.get_world_size(group), *full.shape[1:])  # (chunk, r)
+    _reduce_scatter(out, padded, group=group)
+    return out[:row_shard(d, group)[1]]
+
+
+def gather_rows(local: torch.Tensor, d: int, group) -> torch.Tensor:
+    """All `d` rows (d, r) from every rank's rows (n, r) (the inverse of the row shard)."""
+    world = dist.get_world_size(group)
+    chunk = -(-d // world)
+    padded = local if local.shape[0] == chunk else \
+        torch.cat([local, local.new_zeros(chunk - local.shape[0], *local.shape[1:])])  # (chunk, r)
+    out = local.new_empty(chunk * world, *local.shape[1:])  # (world * chunk, r)
+    _all_gather(out, padded, group=group)
+    return out[:d]
 
 
 # -----------------------------------------------------------------------------
@@ -168,9 +221,15 @@ class LayerSketch:
     name: str
     module: nn.Linear
     signs: torch.Tensor  # (r, k) int8 +-1: A_t = signs / sqrt(r) (departure 4)
-    sketch: torch.Tensor  # (d, r), fp32 (float64 for float64 models)
+    sketch: torch.Tensor  # (d, r), or this rank's (n, r) rows with a group; fp32 (float64 for float64 models)
     base_seed: int
     update: int = 0
+    group: object = None  # the process group over which rows are sharded (departure 5), or None
+
+    @property
+    def rows(self) -> int:
+        """d, the layer's out_features (all rows, whichever this rank holds)."""
+        return self.module.weight.shape[0]
 
     @property
     def rank(self) -> int:
@@ -181,9 +240,14 @@ class LayerSketch:
         """A_t (r, k) in the sketch's dtype, formed from the signs on each use."""
         return projection_from_signs(self.signs, self.sketch.dtype)
 
+    def all_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """All d rows (d, r) of a row-sharded (n, r) tensor such as U or F (gathered over the
+        group), or `local` itself when rows are not sharded."""
+        return local if self.group is None else gather_rows(local, self.rows, self.group)
+
     def forward(self, x):
         m = self.module
-        return sketched_linear(x, m.weight, m.bias, self.projection, self.sketch)
+        return sketched_linear(x, m.weight, m.bias, self.projection, self.sketch, self.group)
 
     def refresh(self, update: int) -> None:
         """Switch to A_update (after update `update - 1` has been merged, or on resume)."""
@@ -204,10 +268,13 @@ def _require_grad_hook(module, args, output):
     return output.requires_grad_(True) if torch.is_grad_enabled() else output
 
 
-def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: int = 0) -> list[LayerSketch]:
+def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: int = 0,
+           group=None) -> list[LayerSketch]:
     """Install sketches on every target `nn.Linear` of a causal LM; freeze every parameter.
 
-    Returns the layers in module order. Undo with `detach(model)`.
+    `group`: the FSDP2 data-parallel group of an FSDP2-sharded model. Each rank then keeps
+    only its rows of every sketch (the rows it holds of the weight), summed over the group in
+    backward (departure 5). Returns the layers in module order. Undo with `detach(model)`.
     """
     if getattr(model, "_logra_attached", None) is not None:
         raise RuntimeError("model already has sketches attached; call detach(model) first")
@@ -229,10 +296,18 @@ def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: i
     for clean, module in found:
         weight = module.weight
         acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        rows = module.out_features
+        if group is not None:
+            start, rows = row_shard(module.out_features, group)
+            local = weight.to_local().shape[0] if hasattr(weight, "to_local") else None
+            if local != rows:
+                raise ValueError(f"{clean}: row-sharded sketches need the weight sharded the same way (FSDP2 "
+                                 f"fully_shard over the group: {rows} rows here), got "
+                                 f"{'a replicated weight' if local is None else f'{local} local rows'}")
         signs = make_signs(rank, module.in_features, projection_seed(seed, update, clean),
                            device=weight.device)  # (r, k) int8
-        s = torch.zeros(module.out_features, rank, device=weight.device, dtype=acc_dtype)  # (d, r)
-        layer = LayerSketch(clean, module, signs, s, seed, update)
+        s = torch.zeros(rows, rank, device=weight.device, dtype=acc_dtype)  # (d, r), or this rank's (n, r)
+        layer = LayerSketch(clean, module, signs, s, seed, update, group)
         module.forward = layer.forward  # an instance attribute: `del` restores nn.Linear.forward
         layers.append(layer)
 

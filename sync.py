@@ -268,6 +268,7 @@ class EngineWeights:
         self.base_seed, self.rank, self.update = base_seed, rank, update
         self.slots = {}
         self._loading = {}  # name -> update of a full sync that has not reached every layer yet
+        self._merged = set()  # layers that merged the current update's delta (a streamed update)
         for name, param, row, rows in _target_blocks(model, layout):
             if rank > param.shape[1]:
                 raise ValueError(f"{name}: rank {rank} exceeds in_features {param.shape[1]}")
@@ -295,9 +296,12 @@ class EngineWeights:
             raise ValueError(f"payload has seed {payload.base_seed}, rank {payload.rank}; engine expects "
                              f"seed {self.base_seed}, rank {self.rank}")
         unknown = sorted(set(payload.factors) - set(self.slots))[:3]
-        missing = sorted(set(self.slots) - set(payload.factors))[:3]
-        if unknown or (kind == "delta" and missing) or not payload.factors:
-            raise ValueError(f"payload layers differ from the engine's: missing {missing}, unknown {unknown}")
+        if unknown or not payload.factors:
+            raise ValueError(f"payload layers differ from the engine's: unknown {unknown}, "
+                             f"{len(payload.factors)} layers")
+        again = sorted(set(payload.factors) & self._merged)[:3] if kind == "delta" else []
+        if again:
+            raise ValueError(f"payload for update {payload.update} already merged (duplicate) for {again}")
         for name, t in payload.factors.items():
             slot = self.slots[name]
             want = (slot.rows, self.rank) if kind == "delta" else tuple(slot.residual.shape)
@@ -312,10 +316,15 @@ class EngineWeights:
 
     @torch.no_grad()
     def apply(self, payload: Payload) -> None:
-        """Merge W -= F @ A_update into every target; only the next update number is accepted."""
+        """Merge W -= F @ A_update into the payload's targets: all of them, or some (one decoder
+        layer per payload); once every target has merged it, the engine expects the next
+        update. Only the current update number is accepted, each layer once."""
         if self._loading:
             raise ValueError(f"a full sync is incomplete ({len(self.slots) - len(self._loading)} of "
                              f"{len(self.slots)} layers missing): no delta can be merged")
+        if self._merged and payload.kind == "delta" and payload.update != self.update:
+            raise ValueError(f"update {self.update} is incomplete ({len(self.slots) - len(self._merged)} layers "
+                             f"missing): payload for update {payload.update} refused")
         if payload.update != self.update:
             what = "already merged (duplicate)" if payload.update < self.update else "skips updates"
             raise ValueError(f"payload for update {payload.update} {what}: engine expects update {self.update}")
@@ -334,7 +343,9 @@ class EngineWeights:
                 hi, lo = split_master(master)
                 w[start:stop].copy_(hi)
                 slot.residual[start:stop].copy_(lo)
-        self.update += 1
+            self._merged.add(name)
+        if len(self._merged) == len(self.slots):
+            self.update, self._merged = self.update + 1, set()
 
     @torch.no_grad()
     def load_full(self, payload: Payload) -> None:
@@ -343,6 +354,8 @@ class EngineWeights:
         number, the engine expects that update's delta next. fp32 payloads set the exact
         master (no bf16 ties allowed), bf16 ones a master equal to the bf16 weight."""
         self._check(payload, "full")
+        if self._merged:
+            raise ValueError(f"update {self.update} is half merged: finish it before a full sync")
         if self._loading and set(self._loading.values()) != {payload.update}:
             raise ValueError(f"a full sync for update {payload.update} arrived while one for update "
                              f"{next(iter(self._loading.values()))} is incomplete")

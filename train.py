@@ -543,6 +543,17 @@ def full_weight(w):
     return w.full_tensor() if hasattr(w, "full_tensor") else w
 
 
+def factor_sync(engine, layers, factors, *, update, cfg) -> int:
+    """The merged factors F to the engine, one decoder layer per payload: each layer's rows are
+    gathered across ranks (row-sharded F) for that payload only. Returns the bytes sent."""
+    by_name = {layer.name: (layer, f) for layer, f in zip(layers, factors)}
+    sent = 0
+    for names in sync.layer_groups(by_name):
+        part = {n: by_name[n][0].all_rows(by_name[n][1]) for n in names}  # (d, r) each
+        sent += engine.apply(sync.Payload(update, cfg["seed"], cfg["rank"], part))
+    return sent
+
+
 def full_sync(engine, modules, *, update, cfg, dtype) -> int:
     """Full target weights to the engine, streamed one decoder layer per payload: the trainer
     gathers (FSDP2) one weight at a time and neither side holds more than one layer's targets
@@ -886,7 +897,10 @@ def main(argv=None):
     if cfg["checkpointing"]:
         enable_checkpointing(model)
     if cfg["optimizer"] == "logra":
-        layers = sketch.attach(model, rank=cfg["rank"], seed=cfg["seed"])
+        # Under FSDP2 each rank keeps its rows of every sketch, direction and moment, the rows
+        # it holds of the weight (sketch.py departure 5, rowadam.py departure 6).
+        sharded = any(hasattr(m.weight, "to_local") for m in sketch.target_modules(model).values())
+        layers = sketch.attach(model, rank=cfg["rank"], seed=cfg["seed"], group=dist.group.WORLD if sharded else None)
         opt = rowadam.RowAdam(layers, base_seed=cfg["seed"], update_ratio=cfg["update_ratio"])
     else:
         targets = [m.weight for m in sketch.target_modules(model).values()]
@@ -981,8 +995,7 @@ def main(argv=None):
             lap("merge")
         # --- sync ----------------------------------------------------------------------------
         if cfg["optimizer"] == "logra" and cfg["sync"] == "factors":
-            sync_bytes = engine.apply(sync.Payload(update, cfg["seed"], cfg["rank"],
-                                                   {l.name: f for l, f in zip(layers, factors)}))
+            sync_bytes = factor_sync(engine, layers, factors, update=update, cfg=cfg)
         else:  # AdamW, or the paper's control: full bf16 target weights, one layer at a time
             sync_bytes = full_sync(engine, modules, update=update + 1, cfg=cfg, dtype=torch.bfloat16)
         sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())

@@ -231,23 +231,48 @@ def test_resume_is_bitwise():
 
 
 # ---------------------------------------------------------------------------
-# Two processes: each rank holds a different sketch
+# Two processes: FSDP2 row shards of the weights, and of every sketch, direction and moment
 
-def _two_rank_prepare(rank, world, out_dir):
-    model, layers, opt = setup(F64, factor_dtype=F64)
-    lm_loss(model, tiny_batch(seed=10 + rank)).backward()  # different data per rank
-    opt.prepare()
-    torch.save([u.clone() for u in opt.directions], os.path.join(out_dir, f"dirs{rank}.pt"))
+def _two_rank_sharded(rank, world, out_dir):
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_qwen2()  # fp32
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    layers = sketch.attach(model, rank=8, seed=3, group=torch.distributed.group.WORLD)
+    opt = rowadam.RowAdam(layers, base_seed=3, update_ratio=1e-3)
+    for step in range(2):
+        lm_loss(model, tiny_batch(seed=10 + 2 * step + rank)).backward()  # each rank its own data
+        opt.prepare()
+        # Each rank holds its rows only: ceil(d / 2) for rank 0.
+        assert all(u.shape[0] == -(-l.rows // 2) or rank == 1 for u, l in zip(opt.directions, layers))
+        dirs = [l.all_rows(u).clone() for l, u in zip(layers, opt.directions)]
+        opt.merge(0.7)
+    state = opt.state_dict()
+    full = {n: m.weight.full_tensor() for n, m in sketch.target_modules(model).items()}  # collectives:
+    moments = {n: v.full_tensor() for n, v in state["moments"].items()}  # every rank takes part
+    if rank == 0:
+        torch.save({"weights": full, "dirs": dirs, "moments": moments}, os.path.join(out_dir, "sharded.pt"))
 
 
-def test_two_process_prepare_equals_summed_sketch(tmp_path):
-    run_gloo(_two_rank_prepare, 2, str(tmp_path))
-    dirs = [torch.load(tmp_path / f"dirs{r}.pt") for r in range(2)]
-    # One process whose sketch is the sum of the two ranks' sketches.
-    model, layers, opt = setup(F64, factor_dtype=F64)
-    lm_loss(model, tiny_batch(seed=10)).backward()
-    lm_loss(model, tiny_batch(seed=11)).backward()
-    opt.prepare()
-    for a, b, ref in zip(dirs[0], dirs[1], opt.directions):
+def test_row_sharded_state_equals_one_process_bitwise(tmp_path):
+    """2 gloo ranks, each holding its rows of S, U, v and W, end with bitwise the weights,
+    directions and moments of one process whose sketch holds both ranks' batches."""
+    run_gloo(_two_rank_sharded, 2, str(tmp_path))
+    got = torch.load(tmp_path / "sharded.pt")
+    model = tiny_qwen2()
+    layers = sketch.attach(model, rank=8, seed=3)
+    opt = rowadam.RowAdam(layers, base_seed=3, update_ratio=1e-3)
+    for step in range(2):
+        for r in range(2):
+            lm_loss(model, tiny_batch(seed=10 + 2 * step + r)).backward()
+        opt.prepare()
+        dirs = [u.clone() for u in opt.directions]
+        opt.merge(0.7)
+    for (name, m), w in zip(sketch.target_modules(model).items(), got["weights"].values()):
+        assert torch.equal(m.weight.detach(), w), name
+    for a, b in zip(dirs, got["dirs"]):
         assert torch.equal(a, b)
-        torch.testing.assert_close(a, ref, rtol=1e-10, atol=1e-14)
+    for l, v in zip(layers, opt.moments):
+        assert torch.equal(v, got["moments"][l.name])

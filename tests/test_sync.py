@@ -128,7 +128,8 @@ def test_bad_payloads_are_rejected_and_change_nothing():
     p = payloads[2]
     for bad, match in [
         (sync.Payload(2, SEED + 1, RANK, p.factors), "seed"),
-        (sync.Payload(2, SEED, RANK, dict(list(p.factors.items())[1:])), "missing"),
+        (sync.Payload(2, SEED, RANK, {**p.factors, "model.layers.9.mlp.up_proj": p.factors["model.layers.0.mlp.up_proj"]}),
+         "unknown"),
         (sync.Payload(2, SEED, RANK, {**p.factors, "model.layers.0.mlp.up_proj": torch.zeros(80, 4, dtype=torch.bfloat16)}), "shape"),
         (sync.Payload(2, SEED, RANK, {**p.factors, "model.layers.1.mlp.down_proj": torch.full((48, RANK), float("nan"), dtype=torch.bfloat16)}), "non-finite"),
     ]:
@@ -311,3 +312,33 @@ def test_streamed_full_sync_equals_one_payload():
     for name in weights:
         assert torch.equal(streamed.master(name), one.master(name))
     sync.check_fingerprints(one.fingerprint(), streamed.fingerprint())
+
+
+def test_streamed_update_equals_one_payload():
+    """An update sent one decoder layer per payload (the trainer gathers F layer by layer)
+    merges to the same bits as one payload; a half-merged update refuses anything else."""
+    model, layers, opt, engine_model = trainer()
+    one = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    parts = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    start = sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
+    one.load_full(start)
+    parts.load_full(start)
+    payloads = [step(model, layers, opt, i) for i in range(2)]
+    for p in payloads:
+        one.apply(p)
+        first, second = sync.layer_groups(p.factors)
+        parts.apply(sync.Payload(p.update, SEED, RANK, {n: p.factors[n] for n in first}))
+        assert parts.update == p.update  # not complete yet
+        snap = snapshot(parts)
+        with pytest.raises(ValueError, match="duplicate"):
+            parts.apply(sync.Payload(p.update, SEED, RANK, {n: p.factors[n] for n in first}))
+        with pytest.raises(ValueError, match="incomplete"):
+            parts.apply(sync.Payload(p.update + 1, SEED, RANK, {n: p.factors[n] for n in second}))
+        with pytest.raises(ValueError, match="half merged"):
+            parts.load_full(start)
+        assert_unchanged(parts, snap)
+        parts.apply(sync.Payload(p.update, SEED, RANK, {n: p.factors[n] for n in second}))
+    assert parts.update == one.update == 2
+    for name in one.slots:
+        assert torch.equal(parts.master(name), one.master(name))
+    sync.check_fingerprints(sync.fingerprint(layers), parts.fingerprint())
