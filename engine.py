@@ -248,6 +248,7 @@ def engine_env(gpu, base=None) -> dict:
             raise ValueError(f"engine GPU {gpu} is not among the {len(visible)} GPUs this process sees "
                              f"(CUDA_VISIBLE_DEVICES={base['CUDA_VISIBLE_DEVICES']})")
         env["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # the engine process reads its card's size first
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)  # workers import engine
@@ -360,16 +361,20 @@ class VLLMEngine:
     `gpu`: index of the engine's GPU among those this process sees (None: a CPU engine).
     `residual_on_host`: keep the exact-merge residuals (sync.EngineWeights) in pinned host
     memory instead of on the engine's GPU (the 27B preset: they do not fit beside the weights).
+    On a GPU, vLLM gets the card's memory less `reserve_bytes` (what the extension adds there:
+    `train.memory_estimate` counts it); `gpu_memory_utilization` is used as given on CPUs,
+    where vLLM reads it as a share of the NUMA node's memory.
     `eos`/`pad`: token ids when the engine runs without a tokenizer (the tiny task); None
     takes them from the checkpoint's tokenizer. `timeout` bounds start-up and every command.
     """
 
     def __init__(self, *, model_path, context, seed, rank, gpu, device, log_path, timeout,
-                 gpu_memory_utilization=0.85, eos=None, pad=None, residual_on_host=False):
+                 gpu_memory_utilization=None, reserve_bytes=0, eos=None, pad=None, residual_on_host=False):
         self.device = torch.device(device)
         where = f"GPU {engine_env(gpu).get('CUDA_VISIBLE_DEVICES')}" if gpu is not None else "the CPU"
         spec = {"model": model_path, "context": context, "seed": seed, "device": self.device.type,
-                "gpu_memory_utilization": gpu_memory_utilization, "eos": eos, "pad": pad, "log": log_path}
+                "gpu_memory_utilization": gpu_memory_utilization, "reserve_bytes": reserve_bytes,
+                "eos": eos, "pad": pad, "log": log_path}
         self.proc = EngineProcess([sys.executable, os.path.join(HERE, "engine.py"), json.dumps(spec)],
                                   engine_env(gpu), log_path, where=where, timeout=timeout)
         try:
@@ -452,9 +457,15 @@ def serve(spec: dict) -> None:
     from vllm.inputs import TokensPrompt
 
     no_tokenizer = spec["eos"] is not None  # the tiny task: token ids in, token ids out
+    utilization = spec["gpu_memory_utilization"]
+    if spec["device"] == "cuda":  # the card less what the LoGRA extension will add to it
+        total = torch.cuda.mem_get_info()[1]
+        utilization = (total - spec["reserve_bytes"]) / total
+        print(f"engine: vLLM may use {utilization:.3f} of {total / 2**30:.1f} GiB "
+              f"({spec['reserve_bytes'] / 2**30:.2f} GiB reserved for the exact-merge state)", flush=True)
     try:
         llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["context"], seed=spec["seed"],
-                  gpu_memory_utilization=spec["gpu_memory_utilization"], enable_prefix_caching=True,
+                  gpu_memory_utilization=utilization, enable_prefix_caching=True,
                   worker_extension_cls="engine.WorkerExtension", skip_tokenizer_init=no_tokenizer,
                   enforce_eager=spec["device"] == "cpu",  # no compile warm-up on CPUs (tens of seconds)
                   logprobs_mode="processed_logprobs")  # log-probs after temperature/top-p, as sampled

@@ -140,6 +140,17 @@ def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=N
     return dirs, new_v
 
 
+def _sum_squares(t, block=2**20):
+    """sum(t^2) in float64, a block of elements at a time (no float64 copy of a whole weight)."""
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for start in range(0, flat.numel(), block):
+        part = flat[start:start + block].to(torch.float64)
+        total += torch.dot(part, part)
+        del part  # before the next block is made: one block at a time
+    return total
+
+
 def row_adam_direction(sketch, second_moment, *, step, beta2=0.95, eps=1e-8):
     """RowAdam direction D (d, r) of one whole layer's sketch; updates `second_moment` (d,) in place.
 
@@ -272,7 +283,7 @@ class RowAdam:
             a = layer.projection.to(torch.float64)  # (r, k)
             gram = a @ a.t()  # (r, r)
             d64 = d.to(torch.float64)  # (n, r)
-            totals[0] += rows.to(torch.float64).square().sum()
+            totals[0] += _sum_squares(rows)
             totals[1] += ((d64 @ gram) * d64).sum()
             totals[2] += layer.sketch.to(torch.float64).square().sum()
         w_sq, da_sq, s_sq = _sum_over(totals, self.group).tolist()

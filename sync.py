@@ -64,7 +64,7 @@ MAGIC = b"LOGRASYN"
 VERSION = 1
 ALIGN = 16
 CHECK_MOD = 65521  # positional weights of the checksum cycle through 1..65521
-CHECK_ROWS = 1024
+CHECK_WORDS = 2**20  # 16-bit words per checksum block (about 32 MiB of int64 work at most)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -117,8 +117,9 @@ def _checksum_rows(rows: torch.Tensor, row_offset: int) -> tuple[int, int]:
     width = words.shape[1]
     s1 = torch.zeros((), dtype=torch.int64, device=rows.device)
     s2 = torch.zeros((), dtype=torch.int64, device=rows.device)
-    for start in range(0, words.shape[0], CHECK_ROWS):
-        block = words[start:start + CHECK_ROWS].to(torch.int64)  # (c, k')
+    block_rows = max(1, CHECK_WORDS // max(width, 1))
+    for start in range(0, words.shape[0], block_rows):
+        block = words[start:start + block_rows].to(torch.int64)  # (c, k')
         first = (row_offset + start) * width
         pos = torch.arange(first, first + block.numel(), device=rows.device, dtype=torch.int64)
         s1 += block.sum()

