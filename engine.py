@@ -463,9 +463,10 @@ def serve(spec: dict) -> None:
         utilization = (total - spec["reserve_bytes"]) / total
         print(f"engine: vLLM may use {utilization:.3f} of {total / 2**30:.1f} GiB "
               f"({spec['reserve_bytes'] / 2**30:.2f} GiB reserved for the exact-merge state)", flush=True)
+    memory = {} if utilization is None else {"gpu_memory_utilization": utilization}  # None: vLLM's default
     try:
         llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["context"], seed=spec["seed"],
-                  gpu_memory_utilization=utilization, enable_prefix_caching=True,
+                  enable_prefix_caching=True, **memory,
                   worker_extension_cls="engine.WorkerExtension", skip_tokenizer_init=no_tokenizer,
                   enforce_eager=spec["device"] == "cpu",  # no compile warm-up on CPUs (tens of seconds)
                   logprobs_mode="processed_logprobs")  # log-probs after temperature/top-p, as sampled

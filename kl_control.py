@@ -194,6 +194,38 @@ def _probe_sums(model, decoder, head, layers, directions, ids, mask, am, tempera
             total[1] += kl.numel()
 
 
+@torch.no_grad()
+def scored_logprobs(model, input_ids, response_mask, *, temperature=1.0, max_responses=2, max_positions=512):
+    """log softmax(z / T) (M, V) at the positions the probe scores (the logits at t - 1 of each
+    generated token t of the first `max_responses` responses), at most `max_positions` of them,
+    in float64 (a step's KL is far below fp32's resolution of a log-prob): taken before a
+    merge, they let `realised_kl` measure the step after it."""
+    ids = input_ids[:max_responses]  # (B', T)
+    mask = response_mask[:max_responses].bool()  # (B', T)
+    logits = model(input_ids=ids).logits[:, :-1][mask[:, 1:]][:max_positions]  # (M, V)
+    return torch.log_softmax(logits.double() / temperature, dim=-1)
+
+
+@torch.no_grad()
+def realised_kl(old_logprobs, model, input_ids, response_mask, *, temperature=1.0, max_responses=2,
+                max_positions=512, group=None) -> float:
+    """Exact KL(pi_old || pi_new) per scored token, averaged over the same positions as
+    `old_logprobs` (from `scored_logprobs` before the merge), full vocabulary, float64;
+    sums and counts reduced across ranks. What the prediction alpha^2 KL1 stands for."""
+    new = scored_logprobs(model, input_ids, response_mask, temperature=temperature, max_responses=max_responses,
+                          max_positions=max_positions)  # (M, V)
+    total = torch.zeros(2, dtype=torch.float64, device=new.device)
+    for start in range(0, new.shape[0], 256):
+        old_c, new_c = old_logprobs[start:start + 256], new[start:start + 256]  # (c, V) float64
+        # KL = sum_v p_old (log p_old - log p_new)
+        total[0] += (old_c.exp() * (old_c - new_c)).sum()
+        total[1] += old_c.shape[0]
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, group=group)
+    kl_sum, count = total.tolist()
+    return kl_sum / count if count else 0.0
+
+
 # -----------------------------------------------------------------------------
 # Step size, budget schedule, mismatch subtraction
 
@@ -225,6 +257,7 @@ class Mismatch:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.momentum = momentum
         self.m = 0.0
+        self.active = False  # whether the last observed global batch had an EOS response
 
     @torch.no_grad()
     def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos, group=None):
@@ -245,6 +278,7 @@ class Mismatch:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total, group=group)
         gap_sum, count = total.tolist()
+        self.active = count > 0
         if count == 0:
             return None
         observed = max(0.0, gap_sum / count)
@@ -252,8 +286,9 @@ class Mismatch:
         return observed
 
     def adjust(self, budget) -> float:
-        """budget <- max(budget - m, 0.5 budget)."""
-        return max(budget - self.m, 0.5 * budget)
+        """budget <- max(budget - m, 0.5 budget); unchanged when no response of the last observed
+        global batch ended with EOS (then m was not updated either, as in the authors' code)."""
+        return max(budget - self.m, 0.5 * budget) if self.active else budget
 
     def state_dict(self):
         return {"m": self.m, "momentum": self.momentum}

@@ -94,7 +94,8 @@ def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=N
     Every quantity taken over all of a layer's rows (the mean root, the minimum denominator,
     the mean square of the row scales, the two Frobenius norms) is this rank's partial sum or
     minimum, reduced across `group` in float64 (departure 6); `rows[i]` is layer i's total row
-    count d. `group=None`: this process holds all rows (the formula of the module docstring). `out`: preallocated (n, r) buffers for the directions (no transient copies).
+    count d. `group=None`: this process holds all rows (the formula of the module docstring).
+    `out`: preallocated (n, r) buffers for the directions (no transient copies).
     """
     for sk, v in zip(sketches, moments):
         if sk.dim() != 2:

@@ -47,8 +47,11 @@ Departures, numbered
    parameter frozen as for LoGRA, so the two differ only in how the targets are updated.
 4. math-verify reads the gold answer wrapped in $...$ (bare LaTeX such as [1,3) or \\sqrt{2}
    is otherwise not parsed as LaTeX); SPEC writes verify(parse(gold), parse(pred)).
-5. The KL probe scores the first `probe_responses` (2) responses of each rank, as the paper;
-   its sample therefore grows with the number of ranks.
+5. The KL probe scores the first `probe_responses` (2) responses of each rank, as the paper,
+   and more until they hold `probe_tokens` generated tokens: the paper's responses run to
+   thousands of tokens, the tiny task's to a few, and KL1 from 16 tokens is noise (the tiny
+   preset scores 512, i.e. all its responses; the paper presets 2 responses). The sample
+   grows with the number of ranks.
 """
 
 import argparse
@@ -85,6 +88,7 @@ PRESETS = {
                    num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False),
         rank=32, batch=64, micro_batch=64, updates=150, temperature=1.0, max_new_tokens=8,
         update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, alpha_max=3.0, probe_responses=2,
+        probe_tokens=512, kl_real_positions=1024,
         adam_lr=1e-4, warmup_steps=1000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
         eval_every=25, eval_problems=256, eval_samples=2, eval_temperature=1.0, eval_top_p=1.0,
         checkpointing=False, save_every=10, seed=0, device="cpu", engine="hf",
@@ -99,6 +103,7 @@ PRESETS = {
                    vocab_size=151936),
         rank=256, batch=32, micro_batch=8, updates=4, temperature=1.0, max_new_tokens=8,
         update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0, probe_responses=2,
+        probe_tokens=0, kl_real_positions=256,
         adam_lr=1e-6, warmup_steps=300, warmup_batch=128, warmup_lr=3e-4, warmup_unboxed=0.0,
         eval_every=0, eval_problems=32, eval_samples=1, eval_temperature=1.0, eval_top_p=1.0,
         checkpointing=True, save_every=0, seed=0, device="cuda", engine="hf", context=32, engine_timeout=600,
@@ -111,7 +116,8 @@ PRESETS = {
 _PAPER = dict(
     task="math", rank=256, batch=128, micro_batch=2, updates=200, temperature=1.0, max_new_tokens=3072,
     context=4096, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0,
-    probe_responses=2, adam_lr=1e-6, warmup_steps=0, eval_every=10, eval_problems=500, eval_samples=4,
+    probe_responses=2, probe_tokens=0, kl_real_positions=256, adam_lr=1e-6, warmup_steps=0, eval_every=10,
+    eval_problems=500, eval_samples=4,
     eval_temperature=0.7, eval_top_p=0.7, checkpointing=True, save_every=20, seed=0, device="cuda",
     engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800,
     train_data="BytedTsinghua-SIA/DAPO-Math-17k", eval_data="HuggingFaceH4/MATH-500",
@@ -137,6 +143,7 @@ PRESETS.update({
     "tiny-math": dict(_PAPER, hf_id=None, train_data=None, eval_data=None, model=None,
                       rank=16, batch=16, micro_batch=8, updates=4, max_new_tokens=12, context=128,
                       update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, eval_every=0,
+                      probe_tokens=64,
                       eval_problems=20, eval_samples=2, save_every=0, device="cpu",
                       gpu_memory_utilization=0.1, engine_timeout=300),
 })
@@ -147,6 +154,7 @@ for _p in PRESETS.values():
 
 OVERRIDES = (("rank", int), ("batch", int), ("micro_batch", int), ("updates", int), ("update_ratio", float),
              ("kl_start", float), ("kl_end", float), ("kl_horizon", int), ("probe_responses", int),
+             ("probe_tokens", int), ("kl_real_positions", int),
              ("adam_lr", float), ("warmup_steps", int), ("eval_every", int), ("eval_problems", int),
              ("save_every", int), ("seed", int), ("device", str), ("engine", str), ("engine_timeout", float),
              ("train_data", str), ("eval_data", str))
@@ -540,6 +548,20 @@ def enable_checkpointing(model):
     model.train()  # Hugging Face checkpoints only in train mode (Qwen2 has no dropout)
 
 
+def probe_count(mask, responses: int, tokens: int) -> int:
+    """How many of this rank's responses the KL probe scores: the first `responses` (the
+    paper's 2), and more until they hold at least `tokens` generated tokens (all if need be).
+    The paper's responses run to thousands of tokens; a tiny task's are a few, and KL1 from
+    2 of them would be noise (departure 5)."""
+    per_response = mask.sum(dim=1).tolist()  # generated tokens of each response
+    count, seen = 0, 0
+    for n in per_response:
+        if count >= responses and seen >= tokens:
+            break
+        count, seen = count + 1, seen + n
+    return max(count, min(responses, len(per_response)))
+
+
 def full_weight(w):
     return w.full_tensor() if hasattr(w, "full_tensor") else w
 
@@ -730,7 +752,8 @@ MIN_KV_CACHE = 16 * 2**30
 
 
 def memory_estimate(model_cfg: dict, world: int, rank: int, *, micro_batch: int = 2, context: int = 4096,
-                    probe_tokens: int = 2 * 4096, compute_bytes: int = 2, gpu_bytes: int = GPU_BYTES) -> dict:
+                    probe_tokens: int = 2 * 4096, kl_real_positions: int = 256, compute_bytes: int = 2,
+                    gpu_bytes: int = GPU_BYTES) -> dict:
     """Per-GPU bytes of a run under `world`-way FSDP2, from the shapes (rank 0, the largest shard).
 
     Trainer, persistent: fp32 weight shards; AdamW's fp32 gradient and two moments per target
@@ -776,19 +799,21 @@ def memory_estimate(model_cfg: dict, world: int, rank: int, *, micro_batch: int 
     # and the sum's work are formed in float64 (measured: bench/memory_check.py)
     prepare = max(max(12 * rank * k, 8 * rank * k + max(32 * ceil(d) * rank, 8 * min(2**20, ceil(d) * k)))
                   for d, k in shapes)  # (||W||^2 is summed in float64 blocks of 2^20 entries)
-    # The probe is a forward pass (the weights in flight and the activations of any forward,
-    # counted with the activations) plus its own: the tangents beside the activations, one
-    # layer's gathered U, A formed in fp32, P and dY of the hook, and one output-head chunk.
+    # The probe is a forward pass with tangents over the first responses (after backward: the
+    # training activations are gone): its activations and tangents, and the hook's P and dY,
+    # are counted as activations; its own buffers are one layer's gathered U, A formed in
+    # fp32 and one output-head chunk.
     head = min(kl_control.HEAD_CHUNK_BYTES, probe_tokens * kl_control.BYTES_PER_VOCAB_ENTRY * vocab)
-    probe = (compute_bytes * probe_tokens * (4 * h + 2 * kv + 4 * inter) + 4 * d_max * rank + 8 * rank * k_max
-             + compute_bytes * probe_tokens * (rank + d_max) + head)
+    probe = 4 * d_max * rank + 8 * rank * k_max + head
+    probe_activations = compute_bytes * probe_tokens * (2 * (4 * h + 2 * kv + 4 * inter) + rank + d_max)
     # A in fp32 and float64, and a float64 (c, k) block with its fp32 result, c = min(chunk, rows)
     merge = max(12 * rank * k + 12 * min(chunk, ceil(d)) * k for d, k in shapes)
     # one decoder layer's gathered F, then its encoded payload or the checksum's int64 work
     words = min(sync.CHECK_WORDS, d_max * rank)
     factor_sync = 2 * layer_rows * rank + max(2 * layer_rows * rank, 24 * words) + 8 * words
+    kl_real = 8 * kl_real_positions * vocab  # the policy's float64 log-probs, kept from before the merge
     phases = {"prepare": prepare, "probe": probe, "merge": factors + merge, "sync": factor_sync}
-    logra_transient = max(prepare, probe, factors + max(merge, factor_sync))
+    logra_transient = max(prepare, probe, kl_real + factors + max(merge, factor_sync))
     tokens = micro_batch * context
     activations = (2 * tokens * h * layers  # bf16 layer inputs kept by activation checkpointing
                    + 2 * tokens * (4 * h + 2 * kv + 4 * inter)  # one decoder layer recomputed in backward
@@ -813,6 +838,7 @@ def memory_estimate(model_cfg: dict, world: int, rank: int, *, micro_batch: int 
         "trainer_logra_bytes": weights + logra_state + logra_transient,
         "trainer_logra_persistent_bytes": weights + logra_state, "trainer_logra_transient_bytes": logra_transient,
         "trainer_activation_bytes": activations, "trainer_logra_activation_extra_bytes": sketch_activations,
+        "trainer_probe_activation_bytes": probe_activations,
         "engine_gpu_bytes": engine_gpu, "engine_weight_bytes": engine_weights, "engine_residual_bytes": residual,
         "engine_residual_on_host": on_host, "engine_transfer_bytes": transfer,
         "engine_kv_cache_bytes": gpu_bytes - engine_gpu - ENGINE_OVERHEAD,
@@ -825,7 +851,7 @@ def memory_estimate(model_cfg: dict, world: int, rank: int, *, micro_batch: int 
 def dry_run(cfg, world, as_json=False):
     """Print the preset's sharding plan and per-GPU memory plan (trainer and engine); no GPU needed."""
     m = memory_estimate(cfg["model"], world, cfg["rank"], micro_batch=cfg["micro_batch"],
-                        context=cfg.get("context", 4096))
+                        context=cfg.get("context", 4096), kl_real_positions=cfg["kl_real_positions"])
     if as_json:
         print(json.dumps({"preset": cfg["preset"], **m}))
         return m
@@ -848,8 +874,9 @@ def dry_run(cfg, world, as_json=False):
           f"| {(m['logra_sketches'] + m['logra_directions']) / gib:.2f} GiB | {g('logra_projections')} (int8 signs) "
           f"| {g('trainer_logra_persistent_bytes')} | {g('trainer_logra_transient_bytes')} "
           f"| {g('trainer_logra_bytes')} ({m['trainer_logra_bytes'] / m['trainer_adam_bytes']:.2f}x) |")
-    print(f"activations (both): {g('trainer_activation_bytes')}, LoGRA's P = X A^T adds "
-          f"{m['trainer_logra_activation_extra_bytes'] / gib:.3f} GiB")
+    print(f"activations (both): {g('trainer_activation_bytes')}; LoGRA's P = X A^T adds "
+          f"{m['trainer_logra_activation_extra_bytes'] / gib:.3f} GiB, its KL probe's forward with tangents "
+          f"{g('trainer_probe_activation_bytes')} (after backward)")
     where = "pinned host memory" if m["engine_residual_on_host"] else "the engine GPU"
     print(f"engine GPU ({m['gpu_bytes'] / 1e9:.0f} GB): bf16 weights {g('engine_weight_bytes')}, exact-merge residuals "
           f"{g('engine_residual_bytes')} (int16) in {where}, transfer buffer {g('engine_transfer_bytes')}, vLLM "
@@ -976,7 +1003,7 @@ def main(argv=None):
         # On GPUs the engine's share for vLLM is what is left after what LoGRA adds there (the
         # exact-merge residuals, unless they go to host memory, and one layer's transfer buffer).
         plan = memory_estimate(cfg["model"], world, cfg["rank"], micro_batch=cfg["micro_batch"],
-                               context=cfg["context"])
+                               context=cfg["context"], kl_real_positions=cfg["kl_real_positions"])
         engine = start_on_every_rank(lambda: VLLMEngine(
             model_path=engine_model, context=cfg["context"], seed=cfg["seed"], rank=cfg["rank"], gpu=gpu,
             device=device, log_path=os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log"),
@@ -1070,11 +1097,15 @@ def main(argv=None):
             # --- KL probe ------------------------------------------------------------------
             budget = mismatch.adjust(kl_control.kl_budget(update, start=cfg["kl_start"], end=cfg["kl_end"],
                                                           horizon=cfg["kl_horizon"]))
+            probed = probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])
             try:
                 kl1 = kl_control.predict_kl(model, layers, opt.directions, ro.ids, ro.mask,
-                                            temperature=cfg["temperature"],
-                                            max_responses=cfg["probe_responses"])
+                                            temperature=cfg["temperature"], max_responses=probed)
                 alpha = kl_control.solve_alpha(kl1, budget=budget, alpha_max=cfg["alpha_max"])
+                if cfg["kl_real_positions"]:  # the policy on the probe's tokens, before the merge
+                    old_logp = kl_control.scored_logprobs(model, ro.ids, ro.mask, temperature=cfg["temperature"],
+                                                          max_responses=probed,
+                                                          max_positions=cfg["kl_real_positions"])
             except Exception:
                 opt.discard()  # nothing is merged: weights and optimizer state stay as they were
                 raise
@@ -1082,10 +1113,19 @@ def main(argv=None):
             # --- merge -----------------------------------------------------------------------
             factors = opt.merge(alpha)
             lap("merge")
+            # The realised KL of the merged step on the same tokens: the prediction is a control
+            # estimate, not a guarantee (arXiv:2610.06647, section 3.3).
+            kl_real = float("nan")
+            if cfg["kl_real_positions"]:
+                kl_real = kl_control.realised_kl(old_logp, model, ro.ids, ro.mask, temperature=cfg["temperature"],
+                                                 max_responses=probed, max_positions=cfg["kl_real_positions"])
+                del old_logp
+                lap("kl_real")
         else:
             opt.step()
             opt.zero_grad(set_to_none=True)
-            kl1 = alpha = budget = sketch_norm = float("nan")
+            kl1 = alpha = budget = sketch_norm = kl_real = float("nan")
+            probed = 0
             lap("merge")
         # --- sync ----------------------------------------------------------------------------
         if cfg["optimizer"] == "logra" and cfg["sync"] == "factors":
@@ -1102,7 +1142,8 @@ def main(argv=None):
         if distributed:
             dist.all_reduce(totals)
         row = {"update": done, "reward": totals[0].item() / totals[2].item(),
-               "accuracy": totals[1].item() / totals[2].item(), "kl_pred": alpha**2 * kl1, "alpha": alpha,
+               "accuracy": totals[1].item() / totals[2].item(), "kl_pred": alpha**2 * kl1, "kl_real": kl_real,
+               "alpha": alpha, "probe_responses": probed,
                "budget": budget, "mismatch": mismatch.m, "sketch_norm": sketch_norm,
                "tis_weight": watch.get("tis_weight"), "logp_gap_mean": gap_mean, "logp_gap_max": gap_max,
                "sync_bytes": sync_bytes, "mem_gib": memory_gib(device),
@@ -1114,7 +1155,8 @@ def main(argv=None):
         row["time_s"] = sum(lap.times.values())
         log(f"step {done} | reward {row['reward']:.3f} | "
             + (f"pass@1 {row['pass1']:.3f} | " if "pass1" in row else "")
-            + f"kl {row['kl_pred']:.2e} | alpha {row['alpha']:.2f} | budget {row['budget']:.2e} | "
+            + f"kl {row['kl_pred']:.2e} (real {row['kl_real']:.2e}) | alpha {row['alpha']:.2f} | "
+            f"budget {row['budget']:.2e} | "
             f"mismatch {row['mismatch']:.1e} | mem {row['mem_gib']:.2f} GiB | {row['time_s'] * 1e3:.0f} ms")
         if rank == 0:
             with open(metrics_path, "a") as f:
@@ -1160,6 +1202,7 @@ def plot(rows, path, log):
     axes[0].set_xlabel("update")
     axes[0].legend()
     axes[1].semilogy(steps, [r["kl_pred"] for r in rows if "reward" in r], label="predicted KL")
+    axes[1].semilogy(steps, [r.get("kl_real", float("nan")) for r in rows if "reward" in r], ".", label="realised KL")
     axes[1].semilogy(steps, [r["budget"] for r in rows if "reward" in r], "--", label="budget")
     axes[1].set_xlabel("update")
     axes[1].legend()

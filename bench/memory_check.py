@@ -168,7 +168,7 @@ def measure(model_cfg, r):
         run_gloo(worker, WORLD, model_cfg, r, tmp)
         measured = [json.load(open(os.path.join(tmp, f"rank{k}.json"))) for k in range(WORLD)]
     est = train.memory_estimate(model_cfg, WORLD, r, micro_batch=MICRO, context=TOKENS, probe_tokens=MICRO * TOKENS,
-                                compute_bytes=4)  # fp32 compute on this CPU (bf16 on GPUs)
+                                kl_real_positions=0, compute_bytes=4)  # fp32 compute here (bf16 on GPUs)
     rows = [("LoGRA persistent (weights shard, S, U, v, signs)", measured[0]["logra"][0], measured[1]["logra"][0],
              est["trainer_logra_persistent_bytes"])]
     for phase in ("prepare", "merge", "sync"):

@@ -1,8 +1,9 @@
 """Per-GPU training-state memory of the paper's presets under 4-way FSDP2, next to Table 1.
 
 From the presets' shapes (train.memory_estimate, on the meta device): fp32 weight shards;
-dense AdamW's fp32 gradient and two moments for the seven target projections; LoGRA's
-sketches S and directions U (d, r), row moments (d,) and projections A (r, k), r = 256.
+dense AdamW's fp32 gradient and two moments for the seven target projections; LoGRA's row
+shards of the sketches S and directions U (n, r) and row moments (n,), and the int8 signs of
+the projections A (r, k), r = 256.
 The paper's Table 1 reports the average GPU memory of whole runs, activations, the
 unsharded bf16 layers in flight and allocator slack included: the difference is what those
 take. Its dense baseline may train all parameters while this project's AdamW trains the

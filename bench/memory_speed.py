@@ -25,6 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kl_control  # noqa: E402
 import ppo  # noqa: E402
 import rowadam  # noqa: E402
 import sketch  # noqa: E402
@@ -114,17 +115,30 @@ def apollo(base, rank):
     return model, opt, optimizer_step(model, opt), 0
 
 
+LOGRA_PHASES = {"backward": [], "prepare": [], "probe": [], "merge": []}
+
+
 def logra(base, rank):
     model = copy.deepcopy(base)
     layers = sketch.attach(model, rank=rank, seed=0)
     opt = rowadam.RowAdam(layers, base_seed=0)
 
     def step(ids, mask, adv):
+        # The whole update as train.py runs it: backward into the sketches, RowAdam, the KL
+        # probe on the first 2 responses (as the paper), merge at the alpha it gives.
+        t0 = time.perf_counter()
         loss_of(model, ids, mask, adv).backward()
+        t1 = time.perf_counter()
         opt.prepare()
-        opt.merge(1.0)
+        t2 = time.perf_counter()
+        kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask, max_responses=2)
+        t3 = time.perf_counter()
+        opt.merge(kl_control.solve_alpha(kl1, budget=2e-4))
+        t4 = time.perf_counter()
+        for name, dt in zip(LOGRA_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            LOGRA_PHASES[name].append(dt)
     state = sum(t.numel() * t.element_size() for l in layers for t in (l.sketch, l.signs)) \
-        + sum(v.numel() * v.element_size() for v in opt.moments)
+        + sum(v.numel() * v.element_size() for v in opt.moments) + sum(u.numel() * u.element_size() for u in opt._u)
     return model, None, step, state
 
 
@@ -197,6 +211,10 @@ def main():
               f"| {m['total'] / ref['total']:.2f}x | {t * 1e3:.0f} ms | {t / ref_t:.2f}x |")
     for name, why in failed.items():
         print(f"| {name} | not measured: {why} |")
+    if LOGRA_PHASES["probe"]:
+        med = {k: statistics.median(v[1:] or v) * 1e3 for k, v in LOGRA_PHASES.items()}  # after the warm-up
+        print("\nLoGRA's update by phase (median ms): " + ", ".join(f"{k} {v:.0f}" for k, v in med.items())
+              + f"; the KL probe is {med['probe'] / sum(med.values()):.0%} of it")
 
     # The physical limit of LoGRA's state: fp32 weights + sketches + projections + row moments.
     shapes = [w.shape for w in targets_of(base)]

@@ -52,6 +52,8 @@ def test_dry_run_7b_memory_against_shapes():
     # is its optimizer step's transient; the engine keeps a KV cache of >= 16 GiB on 80 GB.
     assert m["trainer_logra_persistent_bytes"] - m["weights"] <= 1.0 * gib
     assert m["trainer_logra_transient_bytes"] <= 1.0 * gib
+    # The probe's forward (after backward) stays below the training step's activations.
+    assert m["trainer_probe_activation_bytes"] < m["trainer_activation_bytes"]
     assert m["engine_kv_cache_bytes"] >= 16 * gib and not m["engine_residual_on_host"]
     assert m["engine_residual_bytes"] == 2 * m["target_params"]  # int16 per target weight
     # The 27B preset does not fit dense AdamW's state on an 80 GB GPU; LoGRA's does, and its
@@ -163,3 +165,15 @@ def test_memory_estimate_matches_measured_tensors():
         assert abs(got / want - 1) <= 0.05, (label, got, want)
         assert got == other or "persistent" not in label  # both ranks hold the same (d divisible by 2)
     assert probe[0] > 0
+
+
+def test_probe_count_sizes_the_probe_in_tokens():
+    mask = torch.zeros(6, 10, dtype=torch.bool)
+    for i, n in enumerate([3, 4, 2, 5, 1, 1]):  # generated tokens of each response
+        mask[i, 10 - n:] = True
+    assert train.probe_count(mask, 2, 0) == 2  # the paper's rule: 2 responses
+    assert train.probe_count(mask, 2, 7) == 2  # 3 + 4 tokens suffice
+    assert train.probe_count(mask, 2, 8) == 3  # one more response
+    assert train.probe_count(mask, 1, 14) == 4  # 3 + 4 + 2 + 5
+    assert train.probe_count(mask, 2, 1000) == 6  # all of them, never more
+    assert train.probe_count(mask[:1], 2, 0) == 1

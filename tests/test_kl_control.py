@@ -231,12 +231,35 @@ def test_mismatch_worked_example():
     # A negative gap counts as 0: m decays.
     assert mm.observe(train[:1], roll[:1], mask[:1], eos[:1]) == 0.0
     assert math.isclose(mm.m, 0.7 * 2e-5)
-    # No EOS response: nothing observed, m unchanged.
+    # No EOS response: nothing observed, m unchanged, and the budget is not reduced.
     assert mm.observe(roll, train, mask, torch.tensor([False, False])) is None
     assert math.isclose(mm.m, 0.7 * 2e-5)
+    assert mm.adjust(1e-4) == 1e-4
+    mm.observe(roll, train, mask, eos)  # an EOS response again: the subtraction is back
+    assert mm.adjust(1e-4) < 1e-4
     restored = kl_control.Mismatch()
     restored.load_state_dict(mm.state_dict())
     assert restored.m == mm.m
 
 
 PREPARED = prepared()
+
+
+def test_realised_kl_against_a_direct_computation():
+    """realised_kl after a merge equals KL(old || new) computed directly from the two models'
+    softmaxes at the scored positions (torch.nn.functional.kl_div, float64), and is close to
+    the prediction alpha^2 KL1 for a small step."""
+    model, layers, opt, ids, mask = prepared()
+    before = copy.deepcopy(model)
+    kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask, max_responses=3)
+    alpha = kl_control.solve_alpha(kl1, budget=1e-4)
+    old = kl_control.scored_logprobs(model, ids, mask, max_responses=3, max_positions=100)
+    opt.merge(alpha)
+    got = kl_control.realised_kl(old, model, ids, mask, max_responses=3, max_positions=100)
+    with torch.no_grad():
+        scored = mask[:, 1:].bool()
+        p_old = torch.log_softmax(before(input_ids=ids).logits[:, :-1][scored].double(), -1)
+        p_new = torch.log_softmax(model(input_ids=ids).logits[:, :-1][scored].double(), -1)
+    ref = torch.nn.functional.kl_div(p_new, p_old, log_target=True, reduction="sum").item() / p_old.shape[0]
+    assert math.isclose(got, ref, rel_tol=1e-5), (got, ref)
+    assert 0.5 < got / (alpha**2 * kl1) < 1.5  # the prediction is close at this small step
