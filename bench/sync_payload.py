@@ -76,10 +76,10 @@ def timings(reps=7, rank=64):
         t3 = time.perf_counter()
         if i:
             t_enc.append(t1 - t0), t_dec.append(t2 - t1), t_apply.append(t3 - t2)
-    params = sum(s.master.numel() for s in engine.slots.values())
+    params = sum(s.residual.numel() for s in engine.slots.values())
     print(f"\nCPU timings, hidden 512, 4 layers ({params / 1e6:.1f}M target weights), r = {rank}, "
           f"payload {buf.numel() / 2**20:.2f} MiB, median of {reps}")
-    print("| encode | decode (checksums) | apply (regenerate A, merge, bf16 copy) |\n|---|---|---|")
+    print("| encode | decode (checksums) | apply (regenerate A, rebuild fp32, merge, split to bf16 + int16) |\n|---|---|---|")
     print(f"| {statistics.median(t_enc) * 1e3:.1f} ms | {statistics.median(t_dec) * 1e3:.1f} ms "
           f"| {statistics.median(t_apply) * 1e3:.1f} ms |")
 
