@@ -4,7 +4,7 @@ engine.py: the rollout engines, and both halves of the trainer-engine protocol.
 What it is
 ----------
 A rollout engine is a bf16 copy of the policy that samples responses and changes only
-through the payloads of sync.py (arXiv:2610.06647, section 3.4: the engines receive the
+through the payloads of sync.py (in LoGRA, arXiv:2610.06647, the engines receive the
 low-rank factor and the seed instead of full weights). Two engines with one interface
 (`generate`, `apply`, `load_full`, `fingerprint`, `close`):
 

@@ -7,7 +7,7 @@ After update t is merged, the trainer sends each rollout engine, per target laye
 bf16 factor `F = alpha U` (d, r) that RowAdam merged, plus the update number. The engine
 regenerates `A_t` from the seed rule of sketch.py and merges `W -= F @ A_t` itself. The
 payload is `sum_layers d * r * 2` bytes, about r/k of a full bf16 weight sync
-(arXiv:2610.06647, section 3.4).
+(arXiv:2610.06647, seed-based sync).
 
 Pieces
 ------

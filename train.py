@@ -111,7 +111,7 @@ PRESETS = {
 }
 
 
-# The paper's setup (arXiv:2610.06647, section 5): 4 training GPUs with FSDP2 + 4 vLLM engines
+# The paper's setup (arXiv:2610.06647, experiments): 4 training GPUs with FSDP2 + 4 vLLM engines
 # on one node, DAPO-Math-17k for training and MATH-500 for evaluation.
 _PAPER = dict(
     task="math", rank=256, batch=128, micro_batch=2, updates=200, temperature=1.0, max_new_tokens=3072,
@@ -1010,8 +1010,8 @@ def main(argv=None):
             timeout=cfg["engine_timeout"], gpu_memory_utilization=cfg.get("gpu_memory_utilization"),
             reserve_bytes=plan["engine_reserve_bytes"], residual_on_host=plan["engine_residual_on_host"],
             eos=eos, pad=pad))
-        log(f"engine: vLLM on {'GPU ' + str(gpu) if gpu is not None else 'the CPU'} for each rank "
-            f"(log: {run_dir}/engine-<rank>.log)")
+        log(f"engine: vLLM on the CPU, one per rank (logs: {run_dir}/engine-<rank>.log)" if gpu is None else
+            f"engine: vLLM on GPUs {cfg['engine_gpus']}, one per rank (logs: {run_dir}/engine-<rank>.log)")
     atexit.register(engine.close)  # also when the run stops on an error: no engine process is left
 
     # --- optimizer -------------------------------------------------------------------------
@@ -1114,7 +1114,7 @@ def main(argv=None):
             factors = opt.merge(alpha)
             lap("merge")
             # The realised KL of the merged step on the same tokens: the prediction is a control
-            # estimate, not a guarantee (arXiv:2610.06647, section 3.3).
+            # estimate, not a guarantee (arXiv:2610.06647, on the KL controller).
             kl_real = float("nan")
             if cfg["kl_real_positions"]:
                 kl_real = kl_control.realised_kl(old_logp, model, ro.ids, ro.mask, temperature=cfg["temperature"],
