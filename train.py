@@ -1122,6 +1122,12 @@ def main(argv=None):
                 del old_logp
                 lap("kl_real")
         else:
+            # The dense baseline "with learning-rate annealing" (the paper gives no schedule):
+            # lr_t = adam_lr sqrt(budget_t / budget_0), the KL budget's cosine, so that AdamW's
+            # step anneals by the same factor as LoGRA's (whose step is ~ sqrt(KL)).
+            for group in opt.param_groups:
+                group["lr"] = cfg["adam_lr"] * math.sqrt(kl_control.kl_budget(
+                    update, start=cfg["kl_start"], end=cfg["kl_end"], horizon=cfg["kl_horizon"]) / cfg["kl_start"])
             opt.step()
             opt.zero_grad(set_to_none=True)
             kl1 = alpha = budget = sketch_norm = kl_real = float("nan")
@@ -1144,6 +1150,7 @@ def main(argv=None):
         row = {"update": done, "reward": totals[0].item() / totals[2].item(),
                "accuracy": totals[1].item() / totals[2].item(), "kl_pred": alpha**2 * kl1, "kl_real": kl_real,
                "alpha": alpha, "probe_responses": probed,
+               "lr": opt.param_groups[0]["lr"] if cfg["optimizer"] == "adam" else None,
                "budget": budget, "mismatch": mismatch.m, "sketch_norm": sketch_norm,
                "tis_weight": watch.get("tis_weight"), "logp_gap_mean": gap_mean, "logp_gap_max": gap_max,
                "sync_bytes": sync_bytes, "mem_gib": memory_gib(device),

@@ -1,6 +1,7 @@
 """train.py end to end, in subprocesses: smoke runs, 1 vs 2 processes, SIGKILL and resume, bad input."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -67,6 +68,13 @@ def test_smoke_run(runs, optimizer):
         assert state["optimizer"]["update"] == 3
     else:
         assert state["optimizer"]["state"]  # AdamW moments were saved
+        # Annealed with the KL budget's cosine (2e-2 -> 5e-3 over 150 updates): lr 1e-4 at
+        # update 0, then sqrt(budget ratio) of it; the cosine's own values, written out.
+        lrs = [r["lr"] for r in rows[1:]]
+        budget = [5e-3 + 0.5 * (2e-2 - 5e-3) * (1 + math.cos(math.pi * t / 149)) for t in range(3)]
+        for lr, b in zip(lrs, budget):
+            assert math.isclose(lr, 1e-4 * math.sqrt(b / 2e-2), rel_tol=1e-12)
+        assert lrs[0] == 1e-4 and lrs[0] > lrs[1] > lrs[2]
         # AdamW syncs full bf16 target weights; LoGRA's factors are a fraction of that.
         logra = [json.loads(line) for line in open(runs / "smoke-logra" / "metrics.jsonl")][1:]
         assert max(r["sync_bytes"] for r in logra) < 0.5 * min(r["sync_bytes"] for r in rows[1:])
