@@ -106,18 +106,22 @@ def test_one_and_two_processes_agree(runs):
     assert any(r["accuracy"] > 0 for r in m1)  # some advantages were non-zero: the policy moved
 
 
+def wait_for_rows(metrics, rows, timeout=240):
+    """Until a run's metrics.jsonl has `rows` lines (or `timeout` seconds have passed)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.exists() and sum(1 for _ in open(metrics)) >= rows:
+            return
+        time.sleep(0.01)
+
+
 def test_sigkill_and_resume_is_bitwise(runs):
     args = [*SMALL, "--updates", "8", "--save-every", "1"]
     whole, killed = runs / "whole", runs / "killed"
     run([*args, "--run-dir", str(whole)])
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, "--run-dir", str(killed)],
                             cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = killed / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if metrics.exists() and sum(1 for _ in open(metrics)) >= 4:  # base row + 3 updates
-            break
-        time.sleep(0.01)
+    wait_for_rows(killed / "metrics.jsonl", 4)  # base row + 3 updates
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     saved = read_checkpoint(killed)["run"]["update"]
@@ -178,12 +182,7 @@ def test_two_rank_sigkill_and_resume_is_bitwise(runs):
     assert out.returncode == 0, out.stdout + out.stderr
     proc = subprocess.Popen(torchrun([*args, "--run-dir", str(killed)], port="29562"), cwd=ROOT, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = killed / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if metrics.exists() and sum(1 for _ in open(metrics)) >= 3:  # base row + 2 updates
-            break
-        time.sleep(0.01)
+    wait_for_rows(killed / "metrics.jsonl", 3)  # base row + 2 updates
     kill_all(str(killed))  # torchrun and both ranks (torchrun's workers have their own process groups)
     proc.wait()
     saved = read_checkpoint(killed)["run"]["update"]
