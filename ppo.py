@@ -6,7 +6,7 @@ What it is
 One response per prompt, a binary outcome reward, a running reward baseline shared by all
 data-parallel ranks, REINFORCE with truncated importance sampling (TIS), and an optional PPO
 clip for several optimiser steps per batch. It isolates the memory method from gains that a
-more elaborate RL algorithm would add (SPEC section 7).
+more elaborate RL algorithm would add (arXiv:2610.06647, the RL objective of its experiments).
 
 The math
 --------

@@ -9,7 +9,7 @@ into a direction `D` (d, r) that is merged into the full weight as `W -= alpha *
 There is no first moment: `A` is redrawn every update, so sketch coordinates of two updates
 do not line up; per-row statistics do.
 
-The math (SPEC sections 3 and 4), per target layer, update t (1-based in the formulas)
+The math (arXiv:2610.06647: RowAdam and the merge), per target layer, update t (1-based)
 --------------------------------------------------------------------------------------
     v     <- beta2 * v + (1 - beta2) * mean_j S[i, j]^2         row-wise over the r columns
     root  <- sqrt(v / (1 - beta2^t))
@@ -89,7 +89,8 @@ def _sum_over(values, group, op=None):
 
 def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=None, group=None, out=None):
     """RowAdam directions D (n, r), one per layer, from this rank's sketch rows S (n, r) and
-    row moments v (n,); returns (directions, new moments) and changes nothing in place.
+    row moments v (n,); returns (directions, new moments, sum over layers of ||S||_F^2) and
+    changes nothing in place.
 
     Every quantity taken over all of a layer's rows (the mean root, the minimum denominator,
     the mean square of the row scales, the two Frobenius norms) is this rank's partial sum or
@@ -97,11 +98,11 @@ def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=N
     count d. `group=None`: this process holds all rows (the formula of the module docstring).
     `out`: preallocated (n, r) buffers for the directions (no transient copies).
     """
-    for sk, v in zip(sketches, moments):
-        if sk.dim() != 2:
-            raise ValueError(f"sketch must be (n, r), got shape {tuple(sk.shape)}")
-        if v.shape != (sk.shape[0],):
-            raise ValueError(f"second moment must have shape ({sk.shape[0]},), got {tuple(v.shape)}")
+    for S, v in zip(sketches, moments):
+        if S.dim() != 2:
+            raise ValueError(f"sketch must be (n, r), got shape {tuple(S.shape)}")
+        if v.shape != (S.shape[0],):
+            raise ValueError(f"second moment must have shape ({S.shape[0]},), got {tuple(v.shape)}")
     if step < 1:
         raise ValueError(f"step is 1-based, got {step}")
     if not 0.0 <= beta2 < 1.0:
@@ -109,36 +110,36 @@ def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=N
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     device = sketches[0].device
-    rows = [sk.shape[0] for sk in sketches] if rows is None else rows
-    n_rows = torch.tensor(rows, dtype=torch.float64, device=device)  # (L,)
+    d_rows = torch.tensor([S.shape[0] for S in sketches] if rows is None else rows,
+                          dtype=torch.float64, device=device)  # (L,): each layer's d, all ranks together
 
     # v <- beta2 v + (1 - beta2) mean_j S_ij^2 ; root <- sqrt(v / (1 - beta2^t))
-    new_v = [beta2 * v + (1 - beta2) * sk.to(v.dtype).square().mean(dim=1) for sk, v in zip(sketches, moments)]  # (n,)
+    new_v = [beta2 * v + (1 - beta2) * S.to(v.dtype).square().mean(dim=1) for S, v in zip(sketches, moments)]  # (n,)
     roots = [(v / (1 - beta2**step)).sqrt() for v in new_v]  # (n,)
     # den <- root + max(eps mean(root), tiny), mean over all d rows of the layer
-    root_sum = _sum_over(torch.stack([r.double().sum() for r in roots]), group)  # (L,)
+    root_sum = _sum_over(torch.stack([root.double().sum() for root in roots]), group)  # (L,)
     dens = []
-    for root, total, d in zip(roots, root_sum, n_rows):
+    for root, total, d in zip(roots, root_sum, d_rows):
         tiny = torch.finfo(root.dtype).tiny
         dens.append(root + torch.clamp(eps * (total / d).to(root.dtype), min=tiny))  # (n,)
     # s <- min(den) / den, then s <- s / sqrt(mean(s^2))
     inf = float("inf")
     den_min = _sum_over(torch.stack([den.min().double() if den.numel() else torch.tensor(inf, dtype=torch.float64,
                                      device=device) for den in dens]), group, dist.ReduceOp.MIN)  # (L,)
-    scales = [m.to(den.dtype) / den for m, den in zip(den_min, dens)]  # (n,) in (0, 1]
-    sq_sum = _sum_over(torch.stack([sc.double().square().sum() for sc in scales]), group)  # (L,)
-    scales = [sc / (q / d).sqrt().to(sc.dtype) for sc, q, d in zip(scales, sq_sum, n_rows)]
+    s = [m.to(den.dtype) / den for m, den in zip(den_min, dens)]  # (n,) each, in (0, 1]
+    sq_sum = _sum_over(torch.stack([s_l.double().square().sum() for s_l in s]), group)  # (L,)
+    s = [s_l / (q / d).sqrt().to(s_l.dtype) for s_l, q, d in zip(s, sq_sum, d_rows)]
     # D <- s[:, None] S, then D <- D ||S|| / ||D||
-    dirs = []
-    for i, (sk, sc) in enumerate(zip(sketches, scales)):
-        buf = out[i] if out is not None else torch.empty_like(sk)
-        dirs.append(torch.mul(sk, sc[:, None].to(sk.dtype), out=buf))  # (n, r)
-    norms = _sum_over(torch.stack([torch.stack([sk.double().square().sum(), d.double().square().sum()])
-                                   for sk, d in zip(sketches, dirs)]), group)  # (L, 2)
-    for d, (s_sq, d_sq) in zip(dirs, norms):
-        if d_sq > 0:
-            d.mul_((s_sq / d_sq).sqrt().to(d.dtype))
-    return dirs, new_v
+    D = []
+    for i, (S, s_l) in enumerate(zip(sketches, s)):
+        buf = out[i] if out is not None else torch.empty_like(S)
+        D.append(torch.mul(S, s_l[:, None].to(S.dtype), out=buf))  # (n, r)
+    norms = _sum_over(torch.stack([torch.stack([S.double().square().sum(), D_l.double().square().sum()])
+                                   for S, D_l in zip(sketches, D)]), group)  # (L, 2): ||S||^2, ||D||^2
+    for D_l, (S_sq, D_sq) in zip(D, norms):
+        if D_sq > 0:
+            D_l.mul_((S_sq / D_sq).sqrt().to(D_l.dtype))
+    return D, new_v, norms[:, 0].sum().item()
 
 
 def _sum_squares(t, block=2**20):
@@ -159,10 +160,10 @@ def row_adam_direction(sketch, second_moment, *, step, beta2=0.95, eps=1e-8):
     """
     if not torch.isfinite(sketch).all():
         raise FloatingPointError("sketch has non-finite values (inf/nan in the loss or its backward)")
-    (d,), (v,) = row_adam_directions([sketch.to(second_moment.dtype)], [second_moment], step=step, beta2=beta2,
-                                     eps=eps)
+    (D,), (v,), _ = row_adam_directions([sketch.to(second_moment.dtype)], [second_moment], step=step, beta2=beta2,
+                                        eps=eps)
     second_moment.copy_(v)
-    return d.to(sketch.dtype)
+    return D.to(sketch.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -272,28 +273,27 @@ class RowAdam:
         if _sum_over(bad, self.group).item():
             raise FloatingPointError("summed sketch has non-finite values: nothing was changed")
 
-        dirs, moments = row_adam_directions(sketches, self.moments, step=self.update + 1, beta2=self.beta2,
-                                            eps=self.eps, rows=[l.rows for l in self.layers], group=self.group,
-                                            out=self._u)  # D (n, r) each, in the U buffers
+        D, moments, S_sq = row_adam_directions(sketches, self.moments, step=self.update + 1, beta2=self.beta2,
+                                               eps=self.eps, rows=[l.rows for l in self.layers], group=self.group,
+                                               out=self._u)  # D (n, r) each, in the U buffers
 
         # c = update_ratio sqrt( sum ||W||^2 / sum ||D A||^2 ), both summed over this rank's
         # rows, then across ranks (departure 1: ||D A||^2 = sum((D A A^T) * D)).
-        totals = torch.zeros(3, dtype=torch.float64, device=sketches[0].device)
-        for layer, d in zip(self.layers, dirs):
-            rows, _ = local_rows(layer.module.weight)
+        totals = torch.zeros(2, dtype=torch.float64, device=sketches[0].device)
+        for layer, D_l in zip(self.layers, D):
+            W_rows, _ = local_rows(layer.module.weight)
             a = layer.projection.to(torch.float64)  # (r, k)
             gram = a @ a.t()  # (r, r)
-            d64 = d.to(torch.float64)  # (n, r)
-            totals[0] += _sum_squares(rows)
-            totals[1] += ((d64 @ gram) * d64).sum()
-            totals[2] += layer.sketch.to(torch.float64).square().sum()
-        w_sq, da_sq, s_sq = _sum_over(totals, self.group).tolist()
-        c = self.update_ratio * math.sqrt(w_sq / da_sq) if da_sq > 0 else 0.0
-        for d in dirs:
-            d.mul_(c)  # U = c D, in place
-        self.directions = dirs
+            D64 = D_l.to(torch.float64)  # (n, r)
+            totals[0] += _sum_squares(W_rows)
+            totals[1] += ((D64 @ gram) * D64).sum()
+        W_sq, DA_sq = _sum_over(totals, self.group).tolist()
+        c = self.update_ratio * math.sqrt(W_sq / DA_sq) if DA_sq > 0 else 0.0
+        for D_l in D:
+            D_l.mul_(c)  # U = c D, in place
+        self.directions = D
         self._pending_moments = moments
-        return math.sqrt(s_sq)
+        return math.sqrt(S_sq)
 
     def discard(self) -> None:
         """Abandon a prepared update: directions dropped, moments and counter unchanged."""

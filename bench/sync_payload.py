@@ -1,7 +1,7 @@
 """Sync payload size per update vs a full bf16 weight sync, and encode/apply time.
 
-Payload bytes come from `sync.encode` of zero factors with each preset's real target shapes
-(d, r); a full sync's bytes are the bf16 target weights (d, k), and the whole model's bf16
+Payload bytes come from `sync.encode` of zero factors with the target shapes (d, r) of the
+paper presets in `train.PRESETS` (built on the meta device); a full sync's bytes are the bf16 target weights (d, k), and the whole model's bf16
 parameters for reference. Timings: encode, decode and EngineWeights.apply for a small model
 on this CPU (median of interleaved repetitions).
 
@@ -16,38 +16,28 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sketch  # noqa: E402
 import sync  # noqa: E402
+import train  # noqa: E402
 
-PRESETS = {  # Hugging Face config values of the two public checkpoints
-    "Qwen2.5-Math-1.5B": dict(hidden=1536, inter=8960, heads=12, kv=2, layers=28, vocab=151936, tied=True),
-    "Qwen2.5-Math-7B": dict(hidden=3584, inter=18944, heads=28, kv=4, layers=28, vocab=152064, tied=False),
-}
+def target_shapes(model_cfg):
+    """{clean name: (d, k)} of the seven target projections and the whole model's parameter
+    count, from a preset's config built on the meta device (no memory, no download)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-
-def target_shapes(c):
-    hd = c["hidden"] // c["heads"]
-    q, kv, h, i = c["heads"] * hd, c["kv"] * hd, c["hidden"], c["inter"]
-    per_layer = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-                 "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    return {f"model.layers.{n}.{k}": s for n in range(c["layers"]) for k, s in per_layer.items()}
-
-
-def whole_model_params(c):
-    shapes = target_shapes(c)
-    hd = c["hidden"] // c["heads"]
-    biases = c["layers"] * (c["heads"] + 2 * c["kv"]) * hd
-    norms = (2 * c["layers"] + 1) * c["hidden"]
-    emb = c["vocab"] * c["hidden"] * (1 if c["tied"] else 2)
-    return sum(d * k for d, k in shapes.values()) + biases + norms + emb
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**model_cfg))
+    shapes = {name: tuple(m.weight.shape) for name, m in sketch.target_modules(model).items()}
+    return shapes, sum(p.numel() for p in model.parameters())
 
 
 def sizes():
-    print("| model | r | payload per update | full sync, targets | ratio | full sync, whole model | ratio |")
+    print("| preset | r | payload per update | full sync, targets | ratio | full sync, whole model | ratio |")
     print("|---|---|---|---|---|---|---|")
-    for name, c in PRESETS.items():
-        shapes = target_shapes(c)
+    for name in ("1.5b", "7b", "27b"):
+        shapes, params = target_shapes(train.PRESETS[name]["model"])
         full_targets = sum(d * k * 2 for d, k in shapes.values())
-        whole = whole_model_params(c) * 2
+        whole = params * 2
         for r in (64, 256):
             payload = sync.Payload(0, 0, r, {n: torch.zeros(d, r, dtype=torch.bfloat16) for n, (d, k) in shapes.items()})
             size = sync.encode(payload).numel()

@@ -1,4 +1,4 @@
-"""rowadam.py against float64 re-computations of the SPEC formulas, dense merges and 2 processes."""
+"""rowadam.py against float64 re-computations of the paper's formulas, dense merges and 2 processes."""
 
 import copy
 import math
@@ -19,7 +19,7 @@ F64 = torch.float64
 
 
 def reference_direction(s, v, step, beta2, eps):
-    """The SPEC section 3 formulas, written again in numpy float64."""
+    """RowAdam's formulas (rowadam.py's docstring, from the paper), written again in numpy float64."""
     s, v = np.asarray(s, np.float64), np.asarray(v, np.float64)
     v = beta2 * v + (1 - beta2) * (s**2).mean(axis=1)
     root = np.sqrt(v / (1 - beta2**step))

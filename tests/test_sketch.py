@@ -82,16 +82,26 @@ def test_low_precision_inputs(dtype):
     assert ((s.double() - ref).norm() / ref.norm()).item() < tol
 
 
-def test_forward_mode_tangent_is_dx_wT():
+def test_forward_mode_under_no_grad_has_every_tangent():
+    """The KL probe's setting: under no_grad a sketched layer is F.linear, so forward-mode AD
+    carries the input's and the weight's tangents: dY = dX W^T + X dW^T."""
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(6, 9, generator=g, dtype=F64)
-    x = torch.randn(3, 4, 9, generator=g, dtype=F64, requires_grad=True)
-    t = torch.randn(3, 4, 9, generator=g, dtype=F64)
+    w, w_t = (torch.randn(6, 9, generator=g, dtype=F64) for _ in range(2))
+    x, x_t = (torch.randn(3, 4, 9, generator=g, dtype=F64) for _ in range(2))
     a, s = sketch.make_projection(5, 9, 1, dtype=F64), torch.zeros(6, 5, dtype=F64)
-    with fwAD.dual_level():
-        y = sketch.sketched_linear(fwAD.make_dual(x, t), w, None, a, s)  # grad enabled: custom jvp
+    with torch.no_grad(), fwAD.dual_level():
+        y = sketch.sketched_linear(fwAD.make_dual(x, x_t), fwAD.make_dual(w, w_t), None, a, s)
         tangent = fwAD.unpack_dual(y).tangent
-    torch.testing.assert_close(tangent, t @ w.t(), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(tangent, x_t @ w.t() + x @ w_t.t(), rtol=1e-13, atol=1e-13)
+    assert not s.any()  # no backward, no sketch
+
+
+def test_forward_mode_with_grad_enabled_is_refused():
+    w = torch.randn(6, 9, dtype=F64)
+    x = torch.randn(3, 9, dtype=F64, requires_grad=True)
+    a, s = sketch.make_projection(5, 9, 1, dtype=F64), torch.zeros(6, 5, dtype=F64)
+    with fwAD.dual_level(), pytest.raises(ValueError, match="no_grad"):
+        sketch.sketched_linear(fwAD.make_dual(x, torch.ones_like(x)), w, None, a, s)
 
 
 def test_shape_errors():
