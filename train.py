@@ -648,7 +648,8 @@ def save_checkpoint(run_dir, model, opt, optimizer, baseline, mismatch, update, 
         remove_checkpoint(path)
     if dist.is_initialized():
         dist.barrier()  # no rank writes into the folder before a stale one is gone
-    dcp.save(_checkpoint_state(model, opt, optimizer, baseline, mismatch, update, cfg, rank), checkpoint_id=path)
+    dcp.save(_checkpoint_state(model, opt, optimizer, baseline, mismatch, update, cfg, rank), checkpoint_id=path,
+             no_dist=not dist.is_initialized())
     # dcp.save returns on every rank once every rank's files and rank 0's .metadata are written.
     mine = {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": file_sha256(os.path.join(path, f)),
                 "rank": rank} for f in sorted(os.listdir(path)) if file_rank(f, world) == rank}
@@ -851,7 +852,7 @@ def load_checkpoint(path, model, opt, optimizer, baseline, mismatch, cfg, rank):
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = _checkpoint_state(model, opt, optimizer, baseline, mismatch, 0, cfg, rank)  # the template
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     if optimizer == "logra":
         opt.load_state_dict(state["optimizer"])
