@@ -5,7 +5,8 @@ Counts the tensors the code actually allocates after one backward and one optimi
 weights; for LoGRA the sketches S (d, r), projections A (r, k), row moments v (d,) and the
 prepared directions U (d, r).
 
-    python bench/state_bytes.py            # a Qwen2.5-Math-7B-shaped layer, r = 256
+    python bench/state_bytes.py                # a layer of the 7b preset (Qwen2.5-Math-7B), r = 256
+    python bench/state_bytes.py --preset 27b   # another preset of train.py
 """
 
 import argparse
@@ -40,13 +41,17 @@ def loss_of(model, ids):
 
 
 def main():
+    import train
+
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=3584)
-    p.add_argument("--intermediate", type=int, default=18944)
-    p.add_argument("--heads", type=int, default=28)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--rank", type=int, default=256)
+    p.add_argument("--preset", default="7b", choices=[k for k, v in train.PRESETS.items() if v["model"]],
+                   help="the widths of this preset of train.py (default: the paper's 7B)")
+    p.add_argument("--rank", type=int, default=None, help="default: the preset's rank")
     args = p.parse_args()
+    m = train.PRESETS[args.preset]["model"]
+    args.hidden, args.intermediate = m["hidden_size"], m["intermediate_size"]
+    args.heads, args.kv_heads = m["num_attention_heads"], m["num_key_value_heads"]
+    args.rank = args.rank or train.PRESETS[args.preset]["rank"]
     model = one_layer_model(args.hidden, args.intermediate, args.heads, args.kv_heads)
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     targets = [m.weight for m in sketch.target_modules(model).values()]

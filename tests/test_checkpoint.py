@@ -176,6 +176,11 @@ def test_previous_checkpoint_is_offered_and_resumes_bitwise(run):
     moments = whole["optimizer"]["moments"]
     assert all(torch.equal(moments[k], resumed["optimizer"]["moments"][k]) for k in moments)
     assert open(d / "latest").read() == "checkpoint-4" and train.check_checkpoint(str(d), "checkpoint-4", 0, 1) is None
+    # metrics.jsonl: one row per update, the update run again logged once, as in the uninterrupted run
+    rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
+    assert [r["update"] for r in rows] == list(range(5))
+    whole_rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["reward"] for r in rows[1:]] == [r["reward"] for r in whole_rows[1:]]
 
 
 def test_other_version_and_other_configuration_are_refused(run):
@@ -252,8 +257,8 @@ def test_two_ranks_refuse_a_damaged_shard_of_rank_1(tmp_path):
 
 # --- every option: accepted, or refused in one line ------------------------------------------
 
-INTS = [k for k, t in train.OVERRIDES if t is int] + ["keep"]
-FLOATS = [k for k, t in train.OVERRIDES if t is float]
+INTS = [k for k, t, *_ in train.OPTIONS if t is int] + ["keep"]
+FLOATS = [k for k, t, *_ in train.OPTIONS if t is float]
 # The least sound value of each count (written out here, not read from train.py).
 SMALLEST = {"rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
             "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,

@@ -1,4 +1,4 @@
-"""The paper path's CPU-testable parts: presets and --dry-run, grading, data prompts, rollouts
+"""train.py's paper path, its CPU-testable parts: presets and --dry-run, grading, data prompts, rollouts
 from engine outputs, and the sharded checkpoint load (the engine processes: test_engine.py)."""
 
 import json
