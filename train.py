@@ -62,6 +62,7 @@ Departures, numbered
 
 import argparse
 import atexit
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -74,6 +75,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -931,7 +933,8 @@ def load_checkpoint(path, model, opt, method, baseline, mismatch, cfg, rank):
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = _checkpoint_state(model, opt, method, baseline, mismatch, 0, cfg, rank)  # the template
-    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     if method == "logra":
         opt.load_state_dict(state["optimizer"])
@@ -966,8 +969,9 @@ def save_checkpoint(run_dir, model, opt, method, baseline, mismatch, update, cfg
         remove_checkpoint(path)
     if dist.is_initialized():
         dist.barrier()  # no rank writes into the folder before a stale one is gone
-    dcp.save(_checkpoint_state(model, opt, method, baseline, mismatch, update, cfg, rank), checkpoint_id=path,
-             no_dist=not dist.is_initialized())
+    with single_process_quiet():
+        dcp.save(_checkpoint_state(model, opt, method, baseline, mismatch, update, cfg, rank), checkpoint_id=path,
+                 no_dist=not dist.is_initialized())
     # dcp.save returns on every rank once every rank's files and rank 0's .metadata are written.
     mine = {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": file_sha256(os.path.join(path, f)),
                 "rank": rank} for f in sorted(os.listdir(path)) if file_rank(f, world) == rank}
@@ -1007,6 +1011,15 @@ def _checkpoint_state(model, opt, method, baseline, mismatch, update, cfg, rank)
                 "baseline": json.dumps(baseline.state_dict()), "mismatch": json.dumps(mismatch.state_dict())},
         f"rng_rank{rank}": torch.get_rng_state(),  # rollouts draw from per-prompt seeds; kept for completeness
     }
+
+
+@contextlib.contextmanager
+def single_process_quiet():
+    """torch.distributed.checkpoint warns on every save and load without a process group that it
+    assumes a single process; that is what a one-process run is, so the warning is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def truncate_metrics(path, update):
