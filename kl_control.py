@@ -9,7 +9,7 @@ probabilities a lot, so before merging, LoGRA predicts the policy change and pic
 multiplier `alpha` that spends a KL budget (a trust region in the spirit of TRPO).
 
 The math (arXiv:2610.06647, the predicted-KL step control)
------------------------------------------------------------
+----------------------------------------------------------
 For the direction at alpha = 1, `dW = -U A`, a target layer's output moves to first order by
 
     dY = X dW^T = -(X A^T) U^T                                   (N, d)

@@ -10,7 +10,7 @@ There is no first moment: `A` is redrawn every update, so sketch coordinates of 
 do not line up; per-row statistics do.
 
 The math (arXiv:2610.06647: RowAdam and the merge), per target layer, update t (1-based)
---------------------------------------------------------------------------------------
+----------------------------------------------------------------------------------------
     v     <- beta2 * v + (1 - beta2) * mean_j S[i, j]^2         row-wise over the r columns
     root  <- sqrt(v / (1 - beta2^t))
     den   <- root + max(eps * mean(root), tiny)
