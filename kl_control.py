@@ -8,8 +8,16 @@ RowAdam proposes a direction `U` per target layer (d, r); the merged update is
 probabilities a lot, so before merging, LoGRA predicts the policy change and picks the step
 multiplier `alpha` that spends a KL budget (a trust region in the spirit of TRPO).
 
-The math (arXiv:2610.06647, the predicted-KL step control)
-----------------------------------------------------------
+Sources: the paper, arXiv:2610.06647, and the authors' code (the Molt library),
+https://github.com/skzhang1/labs-molt/tree/logra/examples/scripts/logra.
+
+The math
+--------
+The paper's method section on predicted-KL step control predicts how far an update would
+move the token probabilities before applying it, and picks alpha so that the predicted KL
+fits a budget; the prediction grows as alpha^2, and the paper calls it "an estimate used for
+control, not a guarantee" (`realised_kl` measures the KL a merge really caused).
+
 For the direction at alpha = 1, `dW = -U A`, a target layer's output moves to first order by
 
     dY = X dW^T = -(X A^T) U^T                                   (N, d)
@@ -21,15 +29,17 @@ each position gets its logits `z` and the logit tangent `u = dz/dalpha`. With te
     kl1 = 0.5 * sum_v p_v (q_v - sum_w p_w q_w)^2                (half the variance of q under p)
 
 which is the second-order term of KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3). KL1 is the
-mean of kl1 over the generated tokens of the first `max_responses` responses per rank (sums
-and counts reduced across ranks); then
+mean of kl1 over the generated tokens of the first `max_responses` responses of each trainer
+process (sums and counts reduced across processes); then
 
     alpha  = min(alpha_max, sqrt(budget / KL1))        alpha_max = 3.0; KL1 = 0 gives 1.0
     budget = end + (start - end) * 0.5 (1 + cos(pi min(n / (H - 1), 1)))
              start = 2e-4, end = 2e-5, H = 300 updates
 
-Mismatch subtraction: the rollout engine and the trainer disagree a little on the log-probs
-of the same tokens (kernels, bf16). On the response tokens of samples that ended with EOS,
+Mismatch subtraction (part of the LoGRA recipe in Table 1's setup: RowAdam with mismatch
+subtraction and predicted-KL annealing): the rollout engine and the trainer disagree a little
+on the log-probs of the same tokens (kernels, bf16). On the response tokens of samples that
+ended with EOS,
 
     observed = max(0, mean(rollout_logprob - trainer_logprob))   (a Monte-Carlo KL(engine || trainer))
     m        <- 0.7 m + 0.3 observed
@@ -48,7 +58,8 @@ Departures, numbered
    their tangent are never held at once, whatever the vocabulary.
 2. The cosine schedule is written as the weighted mean `w start + (1 - w) end`, which gives
    exactly `start` at update 0 and exactly `end` from update H - 1 on.
-3. `max_tokens` truncates each probed sequence (prompt included) to its first tokens.
+3. `max_tokens` (default 4096) truncates each probed sequence, prompt included, to its first
+   `max_tokens` tokens.
 """
 
 import math
@@ -104,7 +115,7 @@ def probe_mode(model):
 @contextmanager
 def injected_tangents(layers, directions):
     """Each target layer's output gets the extra tangent -(X A^T) U^T (alpha = 1). `directions`
-    are whole (d, r) or, for layers attached with a group, this rank's rows of U."""
+    are whole (d, r) or, for layers attached with a group, this process's rows of U."""
 
     def hook_for(layer, u):
         def hook(module, args, out):
@@ -135,7 +146,11 @@ def _decoder_and_head(model):
 
 @torch.no_grad()
 def probe_logits(model, layers, directions, input_ids, attention_mask=None):
-    """(logits, logit tangent) (B, T, V) of the whole batch: for small inputs and tests."""
+    """(logits, logit tangent) (B, T, V) of the whole batch, for small inputs.
+
+    Used by the tests as the raw logit tangent (the JVP that `predict_kl` reduces to KL1 without
+    returning it), checked against finite differences; train.py does not call it.
+    """
     with probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level():
         out = model(input_ids=input_ids, attention_mask=attention_mask).logits
         logits, tangent = fwAD.unpack_dual(out)
@@ -150,7 +165,8 @@ def predict_kl(model, layers, directions, input_ids, response_mask, *, temperatu
     """KL1: mean second-order KL per generated token for the direction alpha = 1.
 
     `response_mask` (B, T) marks generated tokens; the token at t is scored on the logits at
-    t - 1. Weights are not touched. Every rank must call this (FSDP all-gathers inside).
+    t - 1. Weights are not touched. Every trainer process must call this (FSDP all-gathers
+    inside).
     """
     if input_ids.shape != response_mask.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and response_mask "
@@ -211,7 +227,7 @@ def realised_kl(old_logprobs, model, input_ids, response_mask, *, temperature=1.
                 max_positions=512, group=None) -> float:
     """Exact KL(pi_old || pi_new) per scored token, averaged over the same positions as
     `old_logprobs` (from `scored_logprobs` before the merge), full vocabulary, float64;
-    sums and counts reduced across ranks. What the prediction alpha^2 KL1 stands for."""
+    sums and counts reduced across processes. What the prediction alpha^2 KL1 stands for."""
     new = scored_logprobs(model, input_ids, response_mask, temperature=temperature, max_responses=max_responses,
                           max_positions=max_positions)  # (M, V)
     total = torch.zeros(2, dtype=torch.float64, device=new.device)
@@ -287,7 +303,8 @@ class Mismatch:
 
     def adjust(self, budget) -> float:
         """budget <- max(budget - m, 0.5 budget); unchanged when no response of the last observed
-        global batch ended with EOS (then m was not updated either, as in the authors' code)."""
+        global batch ended with EOS (then m was not updated either, as in the authors' code
+        linked in the module docstring)."""
         return max(budget - self.m, 0.5 * budget) if self.active else budget
 
     def state_dict(self):

@@ -4,9 +4,11 @@ ppo.py: the paper's deliberately simple RL objective.
 What it is
 ----------
 One response per prompt, a binary outcome reward, a running reward baseline shared by all
-data-parallel ranks, REINFORCE with truncated importance sampling (TIS), and an optional PPO
-clip for several optimiser steps per batch. It isolates the memory method from gains that a
-more elaborate RL algorithm would add (arXiv:2610.06647, the RL objective of its experiments).
+data-parallel trainer processes, REINFORCE with truncated importance sampling (TIS), and an
+optional PPO clip for several optimiser steps per batch. The paper (arXiv:2610.06647) chose
+this simple setup for Table 1's runs (one response per prompt, a global running reward
+baseline) on purpose: it isolates the memory method from gains that a more elaborate RL
+algorithm would add.
 
 The math
 --------
@@ -19,9 +21,10 @@ The math
     loss       = sum over response tokens of loss_t / num_tokens
 
 `num_tokens` is the number of response tokens of the whole global batch (all micro-batches,
-all ranks), so splitting the batch into micro-batches or across ranks sums to the same
-gradient: each rank's loss is already a share of the global mean, and RowAdam sums the
-ranks' sketches with one all_reduce. `global_token_count` computes it with one all_reduce.
+all trainer processes), so splitting the batch into micro-batches or across processes sums to
+the same gradient: each process's loss is already a share of the global mean, and the
+processes' sketches are summed (in backward under FSDP2, sketch.py departure 5, else by
+`RowAdam.prepare`). `global_token_count` computes `num_tokens` with one all_reduce.
 The same advantage is used on every token of a response. The paper runs one step per batch,
 where `logp_old = logp.detach()` and the PPO ratio is 1 (clip disabled).
 
@@ -33,9 +36,9 @@ Shape legend: B batch (responses), T time (tokens).
 
 Departures, numbered
 --------------------
-1. The baseline's global mean is a reduced (sum, count), so ranks with different numbers of
-   responses still agree on it (the mean of per-rank means would not).
-2. `policy_loss` returns its watch metrics as means over this rank's response tokens.
+1. The baseline's global mean is a reduced (sum, count), so processes with different numbers
+   of responses still agree on it (the mean of per-process means would not).
+2. `policy_loss` returns its watch metrics as means over this process's response tokens.
 """
 
 import torch
@@ -67,7 +70,7 @@ class RunningBaseline:
 
     @torch.no_grad()
     def advantages(self, rewards, group=None):
-        """A = r - b for this rank's rewards (B,); then update b with the global batch mean."""
+        """A = r - b for this process's rewards (B,); then update b with the global batch mean."""
         if rewards.dim() != 1:
             raise ValueError(f"rewards must be (B,), got {tuple(rewards.shape)}")
         if not torch.isfinite(rewards).all():
@@ -100,7 +103,7 @@ class RunningBaseline:
 # The loss
 
 def global_token_count(mask, group=None) -> int:
-    """Response tokens of this rank's part of the batch, summed over ranks (one all_reduce)."""
+    """Response tokens of this process's part of the batch, summed over processes (one all_reduce)."""
     n = torch.tensor([float(mask.sum().item())], dtype=torch.float64, device=mask.device)
     if _distributed():
         dist.all_reduce(n, group=group)

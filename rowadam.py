@@ -9,8 +9,13 @@ into a direction `D` (d, r) that is merged into the full weight as `W -= alpha *
 There is no first moment: `A` is redrawn every update, so sketch coordinates of two updates
 do not line up; per-row statistics do.
 
-The math (arXiv:2610.06647: RowAdam and the merge), per target layer, update t (1-based)
-----------------------------------------------------------------------------------------
+The math, per target layer, update t (1-based)
+----------------------------------------------
+The paper's method section on RowAdam (arXiv:2610.06647) keeps Adam's adaptive scaling, but
+per row of the sketch instead of per element, and merges the update straight into the full
+weight as `W <- W - alpha eta U A`. Below, the paper's `U` is `D` and its learning rate eta
+is the global scale `c`, so this file's `U = c D` stands for the paper's `eta U`:
+
     v     <- beta2 * v + (1 - beta2) * mean_j S[i, j]^2         row-wise over the r columns
     root  <- sqrt(v / (1 - beta2^t))
     den   <- root + max(eps * mean(root), tiny)
@@ -35,15 +40,15 @@ Use
 ---
     opt = RowAdam(layers, base_seed=seed)      # layers = sketch.attach(model, rank, seed[, group])
     ...backward into the sketches...
-    opt.prepare()                               # directions, global scale (this rank's rows)
+    opt.prepare()                               # directions, global scale (this process's rows)
     alpha = ...                                 # kl_control.py, from opt.directions
     factors = opt.merge(alpha)                  # W -= F A; zero sketches; refresh A
 
-Shape legend: d out rows, k in columns, r rank; n rows of a weight held by this rank.
+Shape legend: d out rows, k in columns, r rank; n rows of a weight held by this process.
 
 Departures, numbered
 --------------------
-1. `||D A||_F^2` is computed as `sum((D G) * D)` with the (r, r) Gram matrix `G = A A^T`,
+1. `||D A||_F^2` is computed as `sum((D (A A^T)) * D)` with the (r, r) Gram matrix `A A^T`,
    identical in exact arithmetic and never forming any (rows, k) block: O(r^2 k + d r^2)
    instead of O(d r k).
 2. `prepare` computes the new moments but `merge` commits them, together with the update
@@ -60,11 +65,12 @@ Departures, numbered
    Then fp32 = bf16(fp32) + an int16 count of fp32 ulps, exactly, so a rollout engine can hold
    the trainer's fp32 master as vLLM's bf16 weight plus a 2-byte residual (sync.py) instead
    of a 4-byte copy. Both sides apply the same rule to the same bits.
-6. State is row-sharded like the weights under FSDP2 (sketch.py departure 5): each rank holds
-   its rows of S, U and v and merges its rows of W. What the formulas take over all of a
-   layer's rows (mean root, minimum denominator, mean square scale, the norms, c) is summed
-   from per-rank partial sums in float64 with small all_reduces, so that no rank ever holds
-   a whole layer's S or U; the KL probe and the engine sync gather U or F one layer at a time.
+6. State is row-sharded like the weights under FSDP2 (sketch.py departure 5): each trainer
+   process holds its rows of S, U and v and merges its rows of W. What the formulas take over
+   all of a layer's rows (mean root, minimum denominator, mean square scale, the norms, c) is
+   summed from per-process partial sums in float64 with small all_reduces, so that no process
+   ever holds a whole layer's S or U; the KL probe and the engine sync gather U or F one
+   layer at a time.
 """
 
 import math
@@ -88,14 +94,15 @@ def _sum_over(values, group, op=None):
 
 
 def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=None, group=None, out=None):
-    """RowAdam directions D (n, r), one per layer, from this rank's sketch rows S (n, r) and
+    """RowAdam directions D (n, r), one per layer, from this process's sketch rows S (n, r) and
     row moments v (n,); returns (directions, new moments, sum over layers of ||S||_F^2) and
     changes nothing in place.
 
     Every quantity taken over all of a layer's rows (the mean root, the minimum denominator,
-    the mean square of the row scales, the two Frobenius norms) is this rank's partial sum or
-    minimum, reduced across `group` in float64 (departure 6); `rows[i]` is layer i's total row
-    count d. `group=None`: this process holds all rows (the formula of the module docstring).
+    the mean square of the row scales, the two Frobenius norms) is this process's partial sum
+    or minimum, reduced across `group` in float64 (departure 6); `rows[i]` is layer i's total
+    row count d. `group=None`: this process holds all rows (the formulas of the module
+    docstring's section "The math").
     `out`: preallocated (n, r) buffers for the directions (no transient copies).
     """
     for S, v in zip(sketches, moments):
@@ -111,7 +118,7 @@ def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=N
         raise ValueError(f"eps must be positive, got {eps}")
     device = sketches[0].device
     d_rows = torch.tensor([S.shape[0] for S in sketches] if rows is None else rows,
-                          dtype=torch.float64, device=device)  # (L,): each layer's d, all ranks together
+                          dtype=torch.float64, device=device)  # (L,): each layer's d, all processes together
 
     # v <- beta2 v + (1 - beta2) mean_j S_ij^2 ; root <- sqrt(v / (1 - beta2^t))
     new_v = [beta2 * v + (1 - beta2) * S.to(v.dtype).square().mean(dim=1) for S, v in zip(sketches, moments)]  # (n,)
@@ -153,24 +160,11 @@ def _sum_squares(t, block=2**20):
     return total
 
 
-def row_adam_direction(sketch, second_moment, *, step, beta2=0.95, eps=1e-8):
-    """RowAdam direction D (d, r) of one whole layer's sketch; updates `second_moment` (d,) in place.
-
-    Validates everything first: on error the moment is left unchanged.
-    """
-    if not torch.isfinite(sketch).all():
-        raise FloatingPointError("sketch has non-finite values (inf/nan in the loss or its backward)")
-    (D,), (v,), _ = row_adam_directions([sketch.to(second_moment.dtype)], [second_moment], step=step, beta2=beta2,
-                                        eps=eps)
-    second_moment.copy_(v)
-    return D.to(sketch.dtype)
-
-
 # -----------------------------------------------------------------------------
 # Rows of a (possibly FSDP2-sharded) weight
 
 def local_rows(weight):
-    """(this rank's rows of `weight`, their global row offset). FSDP2 shards dim 0 like torch.chunk."""
+    """(this process's rows of `weight`, their global row offset). FSDP2 shards dim 0 like torch.chunk."""
     if hasattr(weight, "to_local"):  # a DTensor (FSDP2 at rest)
         local = weight.to_local()  # (n, k)
         mesh = weight.device_mesh
@@ -183,7 +177,7 @@ def local_rows(weight):
 
 @torch.no_grad()
 def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_ROWS):
-    """W[o:o+n] -= F[o:o+n] @ A for this rank's rows, in row chunks (never a whole (n, k) delta).
+    """W[o:o+n] -= F[o:o+n] @ A for this process's rows, in row chunks (never a whole (n, k) delta).
 
     F @ A is computed in float64 and rounded once to W's dtype (departure 4), so the result
     does not depend on the chunking or the device: FSDP row shards and the engines' merges
@@ -240,10 +234,10 @@ class RowAdam:
         self.base_seed, self.beta2, self.eps = base_seed, beta2, eps
         self.update_ratio, self.factor_dtype = update_ratio, factor_dtype
         self.update = layers[0].update  # completed updates; the formulas' t is update + 1
-        # v: one fp32 second moment per output row this rank holds, per layer.
+        # v: one fp32 second moment per output row this process holds, per layer.
         self.moments = [torch.zeros(l.sketch.shape[0], dtype=l.sketch.dtype, device=l.sketch.device)
                         for l in layers]  # (n,) each
-        # U per layer, this rank's rows (n, r): allocated once and written in place by every
+        # U per layer, this process's rows (n, r): allocated once and written in place by every
         # prepare (no transient copies); `directions` exposes them between prepare and merge.
         self._u = [torch.empty_like(l.sketch) for l in layers]
         self.directions = None
@@ -257,9 +251,9 @@ class RowAdam:
 
     @torch.no_grad()
     def prepare(self, group=None) -> float:
-        """Compute every layer's U = c D (this rank's rows); return ||S|| over all layers.
+        """Compute every layer's U = c D (this process's rows); return ||S|| over all layers.
 
-        The sketches were already summed over ranks: in backward (row-sharded layers) or, for
+        The sketches were already summed over processes: in backward (row-sharded layers) or, for
         whole sketches held by several processes, here with one all_reduce each over `group`.
         """
         if self.directions is not None:
@@ -267,7 +261,7 @@ class RowAdam:
         if group is not None and self.group is None:
             for l in self.layers:  # whole sketches on every process: sum them (in place)
                 dist.all_reduce(l.sketch, group=group)
-        sketches = [l.sketch for l in self.layers]  # (n, r) each, summed over ranks
+        sketches = [l.sketch for l in self.layers]  # (n, r) each, summed over processes
         bad = torch.tensor([float(sum(int(not torch.isfinite(s).all()) for s in sketches))],
                            dtype=torch.float64, device=sketches[0].device)
         if _sum_over(bad, self.group).item():
@@ -277,8 +271,8 @@ class RowAdam:
                                                eps=self.eps, rows=[l.rows for l in self.layers], group=self.group,
                                                out=self._u)  # D (n, r) each, in the U buffers
 
-        # c = update_ratio sqrt( sum ||W||^2 / sum ||D A||^2 ), both summed over this rank's
-        # rows, then across ranks (departure 1: ||D A||^2 = sum((D A A^T) * D)).
+        # c = update_ratio sqrt( sum ||W||^2 / sum ||D A||^2 ), both summed over this process's
+        # rows, then across processes (departure 1: ||D A||^2 = sum((D A A^T) * D)).
         totals = torch.zeros(2, dtype=torch.float64, device=sketches[0].device)
         for layer, D_l in zip(self.layers, D):
             W_rows, _ = local_rows(layer.module.weight)
@@ -303,8 +297,8 @@ class RowAdam:
 
     @torch.no_grad()
     def merge(self, alpha: float) -> list[torch.Tensor]:
-        """Merge bf16(alpha U) @ A into this rank's rows of every weight; return this rank's
-        rows of the factors F exactly as merged (`sketch.gather_rows` completes them)."""
+        """Merge bf16(alpha U) @ A into this process's rows of every weight; return this
+        process's rows of the factors F exactly as merged (`sketch.gather_rows` completes them)."""
         if self.directions is None:
             raise RuntimeError("merge() needs prepare() first")
         alpha = float(alpha)
@@ -330,7 +324,7 @@ class RowAdam:
 
     def state_dict(self) -> dict:
         """Moments, counter and configuration. Row-sharded moments are DTensors on the
-        weights' device mesh, so that torch.distributed.checkpoint saves every rank's rows."""
+        weights' device mesh, so that torch.distributed.checkpoint saves every process's rows."""
         return {
             "update": self.update,
             "moments": {l.name: self._shared(l, v.clone()) for l, v in zip(self.layers, self.moments)},

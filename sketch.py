@@ -13,18 +13,23 @@ directly in backward: forward keeps `P = X A^T` (N, r) instead of `X` (N, k), an
 adds `dY^T P` to an fp32 buffer. The activation memory a target layer keeps for its weight
 gradient drops by r/k, and the gradient buffer by r/k as well.
 
-The projection A (arXiv:2610.06647, the random projection)
-----------------------------------------------------------
+The projection A
+----------------
+The paper's method section on the low-rank gradient sketch (arXiv:2610.06647) takes `A` as
+independent random signs scaled by 1/sqrt(r), which may be redrawn each step (here it is) so
+that successive updates are not trapped in one subspace:
+
     A[i, j] = +1/sqrt(r) or -1/sqrt(r), each with probability 1/2 (Rademacher)
     E[A^T A] = I_k  =>  E[G A^T A] = G    (the sketch expands to an unbiased gradient)
 
 `A` is never learned and never sent. It is regenerated from an integer seed,
 `projection_seed(base_seed, update, name)`, a sha256 of the three (not Python's salted
 `hash()`), drawn with a CPU `torch.Generator` and only then moved to the device, so the
-trainer ranks and the rollout engines build the same bits anywhere. Update `t` (0-based
+trainer processes and the rollout engines build the same bits anywhere. Update `t` (0-based
 count of merged updates) uses `A_t`; after it is merged every layer switches to `A_{t+1}`.
 
-Defaults: rank r = 256; targets = the seven attention/MLP projections in `TARGETS`.
+Defaults: rank r = 256 (the rank of Table 1's LoGRA runs); targets = the seven attention/MLP
+projections in `TARGETS`.
 
 Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
 
@@ -41,11 +46,12 @@ Departures, numbered
 4. A layer keeps the signs of `A` as int8 (1 byte per entry) and forms `A = signs / sqrt(r)`
    in the compute dtype when it is used: 0.27 GiB instead of 1.08 GiB of fp32 projections
    per GPU for the 7B targets at r = 256. The values are the ones an fp32 `A` would hold.
-5. Under FSDP2 each rank keeps only its rows of each sketch, the rows it holds of the weight
-   (`attach(..., group=...)`): backward forms this micro-batch's `dY^T P` (d, r) for the
-   layer and a reduce-scatter adds every rank's contribution into the owners' rows, as FSDP
-   reduce-scatters gradients. The sum over ranks then happens per micro-batch instead of
-   once per update, and a rank holds d/world rows of S (0.33 instead of 1.33 GiB at 7B).
+5. Under FSDP2 each trainer process keeps only its rows of each sketch, the rows it holds of
+   the weight (`attach(..., group=...)`): backward forms this micro-batch's `dY^T P` (d, r)
+   for the layer and a reduce-scatter adds every process's contribution into the owners'
+   rows, as FSDP reduce-scatters gradients. The sum over processes then happens per
+   micro-batch instead of once per update, and a process holds d/world rows of S (0.33
+   instead of 1.33 GiB at 7B over 4 training GPUs, as in Table 1's setup).
 """
 
 import hashlib
@@ -133,7 +139,7 @@ class _SketchedLinear(torch.autograd.Function):
         # Shapes: (d, N) @ (N, r) -> (d, r)
         if ctx.group is None:
             sketch.addmm_(dy2.t().to(sketch.dtype), p.to(sketch.dtype))
-        else:  # this rank keeps its rows of the sum over the group (departure 5)
+        else:  # this process keeps its rows of the sum over the group (departure 5)
             sketch.add_(reduce_scatter_rows(dy2.t().to(sketch.dtype) @ p.to(sketch.dtype), ctx.group))
         dx = None
         if ctx.needs_input_grad[0]:
@@ -146,8 +152,8 @@ class _SketchedLinear(torch.autograd.Function):
 def sketched_linear(x, weight, bias, projection, sketch, group=None):
     """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r) in place.
 
-    With a process `group`, `sketch` holds this rank's rows only (`row_shard`) and backward
-    adds this rank's rows of the sum over the group (one reduce-scatter). Differentiable with
+    With a process `group`, `sketch` holds this process's rows only (`row_shard`) and backward
+    adds this process's rows of the sum over the group (one reduce-scatter). Differentiable with
     respect to `x` only. Inputs of any leading shape (..., k).
 
     Forward-mode AD (the KL probe) runs under `torch.no_grad()`, where this is `F.linear` and
@@ -170,7 +176,7 @@ def sketched_linear(x, weight, bias, projection, sketch, group=None):
 
 
 # -----------------------------------------------------------------------------
-# Row shards of a sketch (the rows an FSDP2 rank holds of the weight: torch.chunk of dim 0)
+# Row shards of a sketch (the rows an FSDP2 process holds of the weight: torch.chunk of dim 0)
 
 # torch 2.13 names them *_single; older releases *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -178,7 +184,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def row_shard(d: int, group) -> tuple[int, int]:
-    """(first row, row count) of this rank's chunk of `d` rows: ceil(d / world) rows each."""
+    """(first row, row count) of this process's chunk of `d` rows: ceil(d / world) rows each."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     chunk = -(-d // world)
     start = min(me * chunk, d)
@@ -190,7 +196,7 @@ def _padded_rows(d: int, group) -> int:
 
 
 def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
-    """This rank's rows (n, r) of the sum over `group` of every rank's `full` (d, r)."""
+    """This process's rows (n, r) of the sum over `group` of every process's `full` (d, r)."""
     d = full.shape[0]
     padded = full if _padded_rows(d, group) == d else \
         torch.cat([full, full.new_zeros(_padded_rows(d, group) - d, *full.shape[1:])])  # (world * chunk, r)
@@ -200,7 +206,7 @@ def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_rows(local: torch.Tensor, d: int, group) -> torch.Tensor:
-    """All `d` rows (d, r) from every rank's rows (n, r) (the inverse of the row shard)."""
+    """All `d` rows (d, r) from every process's rows (n, r) (the inverse of the row shard)."""
     world = dist.get_world_size(group)
     chunk = -(-d // world)
     padded = local if local.shape[0] == chunk else \
@@ -220,14 +226,14 @@ class LayerSketch:
     name: str
     module: nn.Linear
     signs: torch.Tensor  # (r, k) int8 +-1: A_t = signs / sqrt(r) (departure 4)
-    sketch: torch.Tensor  # (d, r), or this rank's (n, r) rows with a group; fp32 (float64 for float64 models)
+    sketch: torch.Tensor  # (d, r), or this process's (n, r) rows with a group; fp32 (float64 for float64 models)
     base_seed: int
     update: int = 0
     group: object = None  # the process group over which rows are sharded (departure 5), or None
 
     @property
     def rows(self) -> int:
-        """d, the layer's out_features (all rows, whichever this rank holds)."""
+        """d, the layer's out_features (all rows, whichever this process holds)."""
         return self.module.weight.shape[0]
 
     @property
@@ -271,7 +277,7 @@ def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: i
            group=None) -> list[LayerSketch]:
     """Install sketches on every target `nn.Linear` of a causal LM; freeze every parameter.
 
-    `group`: the FSDP2 data-parallel group of an FSDP2-sharded model. Each rank then keeps
+    `group`: the FSDP2 data-parallel group of an FSDP2-sharded model. Each process then keeps
     only its rows of every sketch (the rows it holds of the weight), summed over the group in
     backward (departure 5). Returns the layers in module order. Undo with `detach(model)`.
     """
@@ -305,7 +311,7 @@ def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: i
                                  f"{'a replicated weight' if local is None else f'{local} local rows'}")
         signs = make_signs(rank, module.in_features, projection_seed(seed, update, clean),
                            device=weight.device)  # (r, k) int8
-        s = torch.zeros(rows, rank, device=weight.device, dtype=acc_dtype)  # (d, r), or this rank's (n, r)
+        s = torch.zeros(rows, rank, device=weight.device, dtype=acc_dtype)  # (d, r), or this process's (n, r)
         layer = LayerSketch(clean, module, signs, s, seed, update, group)
         module.forward = layer.forward  # an instance attribute: `del` restores nn.Linear.forward
         layers.append(layer)

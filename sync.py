@@ -6,15 +6,17 @@ What it is
 After update t is merged, the trainer sends each rollout engine, per target layer, only the
 bf16 factor `F = alpha U` (d, r) that RowAdam merged, plus the update number. The engine
 regenerates `A_t` from the seed rule of sketch.py and merges `W -= F @ A_t` itself. The
-payload is `sum_layers d * r * 2` bytes, about r/k of a full bf16 weight sync
-(arXiv:2610.06647, seed-based sync).
+payload is `sum_layers d * r * 2` bytes, about r/k of a full bf16 weight sync. The paper's
+method section on seed-based sync (arXiv:2610.06647) has the trainer send `alpha eta U` and a
+seed for `A`, O(d r) values instead of a full (d, k) delta; `F` is that `alpha eta U` in
+bf16 (rowadam.py's `U = c D` stands for the paper's `eta U`).
 
 Pieces
 ------
 - `Payload(update, base_seed, rank, factors)` and `encode`/`decode`: one flat uint8 buffer
   per update (a checked header, then the tensors), so it travels over any
   `torch.distributed` backend as one message. `full_payload` carries full weights instead
-  (start-up, recovery, and the paper's `--sync full` control), in the same format.
+  (start-up, recovery, and train.py's `--sync full` control), in the same format.
 - `EngineWeights(model, base_seed=..., rank=..., layout="hf" | "vllm")`: the engine side.
   Next to the model's bf16 weight it keeps an int16 residual per target weight, so that
   bf16 weight + residual is the trainer's fp32 master exactly (departure 1); every merge
@@ -41,14 +43,14 @@ Departures, numbered
 --------------------
 1. The engine carries the trainer's fp32 master as its bf16 weight plus an int16 residual
    (2 extra bytes per target weight, not the 4 of an fp32 copy: 12.2 GiB instead of 24.3
-   at 7B). fp32 = bf16(fp32) + r fp32 ulps with r in [-32768, 32768]; only the value
+   at 7B). fp32 = bf16(fp32) + j fp32 ulps with j in [-32768, 32768]; only the value
    +32768 (a bf16 tie rounded down) does not fit an int16, and the trainer's merge never
-   leaves a tie (rowadam.py, departure 5), nor does the trainer's start-up sync (train.py
+   leaves a tie (rowadam.py departure 5), nor does the trainer's start-up sync (train.py
    applies `rowadam.avoid_bf16_ties_` first). An fp32 payload with a tie is refused.
 2. Each layer in a payload carries two integer checksums of its bytes, so a corrupted buffer
    is refused before anything is merged.
-3. vLLM tensor parallelism inside an engine is not supported (the paper runs one engine per
-   GPU); a sharded vLLM layer raises.
+3. vLLM tensor parallelism inside an engine is not supported (Table 1's setup runs one vLLM
+   engine per GPU); a sharded vLLM layer raises.
 """
 
 import json
@@ -381,8 +383,8 @@ class EngineWeights:
 def fingerprint(layers_or_model, dtype=torch.bfloat16, group=None) -> dict:
     """Checksums of bf16(W) per target, from a model or from sketch.attach's layers.
 
-    Under FSDP2 each rank sums its row shard (at its global row offset) and one all_reduce
-    adds the shards, so every rank returns the whole model's fingerprint.
+    Under FSDP2 each trainer process sums its row shard (at its global row offset) and one
+    all_reduce adds the shards, so every process returns the whole model's fingerprint.
     """
     if isinstance(layers_or_model, torch.nn.Module):
         mods = target_modules(layers_or_model)

@@ -9,7 +9,7 @@ the GPU (shared by both runs), so that rewards vary and the timed updates change
 The script checks that and says so. Prints peak GPU memory and update time (median over the
 updates after the first) side by side. Finishes in a few minutes on one H100/H200.
 
-    python bench/gpu_smoke.py [--updates 4] [--warmup-steps 300]
+    python bench/gpu_smoke.py [--updates 4] [--warmup-steps 300] [--markdown]
 """
 
 import argparse
@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import report  # bench/report.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +41,8 @@ def run(optimizer, updates, warmup_steps, out_dir):
 
 
 def device_checks():
-    """Bits that must not depend on the device: projections, merges; the sketch vs dense."""
+    """Bits that must not depend on the device: projections, merges; the sketch vs dense.
+    Prints one line per check and returns the lines."""
     import torch
 
     sys.path.insert(0, ROOT)
@@ -48,7 +51,8 @@ def device_checks():
 
     seed = sketch.projection_seed(7, 3, "model.layers.0.mlp.down_proj")
     cpu, gpu = sketch.make_projection(256, 4864, seed), sketch.make_projection(256, 4864, seed, device="cuda")
-    print(f"projection bit-identical on cpu and cuda: {torch.equal(cpu, gpu.cpu())}")
+    lines = [f"projection bit-identical on cpu and cuda: {torch.equal(cpu, gpu.cpu())}"]
+    print(lines[-1])
     g = torch.Generator().manual_seed(0)
     w = torch.randn(896, 4864, generator=g)
     f = (torch.randn(896, 256, generator=g) * 1e-4).to(torch.bfloat16)
@@ -56,7 +60,8 @@ def device_checks():
     rowadam.merge_rows(w_cpu, f, cpu)
     rowadam.merge_rows(w_gpu[:300], f.cuda(), gpu, row_offset=0, chunk_rows=128)  # another chunking, sharded
     rowadam.merge_rows(w_gpu[300:], f.cuda(), gpu, row_offset=300, chunk_rows=512)
-    print(f"merge bit-identical cpu (unsharded) vs cuda (2 shards): {torch.equal(w_cpu, w_gpu.cpu())}")
+    lines.append(f"merge bit-identical cpu (unsharded) vs cuda (2 shards): {torch.equal(w_cpu, w_gpu.cpu())}")
+    print(lines[-1])
     x = torch.randn(4, 100, 4864, device="cuda", dtype=torch.float64, requires_grad=True)
     wt = torch.randn(896, 4864, device="cuda", dtype=torch.float64) / 70
     dy = torch.randn(4, 100, 896, device="cuda", dtype=torch.float64)
@@ -64,18 +69,25 @@ def device_checks():
     s = torch.zeros(896, 256, device="cuda", dtype=torch.float64)
     sketch.sketched_linear(x, wt, None, a, s).backward(dy)
     ref = (dy.flatten(0, 1).t() @ x.detach().flatten(0, 1)) @ a.t()
-    print(f"sketch vs dense G A^T on cuda, float64: max rel err {((s - ref).abs().max() / ref.abs().max()).item():.1e}")
+    lines.append(f"sketch vs dense G A^T on cuda, float64: max rel err "
+                 f"{((s - ref).abs().max() / ref.abs().max()).item():.1e}")
+    print(lines[-1])
+    return lines
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=300, help="supervised steps before the timed updates")
+    p.add_argument("--markdown", action="store_true", help="also write the results into bench/README.md "
+                                                           "(bench:gpu_smoke)")
     args = p.parse_args()
+    if args.markdown:  # a missing block fails now, not after the measurement
+        report.check("gpu_smoke")
     import torch
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    device_checks()
+    result = ["; ".join(device_checks())]  # the paragraphs of the Markdown block
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for optimizer in ("logra", "adam"):
@@ -85,24 +97,31 @@ def main():
     for name, (rows, _) in results.items():
         varied = sum(0 < r["accuracy"] < 1 for r in rows)
         moved = sum(r["sketch_norm"] > 0 for r in rows) if name == "logra" else varied
-        print(f"{name}: accuracy per update {[round(r['accuracy'], 3) for r in rows]}; rewards varied in "
-              f"{varied} of {len(rows)} updates" + (f", non-zero sketches in {moved}" if name == "logra" else ""))
+        result.append(f"{name}: accuracy per update {[round(r['accuracy'], 3) for r in rows]}; rewards varied in "
+                      f"{varied} of {len(rows)} updates"
+                      + (f", non-zero sketches in {moved}" if name == "logra" else ""))
+        print(result[-1])
         if not moved:
-            print(f"WARNING: no {name} update changed the weights (no reward variance): its times are not "
-                  f"those of a real update; raise --warmup-steps")
-    print("| | peak GPU memory (max over updates) | update time (median, after the first) | "
-          "rollout | train | probe | merge | sync | sync bytes | wall |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+            result.append(f"WARNING: no {name} update changed the weights (no reward variance): its times are not "
+                          f"those of a real update; raise --warmup-steps")
+            print(result[-1])
+    header = ["", "peak GPU memory (max over updates)", "update time (median, after the first)", "rollout", "train",
+              "probe", "merge", "sync", "sync bytes", "wall"]
+    table_rows = []
     base_mem = max(r["mem_gib"] for r in results["adam"][0])
     base_time = statistics.median(r["time_s"] for r in results["adam"][0][1:])
     for name, (rows, wall) in results.items():
         mem = max(r["mem_gib"] for r in rows)
         later = rows[1:]
         t = statistics.median(r["time_s"] for r in later)
-        phases = " | ".join(f"{statistics.median(r.get('time_' + k, 0.0) for r in later) * 1e3:.0f} ms"
-                            for k in ("rollout", "train", "probe", "merge", "sync"))
-        print(f"| {name} | {mem:.2f} GiB ({mem / base_mem:.2f}x) | {t * 1e3:.0f} ms ({t / base_time:.2f}x) | {phases} "
-              f"| {rows[-1]['sync_bytes'] / 2**20:.1f} MiB | {wall:.0f} s |")
+        phases = [f"{statistics.median(r.get('time_' + k, 0.0) for r in later) * 1e3:.0f} ms"
+                  for k in ("rollout", "train", "probe", "merge", "sync")]
+        table_rows.append([name, f"{mem:.2f} GiB ({mem / base_mem:.2f}x)", f"{t * 1e3:.0f} ms ({t / base_time:.2f}x)",
+                           *phases, f"{rows[-1]['sync_bytes'] / 2**20:.1f} MiB", f"{wall:.0f} s"])
+    result.append(report.table(header, table_rows))
+    print(result[-1])
+    if args.markdown:
+        report.publish("gpu_smoke", "\n\n".join(result))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@
 
     python bench/kl_probe.py            # all three
     python bench/kl_probe.py --trained  # only the third
+    python bench/kl_probe.py --markdown # and write the tables into bench/README.md
 """
 
+import argparse
 import os
 import statistics
 import sys
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kl_control  # noqa: E402
+import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
 import sketch  # noqa: E402
 
@@ -54,6 +57,7 @@ def prepared(dtype, batch, length, update_ratio, rank=32, seed=0):
 
 
 def timing(reps=5):
+    """Prints the cost table and returns it as Markdown, below its caption."""
     model, layers, opt, ids, mask = prepared(torch.float32, batch=2, length=512, update_ratio=6e-5)
     runs = {
         "plain forward": lambda: model(input_ids=ids),
@@ -68,15 +72,22 @@ def timing(reps=5):
             if rep:
                 times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["plain forward"])
-    print(f"probe cost: 2 x 512 tokens, hidden 256, 4 layers, vocab 4096, fp32, median of {reps}")
-    print("| | time | vs forward |\n|---|---|---|")
-    for name, ts in times.items():
-        print(f"| {name} | {statistics.median(ts) * 1e3:.0f} ms | {statistics.median(ts) / base:.2f}x |")
+    caption = f"probe cost: 2 x 512 tokens, hidden 256, 4 layers, vocab 4096, fp32, median of {reps}"
+    result = report.table(["", "time", "vs forward"],
+                          [[name, f"{statistics.median(ts) * 1e3:.0f} ms", f"{statistics.median(ts) / base:.2f}x"]
+                           for name, ts in times.items()])
+    print(caption)
+    print(result)
+    return caption + "\n\n" + result
 
 
 def accuracy(temperature=1.0):
-    print(f"\nprediction vs reality: float64 model, 3 x 64 tokens, temperature {temperature}")
-    print("| budget | alpha | predicted alpha^2 KL1 | exact KL | exact / predicted |\n|---|---|---|---|---|")
+    """Prints the accuracy table as it goes and returns it as Markdown, below its caption."""
+    caption = f"prediction vs reality: float64 model, 3 x 64 tokens, temperature {temperature}"
+    header = ["budget", "alpha", "predicted alpha^2 KL1", "exact KL", "exact / predicted"]
+    print("\n" + caption)
+    print(report.table(header, []))
+    rows = []
     for budget in (1e-5, 1e-4, 1e-3):
         model, layers, opt, ids, mask = prepared(torch.float64, batch=3, length=64, update_ratio=3e-2)
         kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask,
@@ -91,24 +102,28 @@ def accuracy(temperature=1.0):
         lq = torch.log_softmax(new[:, :-1][sel] / temperature, -1)
         exact = (lp.exp() * (lp - lq)).sum(-1).mean().item()
         pred = alpha**2 * kl1
-        print(f"| {budget:.0e} | {alpha:.3f} | {pred:.3e} | {exact:.3e} | {exact / pred:.4f} |")
+        rows.append([f"{budget:.0e}", f"{alpha:.3f}", f"{pred:.3e}", f"{exact:.3e}", f"{exact / pred:.4f}"])
+        print(report.row(rows[-1]), flush=True)
+    return caption + "\n\n" + report.table(header, rows)
 
 
 def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
+    """Prints the table on the trained policy and returns it as Markdown, below its caption."""
     import copy
 
     import ppo
+    import tasks
     import train
     from engine import HFEngine
 
     ratios, alphas, preds = ({b: [] for b in budgets} for _ in range(3))
     for seed in seeds:
         cfg = dict(copy.deepcopy(train.PRESETS["tiny"]), preset="tiny", seed=seed)
-        task = train.Arithmetic(seed, cfg["eval_problems"])
+        task = tasks.Arithmetic(seed, cfg["eval_problems"])
         base = train.build_model(cfg, task.vocab_size)
-        train.warmup(base, task, cfg, train.base_policy_path(cfg, task, os.path.join("runs", "tiny-logra")), print)
+        train.base_policy(base, task, cfg, train.base_policy_path(cfg, task, os.path.join("runs", "tiny-logra")), print)
         base.eval()
-        engine = HFEngine(copy.deepcopy(base).to(torch.bfloat16), base_seed=seed, rank=cfg["rank"],
+        engine = HFEngine(copy.deepcopy(base).to(torch.bfloat16), base_seed=seed, rank=cfg["sketch_rank"],
                           eos=task.eos, pad=task.pad)
         for b in range(batches):
             problems = [task.train_problem(b * cfg["batch"] + i) for i in range(cfg["batch"])]
@@ -121,7 +136,7 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
             scored = dict(temperature=cfg["temperature"], max_responses=probed, max_positions=cfg["kl_real_positions"])
             for budget in budgets:
                 model = copy.deepcopy(base)  # every budget from the same policy and the same sketches
-                layers = sketch.attach(model, rank=cfg["rank"], seed=seed)
+                layers = sketch.attach(model, rank=cfg["sketch_rank"], seed=seed)
                 opt = rowadam.RowAdam(layers, base_seed=seed, update_ratio=cfg["update_ratio"])
                 logp = ppo.response_logprobs(model(input_ids=ro.ids).logits, ro.ids, cfg["temperature"])
                 loss, _ = ppo.policy_loss(logp, advantages, ro.mask, rollout_logprobs=ro.logprobs,
@@ -139,18 +154,34 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
                 alphas[budget].append(alpha)
                 preds[budget].append(alpha**2 * kl1)
     n = len(seeds) * batches
-    print(f"\nprediction vs reality on the tiny preset's base policy: seeds {list(seeds)}, {batches} rollout batches "
-          f"of {train.PRESETS['tiny']['batch']} each ({n} steps per budget), alpha uncapped")
-    print("| budget | median alpha | median predicted | realised / predicted: median | min | max |")
-    print("|---|---|---|---|---|---|")
-    for b in budgets:
-        r = ratios[b]
-        print(f"| {b:.0e} | {statistics.median(alphas[b]):.3g} | {statistics.median(preds[b]):.2e} "
-              f"| {statistics.median(r):.3f} | {min(r):.3f} | {max(r):.3f} |")
+    caption = (f"prediction vs reality on the tiny preset's base policy: seeds {list(seeds)}, {batches} rollout "
+               f"batches of {train.PRESETS['tiny']['batch']} each ({n} steps per budget), alpha uncapped")
+    rows = [[f"{b:.0e}", f"{statistics.median(alphas[b]):.3g}", f"{statistics.median(preds[b]):.2e}",
+             f"{statistics.median(ratios[b]):.3f}", f"{min(ratios[b]):.3f}", f"{max(ratios[b]):.3f}"]
+            for b in budgets]
+    result = report.table(["budget", "median alpha", "median predicted", "realised / predicted: median", "min", "max"],
+                          rows)
+    print("\n" + caption)
+    print(result)
+    return caption + "\n\n" + result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trained", action="store_true", help="only the third part, on the trained policy")
+    p.add_argument("--markdown", action="store_true", help="also write the tables into bench/README.md "
+                                                           "(bench:kl_probe, bench:kl_probe_trained)")
+    args = p.parse_args()
+    if args.markdown:  # a missing block fails now, not after the measurement
+        report.check(*(["kl_probe_trained"] if args.trained else ["kl_probe", "kl_probe_trained"]))
+    if not args.trained:
+        cost_and_accuracy = timing() + "\n\n" + accuracy()
+        if args.markdown:  # published at once: the third part takes minutes
+            report.publish("kl_probe", cost_and_accuracy)
+    on_trained = trained()
+    if args.markdown:
+        report.publish("kl_probe_trained", on_trained)
 
 
 if __name__ == "__main__":
-    if "--trained" not in sys.argv:
-        timing()
-        accuracy()
-    trained()
+    main()

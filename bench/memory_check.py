@@ -13,11 +13,13 @@ per decoder layer, then the root), r = 256:
 Persistent state is counted from the tensors themselves on each rank. The step's transient
 is measured with a TorchDispatchMode that adds the bytes of every storage an op allocates
 and subtracts them when the storage dies: the peak of live bytes above the step's start.
-Both are compared with `train.memory_estimate` for the same shapes and world size.
+Both are compared with `memory_plan.estimate` for the same shapes and world size.
 
     python bench/memory_check.py            # about a minute; prints the table and the ratios
+    python bench/memory_check.py --markdown # and writes them into bench/README.md
 """
 
+import argparse
 import json
 import os
 import sys
@@ -33,8 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import kl_control  # noqa: E402
+import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
 import sketch  # noqa: E402
+import memory_plan  # noqa: E402
 import sync  # noqa: E402
 import train  # noqa: E402
 
@@ -167,8 +171,8 @@ def measure(model_cfg, r):
     with tempfile.TemporaryDirectory() as tmp:
         run_gloo(worker, WORLD, model_cfg, r, tmp)
         measured = [json.load(open(os.path.join(tmp, f"rank{k}.json"))) for k in range(WORLD)]
-    est = train.memory_estimate(model_cfg, WORLD, r, micro_batch=MICRO, context=TOKENS, probe_tokens=MICRO * TOKENS,
-                                kl_real_positions=0, compute_bytes=4)  # fp32 compute here (bf16 on GPUs)
+    est = memory_plan.estimate(model_cfg, WORLD, r, micro_batch=MICRO, context=TOKENS, probe_tokens=MICRO * TOKENS,
+                               kl_real_positions=0, compute_bytes=4)  # fp32 compute here (bf16 on GPUs)
     rows = [("LoGRA persistent (weights shard, S, U, v, signs)", measured[0]["logra"][0], measured[1]["logra"][0],
              est["trainer_logra_persistent_bytes"])]
     for phase in ("prepare", "merge", "sync"):
@@ -186,19 +190,28 @@ def measure(model_cfg, r):
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+                                                           "(bench:memory_check)")
+    args = p.parse_args()
+    if args.markdown:  # a missing block fails now, not after the measurement
+        report.check("memory_check")
     rows, probe = measure(SEVEN_B, 256)
     mib = 2**20
-    print(f"Qwen2 with 7B widths, 2 layers, vocab 1024; {WORLD} gloo ranks, FSDP2, r = 256; "
-          f"rank 0 (rank 1 in brackets)")
-    print("| | measured | estimate | measured / estimate |")
-    print("|---|---|---|---|")
-    worst = 0.0
-    for label, got, other, want in rows:
-        worst = max(worst, abs(got / want - 1))
-        print(f"| {label} | {got / mib:.1f} MiB ({other / mib:.1f}) | {want / mib:.1f} MiB | {got / want:.3f} |")
-    print(f"largest deviation: {100 * worst:.1f}%")
-    print(f"the KL probe, a forward pass with tangents under FSDP2: {probe[0] / mib:.1f} MiB ({probe[1] / mib:.1f}) "
-          f"at its peak, the unsharded layers in flight included (not compared: FSDP2's own buffers)")
+    caption = (f"Qwen2 with 7B widths, 2 layers, vocab 1024; {WORLD} gloo ranks, FSDP2, r = 256; "
+               f"rank 0 (rank 1 in brackets)")
+    worst = max(abs(got / want - 1) for _, got, _, want in rows)
+    result = [caption,
+              report.table(["", "measured", "estimate", "measured / estimate"],
+                           [[label, f"{got / mib:.1f} MiB ({other / mib:.1f})", f"{want / mib:.1f} MiB",
+                             f"{got / want:.3f}"] for label, got, other, want in rows]),
+              f"largest deviation: {100 * worst:.1f}%",
+              f"the KL probe, a forward pass with tangents under FSDP2: {probe[0] / mib:.1f} MiB "
+              f"({probe[1] / mib:.1f}) at its peak, the unsharded layers in flight included (not compared: FSDP2's "
+              f"own buffers)"]
+    print("\n".join(result))
+    if args.markdown:
+        report.publish("memory_check", "\n\n".join(result))
 
 
 if __name__ == "__main__":

@@ -1,26 +1,30 @@
 """Per-GPU training-state memory of the paper's presets under 4-way FSDP2, next to Table 1.
 
-From the presets' shapes (train.memory_estimate, on the meta device): fp32 weight shards;
+From the presets' shapes (memory_plan.estimate, on the meta device): fp32 weight shards;
 dense AdamW's fp32 gradient and two moments for the seven target projections; LoGRA's row
 shards of the sketches S and directions U (n, r) and row moments (n,), and the int8 signs of
 the projections A (r, k), r = 256.
 The paper's Table 1 reports the average GPU memory of whole runs, activations, the
 unsharded bf16 layers in flight and allocator slack included: the difference is what those
 take. Its dense baseline may train all parameters while this project's AdamW trains the
-seven targets (train.py departure 3): for the 7B model the embedding and head would add
+seven targets (train.py departure 2): for the 7B model the embedding and head would add
 about 4.4 GiB per GPU of gradient and moments.
 
 The 27B model is not public. We assume Qwen2.5-32B's widths (hidden 5120, intermediate
 27648, 40 heads, 8 KV heads, vocab 152064) cut to 52 layers, which gives 26.9B parameters:
 the paper's model is a Qwen model of that size, and these widths are Qwen's own at that scale.
 
-    python bench/memory_model.py
+    python bench/memory_model.py [--markdown]
 """
 
+import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import memory_plan  # noqa: E402
+import metrics  # noqa: E402
+import report  # noqa: E402  (bench/report.py)
 import train  # noqa: E402
 
 PAPER = {"1.5b": (9.18, 7.18), "7b": (31.82, 17.29), "27b": (None, 51.54)}  # Table 1, avg GiB/GPU
@@ -28,12 +32,17 @@ GIB = 2**30
 
 
 def main():
-    rows = []
-    print("| model | AdamW state (est.) | paper AdamW avg | implied rest | LoGRA state (est.) | paper LoGRA avg "
-          "| implied rest | est. saving | paper saving |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+                                                           "(bench:memory_model)")
+    args = p.parse_args()
+    if args.markdown:  # a missing block fails now, not after the measurement
+        report.check("memory_model")
+    header = ["model", "AdamW state (est.)", "paper AdamW avg", "implied rest", "LoGRA state (est.)",
+              "paper LoGRA avg", "implied rest", "est. saving", "paper saving"]
+    rows, table_rows = [], []
     for name in ("1.5b", "7b", "27b"):
-        m = train.memory_estimate(train.PRESETS[name]["model"], 4, 256)
+        m = memory_plan.estimate(train.PRESETS[name]["model"], 4, 256)
         adam = (m["weights"] + m["adam_grads"] + m["adam_moments"]) / GIB
         logra = (m["weights"] + m["logra_sketches"] + m["logra_directions"] + m["logra_moments"]
                  + m["logra_projections"]) / GIB
@@ -41,19 +50,20 @@ def main():
         rest_adam = f"{p_adam - adam:.2f} GiB" if p_adam else "-"
         paper_adam = f"{p_adam:.2f} GiB" if p_adam else "OOM"
         saving = f"{100 * (p_logra - p_adam) / p_adam:+.1f}%" if p_adam else "feasible"
-        print(f"| {name} ({m['params'] / 1e9:.2f}B) | {adam:.2f} GiB | {paper_adam} | {rest_adam} | {logra:.2f} GiB "
-              f"| {p_logra:.2f} GiB | {p_logra - logra:.2f} GiB | {100 * (logra - adam) / adam:+.1f}% | {saving} |")
+        table_rows.append([f"{name} ({m['params'] / 1e9:.2f}B)", f"{adam:.2f} GiB", paper_adam, rest_adam,
+                           f"{logra:.2f} GiB", f"{p_logra:.2f} GiB", f"{p_logra - logra:.2f} GiB",
+                           f"{100 * (logra - adam) / adam:+.1f}%", saving])
         rows.append((name, adam, logra, p_adam, p_logra))
+    result = report.table(header, table_rows)
+    print(result)
     chart(rows)
+    if args.markdown:
+        report.publish("memory_model", result)
 
 
 def chart(rows):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = metrics.pyplot()
+    if plt is None:
         print("no chart: pip install matplotlib")
         return
     fig, ax = plt.subplots(figsize=(7, 3.6))

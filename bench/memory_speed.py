@@ -12,7 +12,7 @@ look, so they are counted from their tensors and added as its optimizer state.
 Time: median of interleaved repetitions of the whole step (forward, backward, optimizer).
 Peers that do not install or run are reported with the reason. They are the `bench` extra.
 
-    python bench/memory_speed.py [--reps 5] [--rank 256]
+    python bench/memory_speed.py [--reps 5] [--rank 256] [--markdown]
 """
 
 import argparse
@@ -27,6 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kl_control  # noqa: E402
 import ppo  # noqa: E402
+import metrics  # noqa: E402
+import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
 import sketch  # noqa: E402
 
@@ -181,7 +183,11 @@ def main():
     p.add_argument("--rank", type=int, default=256)
     p.add_argument("--png", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "memory_speed.png"))
+    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+                                                           "(bench:memory_speed)")
     args = p.parse_args()
+    if args.markdown:  # a missing block fails now, not after the measurement
+        report.check("memory_speed")
     base, data = build(), batch()
     mem, steps, failed = {}, {}, {}
     for name, setup in METHODS.items():
@@ -198,26 +204,30 @@ def main():
                 times[name].append(time.perf_counter() - t0)
 
     n_params = sum(p.numel() for p in base.parameters())
-    print(f"Qwen2 {n_params / 1e6:.0f}M parameters, batch 4 x 256 tokens, rank {args.rank}, fp32 on this CPU "
-          f"({torch.get_num_threads()} threads), time = median of {args.reps}")
-    print("| method | params | grads | optimizer state | activations + temp | peak | p+g+o vs AdamW "
-          "| peak vs AdamW | step time | vs AdamW |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    caption = (f"Qwen2 {n_params / 1e6:.0f}M parameters, batch 4 x 256 tokens, rank {args.rank}, fp32 on this CPU "
+               f"({torch.get_num_threads()} threads), time = median of {args.reps}")
+    header = ["method", "params", "grads", "optimizer state", "activations + temp", "peak", "p+g+o vs AdamW",
+              "peak vs AdamW", "step time", "vs AdamW"]
+    rows = []
     ref = mem["dense AdamW"]
     ref_pgo = ref["params"] + ref["grads"] + ref["optimizer"]
     ref_t = statistics.median(times["dense AdamW"])
     for name, m in mem.items():
         t = statistics.median(times[name])
         pgo = m["params"] + m["grads"] + m["optimizer"]
-        print(f"| {name} | {m['params'] / MIB:.0f} MiB | {m['grads'] / MIB:.0f} MiB | {m['optimizer'] / MIB:.0f} MiB "
-              f"| {m['activations'] / MIB:.0f} MiB | {m['total'] / MIB:.0f} MiB | {pgo / ref_pgo:.2f}x "
-              f"| {m['total'] / ref['total']:.2f}x | {t * 1e3:.0f} ms | {t / ref_t:.2f}x |")
+        rows.append([name, f"{m['params'] / MIB:.0f} MiB", f"{m['grads'] / MIB:.0f} MiB",
+                     f"{m['optimizer'] / MIB:.0f} MiB", f"{m['activations'] / MIB:.0f} MiB",
+                     f"{m['total'] / MIB:.0f} MiB", f"{pgo / ref_pgo:.2f}x", f"{m['total'] / ref['total']:.2f}x",
+                     f"{t * 1e3:.0f} ms", f"{t / ref_t:.2f}x"])
     for name, why in failed.items():
-        print(f"| {name} | not measured: {why} |")
+        rows.append([name, f"not measured: {why}"])
+    result = [caption, report.table(header, rows)]  # the paragraphs of the Markdown block
+    print("\n".join(result))
     if LOGRA_PHASES["probe"]:
         med = {k: statistics.median(v[1:] or v) * 1e3 for k, v in LOGRA_PHASES.items()}  # after the warm-up
-        print("\nLoGRA's update by phase (median ms): " + ", ".join(f"{k} {v:.0f}" for k, v in med.items())
-              + f"; the KL probe is {med['probe'] / sum(med.values()):.0%} of it")
+        result.append("LoGRA's update by phase (median ms): " + ", ".join(f"{k} {v:.0f}" for k, v in med.items())
+                      + f"; the KL probe is {med['probe'] / sum(med.values()):.0%} of it")
+        print("\n" + result[-1])
 
     # The physical limit of LoGRA's state: fp32 weights + sketches S and directions U (fp32)
     # + the int8 signs of A + row moments.
@@ -225,19 +235,18 @@ def main():
     limit = 4 * n_params + sum(8 * d * args.rank + args.rank * k + 4 * d for d, k in shapes)
     if "LoGRA" in mem:
         lo = mem["LoGRA"]
-        print(f"\nLoGRA, smallest state it could hold (fp32 weights + S + U + int8 signs of A + row moments, "
-              f"from shapes): {limit / MIB:.0f} MiB; measured params + grads + optimizer state: "
-              f"{(lo['params'] + lo['grads'] + lo['optimizer']) / MIB:.0f} MiB")
+        result.append(f"LoGRA, smallest state it could hold (fp32 weights + S + U + int8 signs of A + row moments, "
+                      f"from shapes): {limit / MIB:.0f} MiB; measured params + grads + optimizer state: "
+                      f"{(lo['params'] + lo['grads'] + lo['optimizer']) / MIB:.0f} MiB")
+        print("\n" + result[-1])
     plot(mem, args.png)
+    if args.markdown:
+        report.publish("memory_speed", "\n\n".join(result))
 
 
 def plot(mem, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = metrics.pyplot()
+    if plt is None:
         print("no chart: pip install matplotlib")
         return
     names = list(mem)

@@ -3,7 +3,7 @@
 Measures the bytes each keeps for backward (saved-tensor hooks, the weight itself excluded,
 since both hold it anyway) and the backward time (median of interleaved repetitions).
 
-    python bench/sketch_layer.py [--d 4096 --k 4096 --n 4096 --r 256 --reps 7]
+    python bench/sketch_layer.py [--d 4096 --k 4096 --n 4096 --r 256 --reps 7] [--markdown]
 """
 
 import argparse
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import report  # noqa: E402  (bench/report.py)
 import sketch  # noqa: E402
 
 
@@ -40,7 +41,11 @@ def main():
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--r", type=int, default=256)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+                                                           "(bench:sketch_layer)")
     args = p.parse_args()
+    if args.markdown:  # a missing block fails now, not after the measurement
+        report.check("sketch_layer")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.n, args.k, generator=g).requires_grad_(True)  # (N, k)
     w = torch.randn(args.d, args.k, generator=g) / args.k**0.5  # (d, k)
@@ -65,15 +70,19 @@ def main():
             x.grad = wd.grad = None
     grad_bytes = {"dense F.linear": args.d * args.k * 4, "sketched_linear": args.d * args.r * 4}
     base = "dense F.linear"
-    print(f"layer {args.d}x{args.k}, N = {args.n} tokens, r = {args.r}, fp32, "
-          f"{torch.get_num_threads()} threads, median of {args.reps}")
-    print("| | kept for backward | gradient buffer | backward time |")
-    print("|---|---|---|---|")
+    caption = (f"layer {args.d}x{args.k}, N = {args.n} tokens, r = {args.r}, fp32, "
+               f"{torch.get_num_threads()} threads, median of {args.reps}")
+    rows = []
     for name in runs:
         med = statistics.median(times[name])
-        print(f"| {name} | {kept[name] / 2**20:.1f} MiB ({kept[name] / kept[base]:.3f}x) "
-              f"| {grad_bytes[name] / 2**20:.1f} MiB ({grad_bytes[name] / grad_bytes[base]:.3f}x) "
-              f"| {med * 1e3:.0f} ms ({med / statistics.median(times[base]):.2f}x) |")
+        rows.append([name, f"{kept[name] / 2**20:.1f} MiB ({kept[name] / kept[base]:.3f}x)",
+                     f"{grad_bytes[name] / 2**20:.1f} MiB ({grad_bytes[name] / grad_bytes[base]:.3f}x)",
+                     f"{med * 1e3:.0f} ms ({med / statistics.median(times[base]):.2f}x)"])
+    result = report.table(["", "kept for backward", "gradient buffer", "backward time"], rows)
+    print(caption)
+    print(result)
+    if args.markdown:
+        report.publish("sketch_layer", caption + "\n\n" + result)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
 import sketch  # noqa: E402
 
@@ -47,11 +48,15 @@ def main():
     p.add_argument("--preset", default="7b", choices=[k for k, v in train.PRESETS.items() if v["model"]],
                    help="the widths of this preset of train.py (default: the paper's 7B)")
     p.add_argument("--rank", type=int, default=None, help="default: the preset's rank")
+    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+                                                           "(bench:state_bytes)")
     args = p.parse_args()
+    if args.markdown:  # a missing block fails now, not after the measurement
+        report.check("state_bytes")
     m = train.PRESETS[args.preset]["model"]
     args.hidden, args.intermediate = m["hidden_size"], m["intermediate_size"]
     args.heads, args.kv_heads = m["num_attention_heads"], m["num_key_value_heads"]
-    args.rank = args.rank or train.PRESETS[args.preset]["rank"]
+    args.rank = args.rank or train.PRESETS[args.preset]["sketch_rank"]
     model = one_layer_model(args.hidden, args.intermediate, args.heads, args.kv_heads)
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     targets = [m.weight for m in sketch.target_modules(model).values()]
@@ -84,15 +89,18 @@ def main():
     dense = dense_grad + dense_state
 
     mib = 2**20
-    print(f"one decoder layer: hidden {args.hidden}, intermediate {args.intermediate}, "
-          f"rank {args.rank}; seven target weights = {weight_bytes / mib:.1f} MiB fp32")
-    print("| | gradient | optimizer state | total | vs AdamW |")
-    print("|---|---|---|---|---|")
-    print(f"| AdamW (fp32 grad + exp_avg + exp_avg_sq) | {dense_grad / mib:.1f} MiB "
-          f"| {dense_state / mib:.1f} MiB | {dense / mib:.1f} MiB | 1.000x |")
-    print(f"| LoGRA (sketch S / A + v + U) | {s_bytes / mib:.1f} MiB "
-          f"| {(a_bytes + v_bytes + u_bytes) / mib:.1f} MiB (A {a_bytes / mib:.1f}, v {v_bytes / 2**10:.1f} KiB, "
-          f"U {u_bytes / mib:.1f}) | {logra / mib:.1f} MiB | {logra / dense:.4f}x |")
+    caption = (f"one decoder layer: hidden {args.hidden}, intermediate {args.intermediate}, "
+               f"rank {args.rank}; seven target weights = {weight_bytes / mib:.1f} MiB fp32")
+    rows = [["AdamW (fp32 grad + exp_avg + exp_avg_sq)", f"{dense_grad / mib:.1f} MiB", f"{dense_state / mib:.1f} MiB",
+             f"{dense / mib:.1f} MiB", "1.000x"],
+            ["LoGRA (sketch S / A + v + U)", f"{s_bytes / mib:.1f} MiB",
+             f"{(a_bytes + v_bytes + u_bytes) / mib:.1f} MiB (A {a_bytes / mib:.1f}, v {v_bytes / 2**10:.1f} KiB, "
+             f"U {u_bytes / mib:.1f})", f"{logra / mib:.1f} MiB", f"{logra / dense:.4f}x"]]
+    result = report.table(["", "gradient", "optimizer state", "total", "vs AdamW"], rows)
+    print(caption)
+    print(result)
+    if args.markdown:
+        report.publish("state_bytes", caption + "\n\n" + result)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ paper presets in `train.PRESETS` (built on the meta device); a full sync's bytes
 parameters for reference. Timings: encode, decode and EngineWeights.apply for a small model
 on this CPU (median of interleaved repetitions).
 
-    python bench/sync_payload.py
+    python bench/sync_payload.py [--markdown]
 """
 
+import argparse
 import os
 import statistics
 import sys
@@ -16,9 +17,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import report  # noqa: E402  (bench/report.py)
 import sketch  # noqa: E402
 import sync  # noqa: E402
 import train  # noqa: E402
+
 
 def target_shapes(model_cfg):
     """{clean name: (d, k)} of the seven target projections and the whole model's parameter
@@ -32,8 +35,8 @@ def target_shapes(model_cfg):
 
 
 def sizes():
-    print("| preset | r | payload per update | full sync, targets | ratio | full sync, whole model | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    """Prints the table of payload sizes and returns it as Markdown."""
+    rows = []
     for name in ("1.5b", "7b", "27b"):
         shapes, params = target_shapes(train.PRESETS[name]["model"])
         full_targets = sum(d * k * 2 for d, k in shapes.values())
@@ -41,11 +44,16 @@ def sizes():
         for r in (64, 256):
             payload = sync.Payload(0, 0, r, {n: torch.zeros(d, r, dtype=torch.bfloat16) for n, (d, k) in shapes.items()})
             size = sync.encode(payload).numel()
-            print(f"| {name} | {r} | {size / 2**20:.1f} MiB | {full_targets / 2**30:.2f} GiB | 1/{full_targets / size:.1f} "
-                  f"| {whole / 2**30:.2f} GiB | 1/{whole / size:.1f} |")
+            rows.append([name, r, f"{size / 2**20:.1f} MiB", f"{full_targets / 2**30:.2f} GiB",
+                         f"1/{full_targets / size:.1f}", f"{whole / 2**30:.2f} GiB", f"1/{whole / size:.1f}"])
+    result = report.table(["preset", "r", "payload per update", "full sync, targets", "ratio",
+                           "full sync, whole model", "ratio"], rows)
+    print(result)
+    return result
 
 
 def timings(reps=7, rank=64):
+    """Prints the table of timings and returns it as Markdown, below its caption."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -67,13 +75,27 @@ def timings(reps=7, rank=64):
         if i:
             t_enc.append(t1 - t0), t_dec.append(t2 - t1), t_apply.append(t3 - t2)
     params = sum(s.residual.numel() for s in engine.slots.values())
-    print(f"\nCPU timings, hidden 512, 4 layers ({params / 1e6:.1f}M target weights), r = {rank}, "
-          f"payload {buf.numel() / 2**20:.2f} MiB, median of {reps}")
-    print("| encode | decode (checksums) | apply (regenerate A, rebuild fp32, merge, split to bf16 + int16) |\n|---|---|---|")
-    print(f"| {statistics.median(t_enc) * 1e3:.1f} ms | {statistics.median(t_dec) * 1e3:.1f} ms "
-          f"| {statistics.median(t_apply) * 1e3:.1f} ms |")
+    caption = (f"CPU timings, hidden 512, 4 layers ({params / 1e6:.1f}M target weights), r = {rank}, "
+               f"payload {buf.numel() / 2**20:.2f} MiB, median of {reps}")
+    result = report.table(["encode", "decode (checksums)",
+                           "apply (regenerate A, rebuild fp32, merge, split to bf16 + int16)"],
+                          [[f"{statistics.median(t) * 1e3:.1f} ms" for t in (t_enc, t_dec, t_apply)]])
+    print("\n" + caption)
+    print(result)
+    return caption + "\n\n" + result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--markdown", action="store_true", help="also write the tables into bench/README.md "
+                                                           "(bench:sync_payload)")
+    args = p.parse_args()
+    if args.markdown:  # a missing block fails now, not after the measurement
+        report.check("sync_payload")
+    tables = [sizes(), timings()]
+    if args.markdown:
+        report.publish("sync_payload", "\n\n".join(tables))
 
 
 if __name__ == "__main__":
-    sizes()
-    timings()
+    main()

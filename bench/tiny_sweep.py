@@ -11,6 +11,7 @@ run, then mean +- sd of the gain over the seeds per setting.
     python bench/tiny_sweep.py                      # defaults only, seeds 0 1 2
     python bench/tiny_sweep.py --sweep              # the three values of each knob
     python bench/tiny_sweep.py --out /tmp/sweep     # where the run directories go
+    python bench/tiny_sweep.py --markdown           # and write the tables into bench/README.md
 """
 
 import argparse
@@ -20,6 +21,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import report  # bench/report.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,26 +49,33 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "sweep"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="also write the tables into bench/README.md "
+                                                           "(bench:tiny_sweep, or bench:tiny_sweep_sweep with --sweep)")
     args = p.parse_args()
+    if args.markdown:  # a missing block fails now, not after the measurement
+        report.check("tiny_sweep_sweep" if args.sweep else "tiny_sweep")
     settings = [("logra", None, None), ("adam", None, None)]
     if args.sweep:
         settings = [("logra", "--kl-start", v) for v in (1e-2, 2e-2, 4e-2)] + \
                    [("adam", "--adam-lr", v) for v in (3e-5, 1e-4, 3e-4)]
-    print("| method | setting | seed | base | final | best | gain (points) | wall |")
-    print("|---|---|---|---|---|---|---|---|")
-    summary = []
+    header = ["method", "setting", "seed", "base", "final", "best", "gain (points)", "wall"]
+    print(report.table(header, []))  # the rows follow as the runs finish
+    runs, summary = [], []
     for method, option, value in settings:
         gains = []
         for seed in args.seeds:
             r = run(args.out, method, seed, option, value)
             gains.append(r["gain"])
-            print(f"| {method} | {option or 'default'} {value or ''} | {seed} | {r['base']:.3f} | {r['final']:.3f} "
-                  f"| {r['best']:.3f} | {r['gain']:+.1f} | {r['wall']:.0f} s |", flush=True)
+            runs.append([method, f"{option or 'default'} {value or ''}", seed, f"{r['base']:.3f}", f"{r['final']:.3f}",
+                         f"{r['best']:.3f}", f"{r['gain']:+.1f}", f"{r['wall']:.0f} s"])
+            print(report.row(runs[-1]), flush=True)
         sd = statistics.stdev(gains) if len(gains) > 1 else 0.0
-        summary.append((method, option, value, statistics.mean(gains), sd))
-    print("\n| method | setting | mean gain +- sd over seeds |\n|---|---|---|")
-    for method, option, value, mean, sd in summary:
-        print(f"| {method} | {option or 'default'} {value or ''} | {mean:+.1f} +- {sd:.1f} |")
+        summary.append([method, f"{option or 'default'} {value or ''}", f"{statistics.mean(gains):+.1f} +- {sd:.1f}"])
+    means = report.table(["method", "setting", "mean gain +- sd over seeds"], summary)
+    print("\n" + means)
+    if args.markdown:
+        report.publish("tiny_sweep_sweep" if args.sweep else "tiny_sweep",
+                       report.table(header, runs) + "\n\n" + means)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Verified checkpoints and validated options (train.py): damaged files refused by name with
-nothing changed, the previous checkpoint offered and bitwise resumable, 2 ranks refusing
-together, and every option value either accepted or refused in one line."""
+"""Verified checkpoints (checkpoint.py, as train.py runs them): damaged files refused by name
+with nothing changed, the previous checkpoint offered and bitwise resumable, 2 ranks refusing
+together."""
 
 import contextlib
 import hashlib
@@ -19,12 +19,13 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
+import checkpoint
 import kl_control
 import ppo
 import train
 from distributed import run_gloo
+from subproc import ROOT, env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One short run, saved after every update (4 updates, --keep 2: checkpoint-3 and checkpoint-4
 # remain). 150 warm-up steps and a batch of 32: some responses are right at updates 2 and 4, so
 # the weights move before checkpoint-3 and between checkpoint-3 and checkpoint-4.
@@ -33,10 +34,8 @@ ARGS = ["--warmup-steps", "150", "--batch", "32", "--eval-problems", "16", "--ev
 
 
 def train_py(args):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    env.pop("WORLD_SIZE", None)
     return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=env(), timeout=300)
 
 
 def snapshot(run_dir):
@@ -96,11 +95,11 @@ def resume_in_process(run_dir, *extra):
 
 def test_project_version_is_pyprojects():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        assert train.PROJECT_VERSION == tomllib.load(f)["project"]["version"]
+        assert checkpoint.PROJECT_VERSION == tomllib.load(f)["project"]["version"]
 
 
 def test_manifest_covers_every_file_and_keeps_two(run):
-    assert sorted(train.checkpoints(run)) == ["checkpoint-3", "checkpoint-4"]  # --keep 2 (the default)
+    assert sorted(checkpoint.checkpoints(run)) == ["checkpoint-3", "checkpoint-4"]  # --keep 2 (the default)
     assert open(run / "latest").read() == "checkpoint-4"  # the bare name, as scripts read it
     for name in ("checkpoint-3", "checkpoint-4"):
         manifest = json.load(open(run / name / "manifest.json"))
@@ -110,7 +109,7 @@ def test_manifest_covers_every_file_and_keeps_two(run):
         for f in files:  # hashlib over the whole file: a reference independent of the chunked reads
             data = open(run / name / f, "rb").read()
             assert manifest["files"][f] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "rank": 0}
-        assert train.check_checkpoint(str(run), name, 0, 1) is None
+        assert checkpoint.check_checkpoint(str(run), name, 0, 1) is None
 
 
 @pytest.mark.parametrize("file", ["checkpoint-4/__0_0.distcp", "checkpoint-4/.metadata",
@@ -138,14 +137,14 @@ def test_every_changed_byte_of_manifest_and_pointer_is_caught(run):
     raw = open(d / "checkpoint-4" / "manifest.json", "rb").read()
     for i in range(len(raw)):
         flip(d / "checkpoint-4" / "manifest.json", i)
-        assert train.read_manifest(str(d / "checkpoint-4"))[1] is not None, i
+        assert checkpoint.read_manifest(str(d / "checkpoint-4"))[1] is not None, i
         flip(d / "checkpoint-4" / "manifest.json", i)  # and back
-    kept = train.checkpoints(str(d))
+    kept = checkpoint.checkpoints(str(d))
     for i in range(len("checkpoint-4")):
         flip(d / "latest", i)
-        assert train.read_pointer(str(d), kept)[1] is not None, i
+        assert checkpoint.read_pointer(str(d), kept)[1] is not None, i
         flip(d / "latest", i)
-    assert train.read_pointer(str(d), kept) == ("checkpoint-4", None)
+    assert checkpoint.read_pointer(str(d), kept) == ("checkpoint-4", None)
     # A pointer moved back to an existing older checkpoint is caught too: the newer one has a manifest.
     (d / "latest").write_text("checkpoint-3")
     code, err = resume_in_process(d)
@@ -175,7 +174,7 @@ def test_previous_checkpoint_is_offered_and_resumes_bitwise(run):
     assert all(torch.equal(whole["model"][k], resumed["model"][k]) for k in whole["model"])
     moments = whole["optimizer"]["moments"]
     assert all(torch.equal(moments[k], resumed["optimizer"]["moments"][k]) for k in moments)
-    assert open(d / "latest").read() == "checkpoint-4" and train.check_checkpoint(str(d), "checkpoint-4", 0, 1) is None
+    assert open(d / "latest").read() == "checkpoint-4" and checkpoint.check_checkpoint(str(d), "checkpoint-4", 0, 1) is None
     # metrics.jsonl: one row per update, the update run again logged once, as in the uninterrupted run
     rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
     assert [r["update"] for r in rows] == list(range(5))
@@ -187,7 +186,7 @@ def test_other_version_and_other_configuration_are_refused(run):
     d = copy_of(run, "other-version")
     body = json.load(open(d / "checkpoint-4" / "manifest.json"))
     body.pop("manifest_sha256")
-    (d / "checkpoint-4" / "manifest.json").write_bytes(train.manifest_bytes(dict(body, version="0.0.9")))
+    (d / "checkpoint-4" / "manifest.json").write_bytes(checkpoint.manifest_bytes(dict(body, version="0.0.9")))
     before = snapshot(d)
     code, err = resume_in_process(d)
     assert code == 2 and "checkpoint-4 was written by LoGRA 0.0.9 and this is LoGRA 0.1.0" in err
@@ -201,15 +200,14 @@ def test_other_version_and_other_configuration_are_refused(run):
 # --- 2 ranks --------------------------------------------------------------------------------
 
 def _two_ranks(rank, world, run_dir):
-    """On 2 gloo ranks: two checkpoints through train.save_checkpoint, of a small FSDP2-sharded
-    stand-in model and its AdamW state (the files are under test here, not the values; a Qwen2
-    would add seconds of imports per process); then rank 1's shard of the newer one damaged,
-    and the resume's verification (train.resume_checkpoint, as train.main calls it) on both
-    ranks. Each rank writes down how it stopped."""
+    """On 2 gloo ranks: two checkpoints through checkpoint.save of train.run_state, of a small
+    FSDP2-sharded stand-in model and its AdamW state (the files are under test here, not the
+    values; a Qwen2 would add seconds of imports per process); then rank 1's shard of the newer
+    one damaged, and the resume's verification (checkpoint.resume_path, as train.main calls it)
+    on both ranks. Each rank writes down how it stopped."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    cfg = train.resolve_config(train.parse_args(ARGS))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
     fully_shard(model)
@@ -217,20 +215,20 @@ def _two_ranks(rank, world, run_dir):
     model(torch.ones(2, 16)).sum().backward()
     opt.step()  # AdamW's moments exist, row-sharded like the weights
     for update in (1, 2):
-        train.save_checkpoint(run_dir, model, opt, "adam", ppo.RunningBaseline(weight=0.1),
-                              kl_control.Mismatch(momentum=0.7), update, cfg, rank)
+        state = train.run_state(model, opt, False, ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7),
+                                update)
+        checkpoint.save(run_dir, state, update, rank=rank, world=world)
     if rank == 0:
         flip(os.path.join(run_dir, "checkpoint-2", "__1_0.distcp"))
         before = snapshot(run_dir)
     dist.barrier()
-    err, code = io.StringIO(), 0
-    with contextlib.redirect_stderr(err):
-        try:
-            train.resume_checkpoint(run_dir, None, rank, world)
-        except SystemExit as stop:
-            code = stop.code
+    message = None
+    try:
+        checkpoint.resume_path(run_dir, None, rank=rank, world=world)
+    except checkpoint.CheckpointError as e:
+        message = str(e)
     dist.barrier()
-    result = {"code": code, "stderr": err.getvalue(), "unchanged": snapshot(run_dir) == before if rank == 0 else None}
+    result = {"message": message, "unchanged": snapshot(run_dir) == before if rank == 0 else None}
     with open(f"{run_dir}-rank{rank}.json", "w") as f:
         json.dump(result, f)
 
@@ -244,67 +242,12 @@ def test_two_ranks_refuse_a_damaged_shard_of_rank_1(tmp_path):
     assert {f: e["rank"] for f, e in manifest["files"].items()} == {".metadata": 0, "__0_0.distcp": 0,
                                                                    "__1_0.distcp": 1}
     results = [json.load(open(f"{d}-rank{r}.json")) for r in (0, 1)]
-    refusal = (f"train.py: error: --resume {d}: checkpoint-2/__1_0.distcp does not match its sha256 in "
+    refusal = (f"--resume {d}: checkpoint-2/__1_0.distcp does not match its sha256 in "
                f"checkpoint-2/manifest.json (damaged); checkpoint-1 verifies: resume from it with --resume {d} "
-               f"--resume-from checkpoint-1\n")
-    # Rank 1 found it; rank 0, whose own files are sound, stops with the same line.
-    assert all(r["code"] == 2 and r["stderr"] == refusal for r in results), results
+               f"--resume-from checkpoint-1")
+    # Rank 1 found it; rank 0, whose own files are sound, refuses with the same line.
+    assert all(r["message"] == refusal for r in results), results
     assert results[0]["unchanged"]
     shard = d / "checkpoint-2" / "__1_0.distcp"
     flip(shard)  # back as it was written: then it matches (hashlib over the whole file)
     assert manifest["files"]["__1_0.distcp"]["sha256"] == hashlib.sha256(shard.read_bytes()).hexdigest()
-
-
-# --- every option: accepted, or refused in one line ------------------------------------------
-
-INTS = [k for k, t, *_ in train.OPTIONS if t is int] + ["keep"]
-FLOATS = [k for k, t, *_ in train.OPTIONS if t is float]
-# The least sound value of each count (written out here, not read from train.py).
-SMALLEST = {"rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
-            "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
-            "save_every": 0, "seed": 0, "keep": 1}
-NEVER = os.path.join(tempfile.gettempdir(), "logra-option-fuzz-never-made")
-int_values = st.one_of(st.sampled_from([0, -1, 1, 2, 7, 10**30, -(10**30)]), st.integers(-5, 400))
-float_values = st.one_of(st.sampled_from(["nan", "inf", "-inf", "0", "-0.0", "1e400", "1e-300", "2e-2", "5e-3"]),
-                         st.floats().map(repr))
-
-
-def clearly_wrong(preset, values) -> bool:
-    """Values that no run can take: train.py must refuse these (it may refuse more)."""
-    cfg = dict(train.PRESETS[preset], **{k: float(v) if k in FLOATS else v for k, v in values.items()})
-    if any(k in SMALLEST and cfg.get(k, SMALLEST[k]) < SMALLEST[k] for k in values):
-        return True
-    if any(not (math.isfinite(cfg[k]) and cfg[k] > 0) for k in FLOATS if k in values):
-        return True
-    return cfg["kl_end"] > cfg["kl_start"]
-
-
-@settings(max_examples=100, deadline=None)
-@given(preset=st.sampled_from(["tiny", "tiny", "tiny", "7b", "smoke-0.5b"]), world=st.sampled_from([None, "1", "2"]),
-       values=st.fixed_dictionaries({}, optional={**{k: int_values for k in INTS},
-                                                  **{k: float_values for k in FLOATS}}))
-@example(preset="tiny", world=None, values={})
-@example(preset="tiny", world=None, values={"batch": 0})
-@example(preset="tiny", world=None, values={"kl_end": "0.5"})
-@example(preset="7b", world=None, values={})
-def test_every_option_value_is_accepted_or_refused_in_one_line(preset, world, values):
-    # --option=value: argparse itself reads "-1e+16" after a space as another option, not a value.
-    argv = ["--model", preset, "--run-dir", NEVER] + [f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
-    out, err = io.StringIO(), io.StringIO()
-    environ = {"WORLD_SIZE": world} if world else {}
-    with mock.patch.dict(os.environ, environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        if world is None:
-            os.environ.pop("WORLD_SIZE", None)
-        try:
-            train.configure(argv)
-            code = 0
-        except SystemExit as stop:
-            code = stop.code
-    assert not os.path.exists(NEVER) and out.getvalue() == ""
-    if code == 0:
-        assert err.getvalue() == "" and not clearly_wrong(preset, values)
-    else:
-        message = err.getvalue()
-        assert code == 2 and message.startswith("train.py: error: ") and message.count("\n") == 1, message
-    if preset == "7b" and not values and world is None:  # this CPU machine: what to run, and where
-        assert "torchrun --nproc_per_node 4 train.py --model 7b --model-path" in err.getvalue()

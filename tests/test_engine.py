@@ -16,21 +16,14 @@ import torch
 
 import engine
 import sync
-import train
+import tasks
 from distributed import run_gloo
 from rowadam import avoid_bf16_ties_, merge_rows
 from sketch import make_projection, projection_seed, target_modules
+from subproc import ROOT, env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK = 16
 SEED = 5
-
-
-def env(**extra):
-    e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    e.pop("WORLD_SIZE", None)
-    e.update(extra)
-    return e
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +61,9 @@ def test_prompts_are_lists_of_ints_with_the_real_tokenizer(tiny_math):
 
     tok = AutoTokenizer.from_pretrained(tiny_math["model"])
     # The trap: tokenize=True alone returns a BatchEncoding (a dict) in transformers 5.
-    messages = [{"role": "system", "content": train.SYSTEM_PROMPT}, {"role": "user", "content": "What is $1+1$?"}]
+    messages = [{"role": "system", "content": tasks.SYSTEM_PROMPT}, {"role": "user", "content": "What is $1+1$?"}]
     raw = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    task = train.MathTask(tok, [("What is $1+1$?", "2")], [], seed=0)
+    task = tasks.MathTask(tok, [("What is $1+1$?", "2")], [], seed=0)
     ids = task.prompt_ids([("What is $1+1$?", "2")])
     assert isinstance(ids, list) and all(type(i) is int for i in ids[0])
     assert ids[0] == list(raw["input_ids"] if hasattr(raw, "keys") else raw)
@@ -81,7 +74,7 @@ def test_prompts_are_lists_of_ints_with_the_real_tokenizer(tiny_math):
 
 
 def test_local_data_in_the_papers_formats(tiny_math, tmp_path):
-    train_rows, heldout = train.load_math_data(tiny_math["train"], tiny_math["eval"])
+    train_rows, heldout = tasks.load_math_data(tiny_math["train"], tiny_math["eval"])
     assert len(train_rows) == 80 and len(heldout) == 20
     problem, gold = train_rows[0]
     assert problem.startswith("What is $") and problem.endswith("$?") and gold.isdigit()
@@ -94,7 +87,7 @@ def test_local_data_in_the_papers_formats(tiny_math, tmp_path):
     (tmp_path / "data").mkdir()
     pq.write_table(pa.Table.from_pylist(rows[:50]), tmp_path / "data" / "part-0.parquet")
     pq.write_table(pa.Table.from_pylist(rows[50:]), tmp_path / "data" / "part-1.parquet")
-    again, _ = train.load_math_data(str(tmp_path), tiny_math["eval"])
+    again, _ = tasks.load_math_data(str(tmp_path), tiny_math["eval"])
     assert again == train_rows
 
 
@@ -244,7 +237,7 @@ def test_vllm_logprobs_match_the_trainer(vllm_engine, tiny_math):
             avoid_bf16_ties_(m.weight.mul_(0.9))
     vllm_engine.load_full(sync.full_payload({n: m.weight for n, m in modules.items()}, update=100,
                                             base_seed=SEED, rank=RANK, dtype=torch.float32))
-    tok_task = train.MathTask(__import__("transformers").AutoTokenizer.from_pretrained(tiny_math["model"]),
+    tok_task = tasks.MathTask(__import__("transformers").AutoTokenizer.from_pretrained(tiny_math["model"]),
                               [], [], seed=0)
     problems = [(f"What is ${a}+{b}$?", str(a + b)) for a in range(4) for b in range(4)]
     prompts = tok_task.prompt_ids(problems)

@@ -11,16 +11,10 @@ import time
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from subproc import ROOT, env
+
 # A few small updates: a short warm-up (cached for the module), batch 8, 16 held-out problems.
 SMALL = ["--warmup-steps", "300", "--batch", "8", "--eval-problems", "16", "--eval-every", "0", "--rank", "8"]
-
-
-def env(**extra):
-    e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    e.pop("WORLD_SIZE", None)
-    e.update(extra)
-    return e
 
 
 def run(args, *, check=True, **kw):
@@ -62,7 +56,7 @@ def test_smoke_run(runs, optimizer):
     assert "step 3 | reward" in out.stdout
     assert json.load(open(d / "config.json"))["optimizer"] == optimizer
     state = read_checkpoint(d)
-    assert state["run"]["update"] == 3 and json.loads(state["run"]["config"])["optimizer"] == optimizer
+    assert state["run"]["update"] == 3 and set(state) == {"model", "optimizer", "run"}
     if optimizer == "logra":
         assert all(0 < r["alpha"] <= 3.0 and r["kl_pred"] >= 0 for r in rows[1:])
         assert state["optimizer"]["update"] == 3

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import engine
+import memory_plan
 import train
 from distributed import run_gloo
 from tiny import tiny_qwen2
@@ -34,14 +35,14 @@ def test_dry_run_presets(preset, billions):
     assert out.returncode == 0, out.stderr
     assert f"preset {preset}: {billions:.2f}B parameters" in out.stdout
     assert "FSDP2 over 4 training ranks" in out.stdout and "vLLM engines on 4,5,6,7" in out.stdout
-    m = train.memory_estimate(train.PRESETS[preset]["model"], 4, 256)
+    m = memory_plan.estimate(train.PRESETS[preset]["model"], 4, 256)
     assert abs(m["params"] / 1e9 - billions) < 0.005
     # AdamW: fp32 gradient + 2 moments per target weight, sharded 4 ways.
     assert m["adam_grads"] == 4 * -(-m["target_params"] // 4) and m["adam_moments"] == 2 * m["adam_grads"]
 
 
 def test_dry_run_7b_memory_against_shapes():
-    m = train.memory_estimate(train.PRESETS["7b"]["model"], 4, 256)
+    m = memory_plan.estimate(train.PRESETS["7b"]["model"], 4, 256)
     h, i, q, kv, layers = 3584, 18944, 3584, 512, 28
     rows = layers * (q + kv + kv + h + i + i + h)  # sum of d over the targets (all divisible by 4)
     cols = layers * (h + h + h + q + h + h + i)  # sum of k over the targets
@@ -58,7 +59,7 @@ def test_dry_run_7b_memory_against_shapes():
     assert m["engine_residual_bytes"] == 2 * m["target_params"]  # int16 per target weight
     # The 27B preset does not fit dense AdamW's state on an 80 GB GPU; LoGRA's does, and its
     # engines fit the same node with their residuals in host memory.
-    m27 = train.memory_estimate(train.PRESETS["27b"]["model"], 4, 256)
+    m27 = memory_plan.estimate(train.PRESETS["27b"]["model"], 4, 256)
     assert m27["trainer_adam_persistent_bytes"] > 80e9
     assert m27["trainer_logra_bytes"] + m27["trainer_activation_bytes"] < 80e9
     assert m27["engine_residual_on_host"] and m27["engine_kv_cache_bytes"] >= 16 * gib
@@ -93,46 +94,9 @@ def test_27b_needs_a_model_path(tmp_path):
     assert out.returncode == 2 and "--model-path" in out.stderr
 
 
-@pytest.mark.parametrize("prediction, gold, right", [
-    ("so the answer is \\boxed{34}.", "34", True),
-    ("\\boxed{\\frac12}", "\\frac{1}{2}", True),
-    ("\\boxed{0.5}", "\\frac{1}{2}", True),
-    ("\\boxed{\\dfrac{3}{4}}", "\\frac34", True),
-    ("first \\boxed{2}, finally \\boxed{\\boxed{7}}", "7", True),
-    ("\\boxed{[1,3)}", "[1,3)", True),
-    ("\\boxed{[1,3]}", "[1,3)", False),
-    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", True),
-    ("\\boxed{10}", "10\\text{ cm}", True),
-    ("\\boxed{6}", "5", False),
-    ("no final answer here", "5", False),
-    ("\\boxed{x^2+2x+1}", "(x+1)^2", True),
-])
-def test_grader_on_math_answers(prediction, gold, right):
-    pytest.importorskip("math_verify", reason="math-verify is installed with the test extra")
-    assert train.grade(prediction, gold) is right
-
-
-def test_dapo_prompt_extraction():
-    content = ("Solve the following math problem step by step. The last line of your response should be of "
-               "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-               "What is $1+1$?\n\nRemember to put your answer on its own line after \"Answer:\".")
-    assert train.dapo_problem(content) == "What is $1+1$?"
-    assert train.dapo_problem("  Plain problem.  ") == "Plain problem."
-
-
-def test_rollout_from_engine_outputs():
-    prompts = [[5, 6, 7], [8]]
-    outputs = [([1, 2, 0], [-0.5, -0.25, -1.0], True), ([3, 4, 9, 9], [-1.0, -2.0, -0.125, -0.5], False)]
-    ro = engine.rollout_from_lists(prompts, outputs, pad=99, device="cpu")
-    assert ro.ids.tolist() == [[5, 6, 7, 1, 2, 0], [8, 3, 4, 9, 9, 99]]
-    assert ro.mask.tolist() == [[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 0]]
-    assert ro.logprobs[0, 3:].tolist() == [-0.5, -0.25, -1.0] and ro.logprobs[1, 1:5].tolist() == [-1.0, -2.0, -0.125, -0.5]
-    assert ro.eos.tolist() == [True, False] and ro.responses == [[1, 2, 0], [3, 4, 9, 9]]
-
-
 def _sharded_load(rank, world, path, out):
-    cfg = {"model_path": path}
-    model = train.load_pretrained_sharded(cfg, torch.device("cpu"), world, rank, "logra")
+    cfg = {"model_path": path, "optimizer": "logra"}
+    model = train.load_pretrained_sharded(cfg, torch.device("cpu"), world, rank)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -153,7 +117,7 @@ def test_meta_init_sharded_load_matches_the_checkpoint(tmp_path):
 def test_memory_estimate_matches_measured_tensors():
     """bench/memory_check.py at a small size: on 2 gloo ranks with FSDP2, the LoGRA and AdamW
     tensors each rank holds (persistent) and allocates in the optimizer step (transient, by
-    phase) are within 5% of train.memory_estimate for the same shapes."""
+    phase) are within 5% of memory_plan.estimate for the same shapes."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import memory_check
 

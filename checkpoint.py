@@ -1,0 +1,315 @@
+"""
+checkpoint.py: sharded checkpoints that verify themselves before a resume loads them.
+
+What it is
+----------
+A run's state (weights, optimizer state, a few counters: whatever dict of tensors and plain
+values the caller builds) is saved with torch.distributed.checkpoint (DCP), every rank
+writing its own shards, then sealed by a manifest of every file's size and sha256. A resume
+checks the pointer, the manifest and every file before anything is loaded, and refuses with
+the name of the file at fault and the newest checkpoint that does verify. The same code runs
+in one process (no process group) and on N ranks.
+
+    run_dir/config.json          the run's options (the caller writes and checks them)
+    run_dir/latest               the bare name of the newest complete checkpoint: "checkpoint-40"
+    run_dir/checkpoint-40/       DCP's files: each rank's shards `__<rank>_0.distcp`, rank 0's
+        __0_0.distcp ...         index `.metadata`, and manifest.json: the bytes and sha256 of
+        .metadata                every file, the project version, and the sha256 of the
+        manifest.json            manifest itself (one canonical layout, so any changed byte shows)
+    run_dir/checkpoint-39/       older checkpoints: the newest `keep` (default 2) are kept
+
+The API: `save(run_dir, state, update, rank=, world=, keep=)`, `resume_path(run_dir,
+resume_from, rank=, world=)` (the verified checkpoint to load, or CheckpointError), `load(path,
+state)` (fills the template `state` in place), `truncate_rows(path, update)` (a resume's
+metrics log rewound to its checkpoint) and `write_atomic(path, data)`. Errors are
+`CheckpointError`, whose message is one line that says what to do.
+
+Order of a save, and why it is safe
+-----------------------------------
+1. the shards of `checkpoint-<update>/`, each fsynced by DCP (a folder of that name left by an
+   abandoned run or a save cut short is removed first: no stale file survives in it);
+2. every rank hashes the files it wrote; rank 0 gathers the hashes;
+3. rank 0 writes manifest.json and the new `latest` under temporary names (fsync), then
+   renames both into place back to back, and fsyncs the two folders.
+A crash before the renames leaves the previous checkpoint in charge, never a half-written one;
+one between them (or a power loss that keeps only one rename) is refused by the resume with
+the command that resumes from the other. Then all but the `keep` newest checkpoints go, each
+manifest first, so a removal cut short never leaves a folder that looks complete.
+
+Departures, numbered
+--------------------
+1. A resume never falls back by itself to an older checkpoint: that would redo updates the
+   user believes done. It names the newest one that verifies and how to resume from it.
+2. Each rank hashes only the files it wrote (at 7B over 4 ranks, 7.6 GB each): verification
+   costs what a load of the same bytes costs, split across ranks, and the verdict is agreed
+   with one all_gather so that one rank's damaged shard stops every rank.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+
+import torch.distributed as dist
+
+PROJECT_VERSION = "0.1.0"  # pyproject.toml's version: every manifest records it, a resume requires it
+HASH_CHUNK_BYTES = 16 * 2**20  # files are hashed through one reused 16 MiB buffer, never read whole
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed; the message is one line that says what to do."""
+
+
+# -----------------------------------------------------------------------------
+# Save
+
+def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep: int = 2):
+    """`state` (a dict DCP can save: tensors, DTensors, plain values) as `checkpoint-<update>`,
+    sealed by its manifest and made the newest by `latest`; then only the `keep` newest
+    checkpoints are kept. Every rank calls it with its own state (see the module docstring)."""
+    import torch.distributed.checkpoint as dcp
+
+    name = f"checkpoint-{update}"
+    path = os.path.join(run_dir, name)
+    if rank == 0 and os.path.exists(path):
+        remove(path)
+    if dist.is_initialized():
+        dist.barrier()  # no rank writes into the folder before a stale one is gone
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    # dcp.save returns on every rank once every rank's files and rank 0's .metadata are written.
+    mine = {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": file_sha256(os.path.join(path, f)),
+                "rank": rank} for f in sorted(os.listdir(path)) if file_rank(f, world) == rank}
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * world if rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0)
+    if rank != 0:
+        return
+    files = {f: entry for entries in everyone for f, entry in entries.items()}
+    manifest, pointer = os.path.join(path, "manifest.json"), os.path.join(run_dir, "latest")
+    # Both files on disk under temporary names first, then two renames back to back: a kill
+    # between them has microseconds to land in. Should a power loss keep only one rename,
+    # either one is refused by the resume with advice, never loaded wrong (read_pointer).
+    staged = [stage(manifest, manifest_bytes({"version": PROJECT_VERSION, "update": update, "world": world,
+                                              "files": files})),
+              stage(pointer, name.encode())]
+    os.replace(staged[0], manifest)
+    os.replace(staged[1], pointer)
+    _fsync_folder(path)
+    _fsync_folder(run_dir)
+    # Kept: this checkpoint and the keep - 1 newest before it. Newer ones than this exist only
+    # after a resume from an older checkpoint: the run has left them behind.
+    older = [c for c in checkpoints(run_dir) if checkpoint_number(c) < update][:keep - 1]
+    for c in checkpoints(run_dir):
+        if c != name and c not in older:
+            remove(os.path.join(run_dir, c))
+
+
+def remove(path: str):
+    """A checkpoint folder, its manifest first: a removal cut short never leaves a folder that
+    looks complete."""
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        os.remove(os.path.join(path, "manifest.json"))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# -----------------------------------------------------------------------------
+# Resume: verify, then load
+
+def resume_path(run_dir: str, resume_from, *, rank: int, world: int) -> str:
+    """The path of the checkpoint to resume, verified on every rank before anything is loaded:
+    the one `latest` names, or `resume_from` (a kept `checkpoint-N`). One that does not verify
+    raises CheckpointError naming the file at fault and the newest other checkpoint that
+    verifies, with the arguments that resume from it (departure 1)."""
+    kept = checkpoints(run_dir)
+    if resume_from:
+        name, problem = resume_from, None if resume_from in kept else f"{run_dir} holds no {resume_from}"
+    else:
+        name, problem = read_pointer(run_dir, kept)
+    if problem is None:
+        problem = check_checkpoint(run_dir, name, rank, world)
+    if problem is None:
+        return os.path.join(run_dir, name)
+    others = [c for c in kept if c != name]
+    good = next((c for c in others if check_checkpoint(run_dir, c, rank, world) is None), None)
+    if good:
+        advice = f"{good} verifies: resume from it with --resume {run_dir} --resume-from {good}"
+    else:
+        advice = "no other checkpoint verifies" if others else "no other checkpoint is kept (see --keep)"
+    raise CheckpointError(f"--resume {run_dir}: {problem}; {advice}")
+
+
+def load(path: str, state: dict):
+    """Fill the template `state` (the same keys, shapes and shardings as the saved one) in
+    place from a verified checkpoint (resume_path)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+
+
+def read_pointer(run_dir: str, kept: list[str]):
+    """(the checkpoint `latest` names, None), or (it, what is wrong with the pointer).
+
+    `latest` holds the bare name, as scripts read it. A damaged pointer is caught all the same:
+    it must name the newest checkpoint that holds a manifest, since a save writes the manifest
+    just before it moves the pointer. Another name (a changed or lost byte) is refused, and so
+    is an older one (a changed digit, or a crash between the two writes). Surrounding
+    whitespace is allowed (a pointer written by hand), as it can never make one name another.
+    """
+    with open(os.path.join(run_dir, "latest"), "rb") as f:
+        name = f.read().decode("ascii", errors="replace").strip()
+    if name not in kept:
+        return name, (f"latest names {name!r}, which is not a checkpoint folder in {run_dir}: latest is damaged, "
+                      f"or the folder was removed")
+    newer = [c for c in kept if checkpoint_number(c) > checkpoint_number(name)
+             and os.path.exists(os.path.join(run_dir, c, "manifest.json"))]
+    if newer:
+        return name, (f"latest names {name} but {newer[0]} is newer and has a manifest: latest is damaged, "
+                      f"or the run stopped between the two writes")
+    return name, None
+
+
+def check_checkpoint(run_dir: str, name: str, rank: int, world: int):
+    """What is wrong with a checkpoint, the same answer on every rank, or None: its manifest
+    intact and of this project version, then each rank's files against it (departure 2)."""
+    path = os.path.join(run_dir, name)
+    manifest, problem = read_manifest(path)
+    if problem is None and manifest.get("version") != PROJECT_VERSION:
+        problem = (f"{name} was written by LoGRA {manifest.get('version')} and this is LoGRA {PROJECT_VERSION}: "
+                   f"resume it with LoGRA {manifest.get('version')}, whose code matches its state")
+    if problem is None:
+        problem = check_files(path, manifest, rank, world)
+    if dist.is_initialized():
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    return problem
+
+
+def read_manifest(path: str):
+    """(manifest, None), or (None, what is wrong with it): missing, or damaged, i.e. its bytes
+    are not the canonical layout of what they parse to with its own sha256."""
+    where = f"{os.path.basename(path)}/manifest.json"
+    try:
+        with open(os.path.join(path, "manifest.json"), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None, f"{where} is missing (its save did not finish, or a train.py without manifests wrote it)"
+    try:
+        body = json.loads(raw)
+        body.pop("manifest_sha256")
+        intact = manifest_bytes(body) == raw
+    except (ValueError, AttributeError, KeyError, TypeError):  # not JSON, not an object, no checksum
+        intact = False
+    if not intact:
+        return None, f"{where} is damaged (its bytes do not match its own sha256)"
+    return body, None
+
+
+def check_files(path: str, manifest: dict, rank: int, world: int):
+    """What is wrong with this rank's share of a checkpoint's files, or None. Rank i checks the
+    files written by ranks i, i + world, ...: at the world size of the save, its own shards."""
+    folder = os.path.basename(path)
+    for name, entry in sorted(manifest["files"].items()):
+        if entry["rank"] % world != rank:
+            continue
+        where = f"{folder}/{name}"
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{where} is missing"
+        size = os.path.getsize(os.path.join(path, name))
+        if size != entry["bytes"]:  # truncated or grown: no need to read it
+            return f"{where} holds {size} bytes where {folder}/manifest.json records {entry['bytes']}"
+        if file_sha256(os.path.join(path, name)) != entry["sha256"]:
+            return f"{where} does not match its sha256 in {folder}/manifest.json (damaged)"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# Files: names, hashes, the manifest's layout, atomic writes
+
+def checkpoint_number(name: str) -> int:
+    return int(CHECKPOINT_NAME.fullmatch(name).group(1))
+
+
+def checkpoints(run_dir: str) -> list[str]:
+    """The checkpoint folders of a run, newest first (complete or not)."""
+    names = [n for n in os.listdir(run_dir) if CHECKPOINT_NAME.fullmatch(n) and os.path.isdir(os.path.join(run_dir, n))]
+    return sorted(names, key=checkpoint_number, reverse=True)
+
+
+def file_rank(name: str, world: int) -> int:
+    """The rank that wrote a checkpoint file, and hashes and verifies it: DCP names rank i's
+    shards `__<i>_<n>.distcp`; every other file (`.metadata`) is rank 0's. A name DCP might
+    use in another version falls to rank 0: still hashed, only by one rank."""
+    shard = re.match(r"__(\d+)_", name)
+    return int(shard.group(1)) if shard and int(shard.group(1)) < world else 0
+
+
+def file_sha256(path: str) -> str:
+    """sha256 of a file, read in HASH_CHUNK_BYTES pieces into one buffer (a shard of a 7B
+    checkpoint is gigabytes: never in memory at once)."""
+    digest, buffer = hashlib.sha256(), bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def manifest_bytes(body: dict) -> bytes:
+    """manifest.json: the body and the sha256 of the body, in one canonical layout (sorted keys,
+    one-space indent), so that any changed byte of the file changes what it parses to or stops
+    it matching the layout: a damaged manifest is told apart from a damaged shard."""
+    canonical = lambda obj: (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()  # noqa: E731
+    return canonical(dict(body, manifest_sha256=hashlib.sha256(canonical(body)).hexdigest()))
+
+
+def stage(path: str, data: bytes) -> str:
+    """Write `data` to a temporary file next to `path` and onto the disk (fsync); return the
+    temporary name. os.replace(it, path) then puts the file in place whole or not at all."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def write_atomic(path: str, data: bytes):
+    """`path` holds `data` whole, or what it held before: staged, renamed, the rename on disk."""
+    os.replace(stage(path, data), path)
+    _fsync_folder(os.path.dirname(os.path.abspath(path)))
+
+
+def truncate_rows(path: str, update: int):
+    """On a resume from `update`: keep the rows of a JSON-lines log (metrics.jsonl) up to it,
+    so that the updates run again (after the checkpoint, before the stop) are not logged
+    twice. Written atomically."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["update"] <= update]
+    write_atomic(path, "".join(rows).encode())
+
+
+def _fsync_folder(folder: str):
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every save and load without a process group that it assumes a single
+    process; that is what a one-process run is, so the warning is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

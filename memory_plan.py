@@ -1,0 +1,176 @@
+"""
+memory_plan.py: what every buffer of a run takes per GPU, from the model's shapes alone.
+
+What it is
+----------
+`estimate(model_cfg, world, sketch_rank, ...)` builds the Qwen2 model of `model_cfg` on the
+meta device (no memory, no GPU) and counts, per training GPU under `world`-way FSDP2 and per
+engine GPU, the bytes of every persistent buffer and of the largest transient of each phase
+of the optimizer step, for LoGRA and for dense AdamW. `describe(plan, ...)` turns the counts
+into the lines `python train.py --model 7b --dry-run` prints. The counts are checked against
+measured allocations in bench/memory_check.py and tests/test_train_paper_path.py (to 5%).
+
+The paper's Table 1 (arXiv:2610.06647) reports whole-run averages per GPU (7B: 31.82 GiB for
+dense Adam, 17.29 GiB for LoGRA); this plan counts the state and the step's transients from
+the shapes, so that every buffer at that scale is accounted for before a GPU is rented.
+
+Assumptions, numbered
+---------------------
+1. GPUs of 80 GB (the paper's H100 80GB, `GPU_BYTES`); vLLM's own overhead besides weights
+   and KV cache (activations, CUDA graphs, context) is assumed to be 5 GiB, not measured.
+2. The engine keeps the exact-merge residuals (2 bytes per target weight) on its GPU when the
+   KV cache keeps at least 16 GiB there, else in pinned host memory (27B).
+3. Activations assume non-reentrant activation checkpointing of every decoder layer, bf16
+   compute (`compute_bytes`), and FSDP2 prefetching one decoder layer ahead.
+"""
+
+import torch
+
+import kl_control
+import rowadam
+import sketch
+import sync
+
+GPU_BYTES = 80 * 10**9  # the paper's H100 80GB (assumption 1)
+ENGINE_OVERHEAD = 5 * 2**30  # vLLM's own besides weights and KV cache (assumption 1)
+ENGINE_MARGIN = 2**30  # kept free on an engine GPU beyond what the plan counts
+MIN_KV_CACHE = 16 * 2**30  # residuals go to host memory below this KV cache (assumption 2)
+
+
+def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int = 2, context: int = 4096,
+             probe_tokens: int = 2 * 4096, kl_real_positions: int = 256, compute_bytes: int = 2,
+             gpu_bytes: int = GPU_BYTES) -> dict:
+    """Per-GPU bytes of a run under `world`-way FSDP2 at sketch rank `sketch_rank`, from the
+    shapes, for training process 0 (it holds the largest shard).
+
+    Trainer, persistent: fp32 weight shards; AdamW's fp32 gradient and two moments per target
+    row held; LoGRA's row shards of S, U (n, r) and v (n,), and the int8 signs of A (r, k).
+    Trainer, transient in the optimizer step: AdamW's one fp32 temporary per target (foreach)
+    and a streamed full sync (one decoder layer gathered in fp32, cast, encoded); LoGRA's
+    factors F (n, r) plus the largest of prepare's per-layer float64 work, the probe's
+    gathered U and head chunk, the merge's float64 chunk and the streamed factor sync.
+    Activations (micro-batch x context, activation checkpointing): layer inputs kept, one
+    layer recomputed, the bf16 weights of two layers in flight, the logits. Engine (one per
+    GPU): bf16 weights, the int16 residuals of the exact merge (on the GPU when the KV cache
+    keeps at least 16 GiB, else in pinned host memory), one decoder layer's transfer buffer
+    and merge chunk; what remains of `gpu_bytes` after vLLM's overhead is the KV cache.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**model_cfg))
+    r = sketch_rank
+    ceil = lambda n: -(-n // world)  # noqa: E731  (rows of process 0: FSDP2 chunks dim 0)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    weights = 4 * sum(ceil(p.shape[0]) * (p.numel() // p.shape[0]) for p in params)
+    shapes = [m.weight.shape for m in sketch.target_modules(model).values()]
+    targets = sum(d * k for d, k in shapes)
+    layers = model_cfg["num_hidden_layers"]
+    h, inter, vocab = model_cfg["hidden_size"], model_cfg["intermediate_size"], model_cfg.get("vocab_size", 151936)
+    kv = model_cfg["num_key_value_heads"] * (model_cfg.get("head_dim") or h // model_cfg["num_attention_heads"])
+    target_rows = sum(ceil(d) * k for d, k in shapes)  # target weight entries held by process 0
+    n_sum = sum(ceil(d) for d, _ in shapes)  # rows of S, U, v held by process 0
+    d_max, k_max = max(d for d, _ in shapes), max(k for _, k in shapes)
+    layer_targets = targets // layers
+    layer_rows = sum(d for d, _ in shapes) // layers
+    chunk = rowadam.MERGE_CHUNK_ROWS
+
+    adam_state = 4 * target_rows + 8 * target_rows  # grad + exp_avg + exp_avg_sq
+    # one decoder layer gathered in fp32, cast to bf16 and encoded, and full_tensor's all-gather
+    # buffer and copy of the largest weight
+    full_sync_bytes = 8 * layer_targets + 8 * max(d * k for d, k in shapes)
+    adam_transient = max(4 * target_rows, full_sync_bytes)
+    logra_state = 4 * n_sum * r * 2 + 4 * n_sum + r * sum(k for _, k in shapes)  # S, U, v, signs
+    factors = 2 * n_sum * r  # F (n, r) bf16, until the sync has sent it
+    # prepare, per layer: A formed in fp32 then float64, held while D, D A A^T, their product
+    # and the sum's work are formed in float64 (measured: bench/memory_check.py)
+    prepare = max(max(12 * r * k, 8 * r * k + max(32 * ceil(d) * r, 8 * min(2**20, ceil(d) * k)))
+                  for d, k in shapes)  # (||W||^2 is summed in float64 blocks of 2^20 entries)
+    # The probe is a forward pass with tangents over the first responses (after backward: the
+    # training activations are gone): its activations and tangents, and the hook's P and dY,
+    # are counted as activations; its own buffers are one layer's gathered U, A formed in
+    # fp32 and one output-head chunk.
+    head = min(kl_control.HEAD_CHUNK_BYTES, probe_tokens * kl_control.BYTES_PER_VOCAB_ENTRY * vocab)
+    probe = 4 * d_max * r + 8 * r * k_max + head
+    probe_activations = compute_bytes * probe_tokens * (2 * (4 * h + 2 * kv + 4 * inter) + r + d_max)
+    # A in fp32 and float64, and a float64 (c, k) block with its fp32 result, c = min(chunk, rows)
+    merge = max(12 * r * k + 12 * min(chunk, ceil(d)) * k for d, k in shapes)
+    # one decoder layer's gathered F, then its encoded payload or the checksum's int64 work
+    words = min(sync.CHECK_WORDS, d_max * r)
+    factor_sync_bytes = 2 * layer_rows * r + max(2 * layer_rows * r, 24 * words) + 8 * words
+    kl_real = 8 * kl_real_positions * vocab  # the policy's float64 log-probs, kept from before the merge
+    phases = {"prepare": prepare, "probe": probe, "merge": factors + merge, "sync": factor_sync_bytes}
+    logra_transient = max(prepare, probe, kl_real + factors + max(merge, factor_sync_bytes))
+    tokens = micro_batch * context
+    activations = (2 * tokens * h * layers  # bf16 layer inputs kept by activation checkpointing
+                   + 2 * tokens * (4 * h + 2 * kv + 4 * inter)  # one decoder layer recomputed in backward
+                   + 2 * 2 * (layer_targets + 2 * h)  # two unsharded bf16 decoder layers (FSDP2 prefetch)
+                   + 2 * tokens * vocab + 4 * micro_batch * min(context, 1024) * vocab * 2)  # logits, fp32 chunk
+    sketch_activations = 2 * tokens * r * 7  # LoGRA's P = X A^T per target of the recomputed layer
+
+    engine_weights = 2 * total
+    residual = 2 * targets
+    transfer = 4 * layer_targets + 16 * chunk * k_max + 12 * r * k_max  # fp32 layer payload, merge chunk
+    kv_on_gpu = gpu_bytes - engine_weights - residual - transfer - ENGINE_OVERHEAD
+    on_host = kv_on_gpu < MIN_KV_CACHE
+    engine_gpu = engine_weights + transfer + (0 if on_host else residual)
+    return {
+        "params": total, "target_params": targets, "layers": layers, "world": world, "sketch_rank": r,
+        "weights": weights, "adam_grads": 4 * target_rows, "adam_moments": 8 * target_rows,
+        "logra_sketches": 4 * n_sum * r, "logra_directions": 4 * n_sum * r, "logra_moments": 4 * n_sum,
+        "logra_projections": r * sum(k for _, k in shapes),
+        "trainer_adam_bytes": weights + adam_state + adam_transient,
+        "trainer_adam_persistent_bytes": weights + adam_state, "trainer_adam_transient_bytes": adam_transient,
+        "trainer_logra_phases": phases,
+        "trainer_logra_bytes": weights + logra_state + logra_transient,
+        "trainer_logra_persistent_bytes": weights + logra_state, "trainer_logra_transient_bytes": logra_transient,
+        "trainer_activation_bytes": activations, "trainer_logra_activation_extra_bytes": sketch_activations,
+        "trainer_probe_activation_bytes": probe_activations,
+        "engine_gpu_bytes": engine_gpu, "engine_weight_bytes": engine_weights, "engine_residual_bytes": residual,
+        "engine_residual_on_host": on_host, "engine_transfer_bytes": transfer,
+        "engine_kv_cache_bytes": gpu_bytes - engine_gpu - ENGINE_OVERHEAD,
+        "engine_host_bytes": residual if on_host else 0,
+        "engine_reserve_bytes": (0 if on_host else residual) + transfer + ENGINE_MARGIN,
+        "gpu_bytes": gpu_bytes,
+    }
+
+
+def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micro_batch: int, context: int,
+             cuda: bool, engine_gpus=None) -> list[str]:
+    """The dry run's lines: the sharding plan, a Markdown table of the trainer's memory per GPU
+    (AdamW and LoGRA), activations, the engine GPU, and which GPU runs what."""
+    gib = 2**30
+    g = lambda key: f"{plan[key] / gib:.2f} GiB"  # noqa: E731
+    world = plan["world"]
+    lines = [
+        f"preset {preset}: {plan['params'] / 1e9:.2f}B parameters ({plan['target_params'] / 1e9:.2f}B in the seven "
+        f"target projections), checkpoint {checkpoint}",
+        f"sharding: FSDP2 over {world} training ranks, {plan['layers']} decoder-layer units + the root "
+        f"(embedding, final norm, lm_head); every weight row-sharded (rank i holds rows [i*ceil(d/{world}), ...)), "
+        f"and so are LoGRA's S, U and v; "
+        + ("bf16 compute, fp32 master weights and gradient reduction" if cuda else "fp32"),
+        f"per training GPU, rank {sketch_rank}, micro-batch {micro_batch} x {context} tokens (estimates from the "
+        f"shapes):",
+        "| | weights (fp32 shard) | gradients | optimizer state | sketches + directions | projections "
+        "| persistent | step transient | total |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| AdamW | {g('weights')} | {g('adam_grads')} | {g('adam_moments')} | - | - "
+        f"| {g('trainer_adam_persistent_bytes')} | {g('trainer_adam_transient_bytes')} | {g('trainer_adam_bytes')} |",
+        f"| LoGRA | {g('weights')} | - | {plan['logra_moments'] / gib:.4f} GiB (row moments) "
+        f"| {(plan['logra_sketches'] + plan['logra_directions']) / gib:.2f} GiB | {g('logra_projections')} "
+        f"(int8 signs) | {g('trainer_logra_persistent_bytes')} | {g('trainer_logra_transient_bytes')} "
+        f"| {g('trainer_logra_bytes')} ({plan['trainer_logra_bytes'] / plan['trainer_adam_bytes']:.2f}x) |",
+        f"activations (both): {g('trainer_activation_bytes')}; LoGRA's P = X A^T adds "
+        f"{plan['trainer_logra_activation_extra_bytes'] / gib:.3f} GiB, its KL probe's forward with tangents "
+        f"{g('trainer_probe_activation_bytes')} (after backward)",
+        f"engine GPU ({plan['gpu_bytes'] / 1e9:.0f} GB): bf16 weights {g('engine_weight_bytes')}, exact-merge "
+        f"residuals {g('engine_residual_bytes')} (int16) in "
+        f"{'pinned host memory' if plan['engine_residual_on_host'] else 'the engine GPU'}, transfer buffer "
+        f"{g('engine_transfer_bytes')}, vLLM overhead {ENGINE_OVERHEAD / gib:.0f} GiB (assumed) -> KV cache "
+        f"{g('engine_kv_cache_bytes')}; host {g('engine_host_bytes')}",
+    ]
+    if engine_gpus:
+        lines.append(f"GPUs: training ranks on 0..{world - 1}, vLLM engines on {engine_gpus} "
+                     f"(one per rank, CUDA_VISIBLE_DEVICES set, torchrun's variables removed)")
+    return lines

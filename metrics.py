@@ -1,0 +1,90 @@
+"""
+metrics.py: what a run writes down: metrics.jsonl, its one line per update, its summary and curves.
+
+What it is
+----------
+`metrics.jsonl` in the run directory holds one JSON object per line: `{"update": 0, "pass1":
+..., "passk": ...}` for the base policy, then one row per update (`step_line` prints it; the
+keys are train.py's `update_row`). `append` adds a row, `read` gives them back, `summary`
+makes the closing lines of a run, `plot` draws curves.png (reward and held-out Pass@1,
+predicted and realised KL against the budget, alpha), and `pyplot` is the one place that
+imports matplotlib (an optional extra: `pip install -e ".[plot]"`), for the benches too.
+"""
+
+import json
+import math
+
+
+def append(path: str, row: dict, *, first: bool = False):
+    """One row at the end of the log; `first` starts the log anew (a run's update 0)."""
+    with open(path, "w" if first else "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def step_line(row: dict) -> str:
+    """One line per update: `step 12 | reward 0.41 | kl 1.9e-04 (real 2.0e-04) | alpha 0.80 | ...`."""
+    return (f"step {row['update']} | reward {row['reward']:.3f} | "
+            + (f"pass@1 {row['pass1']:.3f} | " if "pass1" in row else "")
+            + f"kl {row['kl_pred']:.2e} (real {row['kl_real']:.2e}) | alpha {row['alpha']:.2f} | "
+            f"budget {row['budget']:.2e} | mismatch {row['mismatch']:.1e} | mem {row['mem_gib']:.2f} GiB | "
+            f"{row['time_s'] * 1e3:.0f} ms")
+
+
+def summary(rows: list[dict], *, heldout: int, engine: str) -> list[str]:
+    """The closing lines: held-out Pass@1 from the base policy to the last evaluation, the
+    engine/trainer log-prob gap over the run, memory per update and updates per hour."""
+    lines = []
+    passes = [r["pass1"] for r in rows if "pass1" in r]
+    if len(passes) >= 2:
+        lines.append(f"held-out pass@1: base {passes[0]:.3f} -> final {passes[-1]:.3f} "
+                     f"({100 * (passes[-1] - passes[0]):+.1f} points, {heldout} problems)")
+    updates = [r for r in rows if "time_s" in r]
+    if updates:
+        lines.append(f"engine vs trainer log-prob per response token: mean gap "
+                     f"{sum(r['logp_gap_mean'] for r in updates) / len(updates):.2e}, "
+                     f"max {max(r['logp_gap_max'] for r in updates):.2e} ({engine} engine)")
+        mem = [r["mem_gib"] for r in updates]
+        lines.append(f"memory per update: average {sum(mem) / len(mem):.2f} GiB, peak {max(mem):.2f} GiB; "
+                     f"{3600 / (sum(r['time_s'] for r in updates) / len(updates)):.0f} updates/h")
+    return lines
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    """curves.png of a run's rows; False (and nothing written) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    steps = [r for r in rows if "reward" in r]
+    x = [r["update"] for r in steps]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(x, [r["reward"] for r in steps], label="train reward")
+    axes[0].plot([r["update"] for r in rows if "pass1" in r], [r["pass1"] for r in rows if "pass1" in r],
+                 "o-", label="held-out pass@1")
+    axes[1].semilogy(x, [r["kl_pred"] for r in steps], label="predicted KL")
+    axes[1].semilogy(x, [r.get("kl_real", math.nan) for r in steps], ".", label="realised KL")
+    axes[1].semilogy(x, [r["budget"] for r in steps], "--", label="budget")
+    axes[2].plot(x, [r["alpha"] for r in steps], label="alpha")
+    for ax in axes:
+        ax.set_xlabel("update")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

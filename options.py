@@ -1,0 +1,249 @@
+"""
+options.py: the command line of train.py, and every check that refuses a run before it starts.
+
+What it is
+----------
+`parse(argv, presets)` reads the flags; `resolve(args, presets)` gives the run's
+configuration, a flat dict of plain values (the preset's values with the command line's
+overrides, and the widths of a local checkpoint); `validate(cfg, ...)` checks it, raising
+`OptionError` with one line that says what to change, before anything is written or started;
+`launch_command(cfg, ranks, ...)` is the command that starts a preset as it is meant to run.
+The presets themselves are train.py's table, passed in.
+
+Every preset value the command line may override is one row of OPTIONS: the flag is made
+from the key (`kl_start` -> `--kl-start`), except where FLAGS names it (`--rank`, the paper's
+word, is the config's `sketch_rank`, told apart from a process rank). The checks, in order:
+the numbers (LEAST, POSITIVE), what a preset needs, this machine and how the run was started,
+the layout of ranks and engines, the run directory (only read: a refused resume changes
+nothing in it).
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+
+import torch
+
+from checkpoint import CHECKPOINT_NAME
+from tasks import Arithmetic
+
+
+class OptionError(Exception):
+    """A run that cannot start as asked; the message is one line that says what to change."""
+
+
+# (key, type, help, choices), in the order of --help
+OPTIONS = (
+    ("sketch_rank", int, "sketch rank r", None),
+    ("batch", int, "responses per update, all ranks together", None),
+    ("micro_batch", int, "responses per forward and backward on a rank", None),
+    ("updates", int, "RL updates of the run", None),
+    ("update_ratio", float, "RowAdam's step size: ||U A|| / ||W|| before alpha", None),
+    ("kl_start", float, "KL budget of the first update", None),
+    ("kl_end", float, "KL budget from --kl-horizon on (<= --kl-start)", None),
+    ("kl_horizon", int, "updates over which the budget's cosine goes from start to end", None),
+    ("probe_responses", int, "responses of each rank the KL probe scores, at least", None),
+    ("probe_tokens", int, "the probe scores more responses until they hold this many generated tokens", None),
+    ("kl_real_positions", int, "positions at which the realised KL of each step is measured (0: off)", None),
+    ("adam_lr", float, "AdamW's learning rate before annealing (--optimizer adam)", None),
+    ("warmup_steps", int, "supervised warm-up steps that make a tiny preset's base policy", None),
+    ("eval_every", int, "updates between held-out evaluations (0: the base policy only)", None),
+    ("eval_problems", int, "held-out problems per evaluation", None),
+    ("save_every", int, "updates between checkpoints (0: none)", None),
+    ("seed", int, "the run's seed: initialisation, data order, rollouts, projections", None),
+    ("device", str, "override the preset's device", ("cpu", "cuda")),
+    ("engine", str, "rollout engine: the in-process Hugging Face one (tiny preset) or vLLM processes",
+     ("hf", "vllm")),
+    ("engine_timeout", float, "seconds an engine may take to start or to answer one command", None),
+    ("train_data", str, "DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id",
+     None),
+    ("eval_data", str, "MATH-500-format evaluation data: a local .parquet/.jsonl file or folder, or a hub id", None),
+)
+FLAGS = {"sketch_rank": "--rank"}  # keys whose flag is not made from the key
+# The least value of each count and size (an int option); the float options must be finite and > 0.
+LEAST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
+         "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
+         "save_every": 0, "seed": 0}
+POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "engine_timeout")
+# The widths a local checkpoint's config.json gives (the rank limit, the memory plan).
+MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
+GPUS_PER_NODE = 8
+
+
+def flag(key: str) -> str:
+    return FLAGS.get(key, f"--{key.replace('_', '-')}")
+
+
+def parse(argv, presets: dict) -> argparse.Namespace:
+    """The command line: the run's own flags, then every preset value it may override (OPTIONS)."""
+    p = argparse.ArgumentParser(prog="train.py", description="LoGRA RL training (see train.py's docstring)")
+    p.add_argument("--model", default="tiny", choices=sorted(presets), help="preset name")
+    p.add_argument("--optimizer", default="logra", choices=["logra", "adam"])
+    p.add_argument("--run-dir", default=None, help="default: runs/<model>-<optimizer>")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    p.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
+                   help="with --resume: continue from this kept checkpoint (checkpoint-N) instead of the latest")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept: the newest N (default 2)")
+    p.add_argument("--sync", default="factors", choices=["factors", "full"],
+                   help="LoGRA's bf16 factors + seed (default), or full bf16 weights (the paper's control)")
+    p.add_argument("--model-path", default=None, help="local Hugging Face checkpoint (required for 27b)")
+    p.add_argument("--engine-gpus", default=None, help="GPUs of the vLLM engines, one per training rank")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the preset on the meta device, print the sharding plan and memory estimate, exit")
+    p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object with the byte estimates")
+    for key, typ, text, choices in OPTIONS:
+        p.add_argument(flag(key), dest=key, type=typ, default=None, choices=choices,
+                       help=f"{text} (default: the preset's)")
+    return p.parse_args(argv)
+
+
+def resolve(args: argparse.Namespace, presets: dict) -> dict:
+    """The preset's values with the command line's overrides: everything the run depends on."""
+    cfg = copy.deepcopy(presets[args.model])
+    cfg["preset"] = args.model
+    cfg["optimizer"] = args.optimizer
+    cfg["sync"] = args.sync
+    if cfg["task"] == "math":
+        cfg["model_path"] = args.model_path or cfg.pop("hf_id")
+        cfg.pop("hf_id", None)
+        cfg["engine_gpus"] = args.engine_gpus or cfg["engine_gpus"]
+        # A local checkpoint's own widths (rank limits, --dry-run); the preset's otherwise.
+        config_json = os.path.join(cfg["model_path"] or "", "config.json")
+        if os.path.isfile(config_json):
+            try:
+                with open(config_json) as f:
+                    hf = json.load(f)
+            except ValueError as e:
+                raise OptionError(f"--model-path {cfg['model_path']}: its config.json is not JSON") from e
+            cfg["model"] = {k: hf[k] for k in MODEL_KEYS if k in hf}
+    elif args.engine_gpus:  # the tiny task with vLLM engines on GPUs
+        cfg["engine_gpus"] = args.engine_gpus
+    for key, *_ in OPTIONS:
+        value = getattr(args, key)
+        if value is not None:
+            cfg[key] = value
+    cfg["micro_batch"] = min(cfg["micro_batch"], cfg["batch"])
+    return cfg
+
+
+def validate(cfg: dict, world: int, run_dir: str, resume, *, keep: int = 2, resume_from=None, machine: bool = True,
+             preset_device: str = "cpu", preset_engine_gpus=None):
+    """Everything that can be checked before any work is done, in the order of the module
+    docstring. `machine`: check this machine and how the run was started (--dry-run plans the
+    paper's layout anywhere); `preset_device`, `preset_engine_gpus`: the preset's own values,
+    for the advice."""
+    # --- the numbers -------------------------------------------------------------------------
+    for key, *_ in OPTIONS:  # in the order of --help
+        if key in LEAST and cfg[key] < LEAST[key]:
+            raise OptionError(f"{flag(key)} {cfg[key]} must be >= {LEAST[key]}")
+        if key in POSITIVE and not (math.isfinite(cfg[key]) and cfg[key] > 0):
+            raise OptionError(f"{flag(key)} {cfg[key]} must be a finite number > 0")
+    if cfg["seed"] >= 2**63:
+        raise OptionError(f"--seed {cfg['seed']} must be below 2**63 (torch generators take 64-bit seeds)")
+    if cfg["kl_end"] > cfg["kl_start"]:
+        raise OptionError(f"--kl-end {cfg['kl_end']} must be <= --kl-start {cfg['kl_start']}: the KL budget anneals "
+                          f"from start to end")
+    if keep < 1:
+        raise OptionError(f"--keep {keep} must be >= 1: the newest checkpoint is always kept")
+    if resume_from is not None and (not resume or not CHECKPOINT_NAME.fullmatch(resume_from)):
+        raise OptionError(f"--resume-from {resume_from}: give a checkpoint-N folder of the run, with --resume RUN_DIR")
+    if cfg["task"] == "arithmetic" and cfg["eval_problems"] > Arithmetic.PROBLEMS // 2:
+        raise OptionError(f"--eval-problems {cfg['eval_problems']} must be <= {Arithmetic.PROBLEMS // 2}: the tiny "
+                          f"task has {Arithmetic.PROBLEMS} problems and keeps at least half of them for training")
+
+    # --- what the preset needs ----------------------------------------------------------------
+    if cfg["task"] == "math":
+        missing = [o for o, k in (("--model-path DIR", "model_path"), ("--train-data PATH", "train_data"),
+                                  ("--eval-data PATH", "eval_data")) if not cfg.get(k)]
+        if missing:
+            raise OptionError(f"preset '{cfg['preset']}' needs {', '.join(missing)} (a local Qwen2/Qwen3-family "
+                              f"Hugging Face checkpoint; DAPO-Math-17k- and MATH-500-format data; python "
+                              f"tests/tiny_math.py DIR makes small ones)")
+        if cfg["model"] is None:
+            raise OptionError(f"--model-path {cfg['model_path']}: no config.json there (a Hugging Face checkpoint "
+                              f"folder)")
+        if cfg["engine"] != "vllm":
+            raise OptionError("the math task's rollouts need --engine vllm (the HF engine takes prompts of one length)")
+    shapes = cfg["model"]
+    head_dim = shapes.get("head_dim") or shapes["hidden_size"] // shapes["num_attention_heads"]
+    widths = (shapes["hidden_size"], shapes["intermediate_size"], shapes["num_attention_heads"] * head_dim)
+    if cfg["optimizer"] == "logra" and cfg["sketch_rank"] > min(widths):
+        raise OptionError(f"--rank {cfg['sketch_rank']} must be in 1..{min(widths)}, the smallest target in_features "
+                          f"of '{cfg['preset']}'")
+    gpus = []
+    if cfg["engine"] == "vllm" and cfg["device"] == "cuda":
+        if not cfg.get("engine_gpus"):
+            raise OptionError("--engine vllm on GPUs needs --engine-gpus, one GPU per training rank "
+                              "(e.g. --engine-gpus 1)")
+        gpus = [g.strip() for g in cfg["engine_gpus"].split(",") if g.strip()]
+
+    # --- this machine, and how the run was started ---------------------------------------------
+    if machine and cfg["device"] == "cuda":
+        ranks = max(len(gpus), 1)  # the paper's layout: one training rank per engine GPU
+        command = launch_command(cfg, ranks, preset_engine_gpus)
+        if not torch.cuda.is_available():
+            if preset_device != "cuda":
+                raise OptionError(f"--device cuda needs a GPU and this machine has none (torch.cuda.is_available() "
+                                  f"is False): leave it out to run preset '{cfg['preset']}' on the CPU")
+            need = (f"{2 * ranks} GPUs ({ranks} training ranks, {ranks} vLLM engines on GPUs {cfg['engine_gpus']})"
+                    if gpus else "a GPU")
+            raise OptionError(f"preset '{cfg['preset']}' needs {need} and this machine has none "
+                              f"(torch.cuda.is_available() is False): on a GPU node run {command}; on a CPU use "
+                              f"--model tiny or --model tiny-math")
+        if ranks > 1 and "WORLD_SIZE" not in os.environ:
+            raise OptionError(f"preset '{cfg['preset']}' trains on {ranks} ranks, one per engine GPU (--engine-gpus "
+                              f"{cfg['engine_gpus']}); start it with {command}")
+
+    # --- the layout of ranks and engines --------------------------------------------------------
+    if cfg["batch"] % world:
+        raise OptionError(f"--batch {cfg['batch']} does not split across {world} ranks: use a multiple of {world}")
+    if (cfg["batch"] // world) % cfg["micro_batch"] and cfg["micro_batch"] < cfg["batch"] // world:
+        raise OptionError(f"--micro-batch {cfg['micro_batch']} must divide the per-rank batch {cfg['batch'] // world}")
+    if cfg["eval_problems"] < world:
+        raise OptionError(f"--eval-problems {cfg['eval_problems']} must be >= the number of ranks, {world}")
+    if cfg["engine"] == "vllm":
+        if cfg["device"] == "cpu" and head_dim % 32:
+            raise OptionError(f"vLLM's CPU attention needs a head_dim that is a multiple of 32; this model has "
+                              f"{head_dim}")
+        if cfg["device"] == "cuda":
+            if not all(g.isdigit() for g in gpus) or len(gpus) != world or len(set(gpus)) != len(gpus):
+                raise OptionError(f"--engine-gpus {cfg['engine_gpus']} must name {world} distinct GPUs, one per "
+                                  f"training rank")
+            if any(int(g) < world for g in gpus) or any(int(g) >= GPUS_PER_NODE for g in gpus):
+                raise OptionError(f"--engine-gpus {cfg['engine_gpus']}: training ranks use GPUs 0..{world - 1}; "
+                                  f"engines need other GPUs among 0..{GPUS_PER_NODE - 1}")
+
+    # --- the run directory: only read here (a refused resume changes nothing in it) ---------------
+    latest = os.path.join(resume or run_dir, "latest")
+    if resume:
+        path = os.path.join(resume, "config.json")
+        if not os.path.exists(path) or not (os.path.exists(latest) or resume_from):
+            raise OptionError(f"--resume {resume}: no config.json and checkpoint there")
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except ValueError:  # not JSON (nor UTF-8)
+            saved = None
+        if not isinstance(saved, dict):
+            raise OptionError(f"--resume {resume}: {path} is damaged (not a JSON object); it holds the run's options")
+        diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k))
+        if diff:
+            raise OptionError(f"--resume {resume}: the run was made with a different configuration "
+                              f"({', '.join(diff)}); pass the same options as the original run")
+    elif os.path.exists(latest):
+        raise OptionError(f"{run_dir} already holds a run: use --resume {run_dir}, or another --run-dir")
+
+
+def launch_command(cfg: dict, ranks: int, preset_engine_gpus=None) -> str:
+    """The command that starts a preset as it is meant to run: torchrun with one process per
+    training rank, and the model and data it was given."""
+    command = "python train.py" if ranks == 1 else f"torchrun --nproc_per_node {ranks} train.py"
+    command += f" --model {cfg['preset']}"
+    if cfg["task"] == "math":
+        command += f" --model-path {cfg['model_path']} --train-data {cfg['train_data']} --eval-data {cfg['eval_data']}"
+        if cfg["engine_gpus"] != preset_engine_gpus:
+            command += f" --engine-gpus {cfg['engine_gpus']}"
+    return command

@@ -1,0 +1,280 @@
+"""
+tasks.py: what the policy is asked and how its answers are graded.
+
+What it is
+----------
+Two tasks with one interface: `train_problem(index)` (a pure function of the run's seed and
+the index, so every rank and every resume draws the same problems), `prompt_ids(problems)`,
+`correct(problem, response_ids)`, `heldout` (the evaluation problems), `eos` and `pad`.
+
+- `MathTask`: the paper's task (Table 1's setup, arXiv:2610.06647): DAPO-Math-17k problems for
+  training and MATH-500 for evaluation, the Qwen-Math system prompt "Please reason step by
+  step, and put your final answer within \\boxed{}." through the tokenizer's chat template,
+  graded with math-verify (`grade`). `load_math_data` reads both data sets from local files
+  or the local Hugging Face cache (`read_rows`); nothing is downloaded here.
+- `Arithmetic`: two-digit additions ("37+45=" -> "\\boxed{82}"), a character tokenizer made
+  here, graded exactly; the tiny CPU task. `warmup` trains a model on it by supervised
+  learning to make a base policy that is sometimes right, as the paper starts RL from a
+  pretrained model: a share of its examples (`unboxed`) answer without the box the grader
+  requires, so the base policy often fails the format, as pretrained models do, and the
+  format is what RL has to learn.
+
+Errors are `TaskError`, one line that says what to do (which option, which download).
+
+Departures, numbered
+--------------------
+1. math-verify reads the gold answer wrapped in $...$ (bare LaTeX such as [1,3) or \\sqrt{2}
+   is otherwise not parsed as LaTeX); the paper grades with math-verify's parse and verify.
+2. DAPO-Math-17k repeats each problem many times and wraps it in its own answer-format lines
+   ('Answer: ...'); the problems are deduplicated and those lines dropped, since the prompt
+   asks for \\boxed{} as the paper's evaluation does.
+"""
+
+import glob
+import json
+import math
+import os
+import random
+
+import torch
+
+
+class TaskError(Exception):
+    """Missing or malformed task data; the message is one line that says what to do."""
+
+
+# -----------------------------------------------------------------------------
+# The paper's task: DAPO-Math-17k, MATH-500, math-verify
+
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+DAPO_PREFIX = "Solve the following math problem step by step."
+DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
+
+
+class MathTask:
+    """Qwen-Math chat prompts; a response is right when math-verify accepts its final answer."""
+
+    def __init__(self, tokenizer, train, heldout, seed):
+        self.tokenizer, self.train, self.heldout, self.seed = tokenizer, train, heldout, seed
+        self.pad, self.eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    def train_problem(self, index: int):
+        """An epoch-wise shuffle of the deduplicated training set, a pure function of the index."""
+        epoch, i = divmod(index, len(self.train))
+        order = list(range(len(self.train)))
+        random.Random(f"math:{self.seed}:{epoch}").shuffle(order)
+        return self.train[order[i]]
+
+    def prompt_ids(self, problems) -> list[list[int]]:
+        """Token ids of the chat prompt. `return_dict=False`: since transformers 5,
+        `tokenize=True` alone returns a BatchEncoding (a dict), not the list of ids."""
+        out = []
+        for p, _ in problems:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}],
+                add_generation_prompt=True, tokenize=True, return_dict=False)
+            out.append([int(i) for i in ids])
+        return out
+
+    def correct(self, problem, response_ids) -> bool:
+        return grade(self.tokenizer.decode(response_ids, skip_special_tokens=True), problem[1])
+
+
+def grade(prediction: str, gold: str) -> bool:
+    """math-verify: is the response's final answer equal to the gold answer?
+
+    The gold answer is wrapped in $...$ so that bare LaTeX (`\\sqrt{2}`, `[1,3)`) is read as
+    LaTeX (departure 1); the prediction is parsed as generated (its last \\boxed{} counts).
+    """
+    from math_verify import parse, verify
+
+    try:
+        return bool(verify(parse(f"${gold}$"), parse(prediction)))
+    except Exception:  # a parse or sympy failure is a wrong answer, not a crash of the run
+        return False
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise TaskError(f"could not load the tokenizer of {path} ({type(e).__name__}). Download the checkpoint once "
+                        f"with network access (hf download {path}) or pass --model-path DIR") from e
+
+
+def load_math_data(train_source: str, eval_source: str):
+    """(train problems, eval problems) as (problem, gold) pairs, from DAPO-Math-17k-format and
+    MATH-500-format rows (departure 2); says how to get them if missing."""
+    dapo = read_rows(train_source, "training data", "--train-data")
+    math500 = read_rows(eval_source, "evaluation data", "--eval-data")
+    try:
+        seen, train = set(), []
+        for row in dapo:
+            problem = dapo_problem(row["prompt"][0]["content"])
+            if problem not in seen:
+                seen.add(problem)
+                train.append((problem, str(row["reward_model"]["ground_truth"])))
+    except (KeyError, IndexError, TypeError) as e:
+        raise TaskError(f"--train-data {train_source}: rows need DAPO-Math-17k's fields prompt[0].content and "
+                        f"reward_model.ground_truth ({type(e).__name__}: {e})") from e
+    try:
+        heldout = [(r["problem"], str(r["answer"])) for r in math500]
+    except (KeyError, TypeError) as e:
+        raise TaskError(f"--eval-data {eval_source}: rows need MATH-500's fields problem and answer "
+                        f"({type(e).__name__}: {e})") from e
+    return train, heldout
+
+
+def read_rows(source: str, what: str, option: str) -> list[dict]:
+    """The rows of a data set: a local file or folder (.parquet, .jsonl or .json), or a hub id
+    whose files are already in the local Hugging Face cache (nothing is downloaded here).
+
+    In a folder, the .parquet files are read if there are any, else the .jsonl, else the .json
+    (the layouts of DAPO-Math-17k and MATH-500 as `hf download --local-dir` writes them).
+    """
+    path = source
+    if not os.path.exists(source):
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(repo_id=source, repo_type="dataset", local_files_only=True)
+        except Exception as e:  # not a hub id, or not in the cache
+            raise TaskError(f"no {what} at {source} ({type(e).__name__}). Fetch it once with network access "
+                            f"(hf download --repo-type dataset {source}) or pass {option} FILE_OR_FOLDER") from e
+    files = [path]
+    if os.path.isdir(path):
+        for ext in ("parquet", "jsonl", "json"):
+            files = sorted(glob.glob(os.path.join(path, "**", f"*.{ext}"), recursive=True))
+            if files:
+                break
+        else:
+            raise TaskError(f"{option} {source}: no .parquet, .jsonl or .json file in {path}")
+    rows = []
+    for name in files:
+        if name.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError as e:
+                raise TaskError(f"{name} is a parquet file: pip install pyarrow (in the gpu and test extras)") from e
+            rows += pq.read_table(name).to_pylist()
+        elif name.endswith(".jsonl"):
+            with open(name) as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+        else:
+            with open(name) as f:
+                data = json.load(f)
+            rows += data if isinstance(data, list) else [data]
+    if not rows:
+        raise TaskError(f"{option} {source}: no rows in {', '.join(files)}")
+    return rows
+
+
+def dapo_problem(content: str) -> str:
+    """The problem statement inside a DAPO-Math-17k prompt, without DAPO's answer-format lines."""
+    text = content.strip()
+    if text.startswith(DAPO_PREFIX):
+        text = text.split("\n\n", 1)[-1]  # drops the instruction paragraph
+    if text.endswith(DAPO_SUFFIX):
+        text = text[: -len(DAPO_SUFFIX)]
+    return text.strip()
+
+
+# -----------------------------------------------------------------------------
+# The tiny task: two-digit additions, and the warm-up that makes its base policy
+
+class Arithmetic:
+    """Problems "ab+cd=" (a, b in 0..99, 10,000 of them), answers "\\boxed{n}", graded exactly."""
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>", "\\boxed{")
+    CHARS = "0123456789+-=}"  # "-" is unused; kept so that the vocabulary (and cached base policies) stay the same
+    PROMPT_TOKENS = 7  # <bos> and "ab+cd="
+    PROBLEMS = 100 * 100  # every (a, "+", b): the held-out ones and the training ones
+
+    def __init__(self, seed: int, heldout: int):
+        self.vocab = list(self.SPECIALS) + list(self.CHARS)
+        self.index = {t: i for i, t in enumerate(self.vocab)}
+        self.pad, self.bos, self.eos = 0, 1, 2
+        self.seed = seed
+        # Held-out problems: a fixed sample of the 10,000, never drawn for training.
+        rng = random.Random(f"heldout:{seed}")
+        every = [(a, "+", b) for a in range(100) for b in range(100)]
+        self.heldout = rng.sample(every, heldout)
+        self._heldout_set = set(self.heldout)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        out, i = [], 0
+        while i < len(text):
+            if text.startswith("\\boxed{", i):
+                out.append(self.index["\\boxed{"])
+                i += len("\\boxed{")
+            else:
+                out.append(self.index[text[i]])
+                i += 1
+        return out
+
+    def decode(self, ids) -> str:
+        return "".join(self.vocab[i] if i < len(self.vocab) else "?" for i in ids if i > self.eos)
+
+    @staticmethod
+    def prompt(problem) -> str:
+        a, op, b = problem
+        return f"{a:02d}{op}{b:02d}="
+
+    @staticmethod
+    def answer(problem) -> int:
+        a, _, b = problem
+        return a + b
+
+    def train_problem(self, index: int):
+        """The index-th training problem: a pure function of (seed, index)."""
+        rng = random.Random(f"train:{self.seed}:{index}")
+        while True:
+            p = (rng.randrange(100), rng.choice("+"), rng.randrange(100))  # choice: the stream stays as it was
+            if p not in self._heldout_set:
+                return p
+
+    def prompt_ids(self, problems) -> list[list[int]]:
+        return [[self.bos] + self.encode(self.prompt(p)) for p in problems]
+
+    def correct(self, problem, response_ids) -> bool:
+        """The last \\boxed{...} of the response must hold exactly the answer."""
+        text = self.decode(response_ids)
+        start = text.rfind("\\boxed{")
+        if start < 0 or not text.endswith("}"):
+            return False
+        return text[start + len("\\boxed{"):-1] == str(self.answer(problem))
+
+
+def warmup(model, task: Arithmetic, *, steps: int, batch: int, lr: float, unboxed: float, seed: int):
+    """Supervised warm-up on correct answers, in place: AdamW (no weight decay) with a cosine
+    learning rate from `lr` to 0 over `steps` batches of `batch` training problems drawn from
+    negative indices (never the ones RL draws). A share `unboxed` of the answers lacks the box
+    the grader requires (see the module docstring). Leaves the model in eval mode."""
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        first = -1 - step * batch
+        problems = [task.train_problem(first - i) for i in range(batch)]
+        coin = random.Random(f"warmup-format:{seed}:{step}")
+        answers = [f"{task.answer(p)}" if coin.random() < unboxed else f"\\boxed{{{task.answer(p)}}}"
+                   for p in problems]
+        seqs = [[task.bos] + task.encode(task.prompt(p) + a) + [task.eos] for p, a in zip(problems, answers)]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [task.pad] * (width - len(s)) for s in seqs], device=device)  # (B, T)
+        labels = ids.clone()
+        labels[:, :task.PROMPT_TOKENS] = -100  # the prompt is given, not learned
+        labels[ids == task.pad] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        for group in opt.param_groups:  # lr_t = lr * (1 + cos(pi t / steps)) / 2
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()

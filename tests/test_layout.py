@@ -1,0 +1,77 @@
+"""The layout: every top-level module but train.py imports without it and without a process
+group (each copied alone, with only the project modules it imports, into an empty folder and
+run there in a fresh interpreter); no module imports train.py, and the imports have no cycle."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from subproc import ROOT, env
+
+MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+
+
+def project_imports(name: str) -> set[str]:
+    """The project modules `name`.py imports, at any depth of the file (lazy imports included)."""
+    tree = ast.parse(open(os.path.join(ROOT, f"{name}.py")).read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & set(MODULES) - {name}
+
+
+def closure(name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for dep in project_imports(todo.pop()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_no_module_imports_train_and_no_cycle():
+    assert {"train", "sketch", "rowadam", "kl_control", "ppo", "sync", "engine", "tasks", "checkpoint", "options",
+            "memory_plan", "metrics"} <= set(MODULES)
+    for name in MODULES:
+        assert "train" not in closure(name) or name == "train", name
+        assert name not in closure(name), f"{name} imports itself through {sorted(closure(name))}"
+    # The algorithm files copy alone: torch, the standard library and at most sketch.py.
+    for name in ("sketch", "rowadam", "kl_control", "ppo"):
+        assert closure(name) <= {"sketch"}, (name, closure(name))
+    for name in ("tasks", "checkpoint", "metrics"):  # leaves
+        assert closure(name) == set(), (name, closure(name))
+
+
+# One call of each module's own, run where nothing else of the project exists.
+CALLS = {
+    "tasks": "t = tasks.Arithmetic(0, 16); assert t.decode(t.encode('12+30=\\\\boxed{42}')) == '12+30=\\\\boxed{42}'",
+    "checkpoint": ("import torch, tempfile; d = tempfile.mkdtemp(); "
+                   "checkpoint.save(d, {'w': torch.arange(4.0)}, 3, rank=0, world=1); "
+                   "p = checkpoint.resume_path(d, None, rank=0, world=1); s = {'w': torch.zeros(4)}; "
+                   "checkpoint.load(p, s); assert s['w'].tolist() == [0, 1, 2, 3] and p.endswith('checkpoint-3')"),
+    "options": ("a = options.parse(['--rank', '4'], {'tiny': {}}); assert a.sketch_rank == 4 and a.model == 'tiny'"),
+    "memory_plan": ("p = memory_plan.estimate(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+                    "num_attention_heads=2, num_key_value_heads=1, vocab_size=32), 1, 8); "  # v: one per target row
+                    "assert p['logra_moments'] == 4 * 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)"),
+    "metrics": ("assert metrics.summary([{'update': 0, 'pass1': 0.25}, {'update': 1, 'pass1': 0.5}], heldout=4, "
+                "engine='hf')[0].endswith('+25.0 points, 4 problems)')"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_module_runs_alone(name, tmp_path):
+    for module in {name} | closure(name):
+        shutil.copy(os.path.join(ROOT, f"{module}.py"), tmp_path)
+    check = (f"import sys, {name}; {CALLS[name]}; import torch.distributed as dist; "
+             f"assert 'train' not in sys.modules and not dist.is_initialized(); print('ok')")
+    out = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=env(PYTHONPATH=str(tmp_path)))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr

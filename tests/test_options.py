@@ -1,0 +1,74 @@
+"""The command line (options.py, through train.configure as train.py runs it): every option
+value is either accepted or refused in one line with exit code 2, never a traceback, and values
+that no run can take are always refused."""
+
+import contextlib
+import io
+import math
+import os
+import tempfile
+from unittest import mock
+
+from hypothesis import example, given, settings, strategies as st
+
+import options
+import train
+
+
+def test_rank_flag_is_the_sketch_rank():
+    """--rank (the paper's word) sets the config's sketch_rank; the process rank is another thing."""
+    cfg = options.resolve(options.parse(["--rank", "8"], train.PRESETS), train.PRESETS)
+    assert cfg["sketch_rank"] == 8 and "rank" not in cfg
+
+
+INTS = [k for k, t, *_ in options.OPTIONS if t is int] + ["keep"]
+FLOATS = [k for k, t, *_ in options.OPTIONS if t is float]
+# The least sound value of each count (written out here, not read from options.py).
+SMALLEST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
+            "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
+            "save_every": 0, "seed": 0, "keep": 1}
+NEVER = os.path.join(tempfile.gettempdir(), "logra-option-fuzz-never-made")
+int_values = st.one_of(st.sampled_from([0, -1, 1, 2, 7, 10**30, -(10**30)]), st.integers(-5, 400))
+float_values = st.one_of(st.sampled_from(["nan", "inf", "-inf", "0", "-0.0", "1e400", "1e-300", "2e-2", "5e-3"]),
+                         st.floats().map(repr))
+
+
+def clearly_wrong(preset, values) -> bool:
+    """Values that no run can take: train.py must refuse these (it may refuse more)."""
+    cfg = dict(train.PRESETS[preset], **{k: float(v) if k in FLOATS else v for k, v in values.items()})
+    if any(k in SMALLEST and cfg.get(k, SMALLEST[k]) < SMALLEST[k] for k in values):
+        return True
+    if any(not (math.isfinite(cfg[k]) and cfg[k] > 0) for k in FLOATS if k in values):
+        return True
+    return cfg["kl_end"] > cfg["kl_start"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(preset=st.sampled_from(["tiny", "tiny", "tiny", "7b", "smoke-0.5b"]), world=st.sampled_from([None, "1", "2"]),
+       values=st.fixed_dictionaries({}, optional={**{k: int_values for k in INTS},
+                                                  **{k: float_values for k in FLOATS}}))
+@example(preset="tiny", world=None, values={})
+@example(preset="tiny", world=None, values={"batch": 0})
+@example(preset="tiny", world=None, values={"kl_end": "0.5"})
+@example(preset="7b", world=None, values={})
+def test_every_option_value_is_accepted_or_refused_in_one_line(preset, world, values):
+    # --option=value: argparse itself reads "-1e+16" after a space as another option, not a value.
+    argv = ["--model", preset, "--run-dir", NEVER] + [f"{options.flag(k)}={v}" for k, v in values.items()]
+    out, err = io.StringIO(), io.StringIO()
+    environ = {"WORLD_SIZE": world} if world else {}
+    with mock.patch.dict(os.environ, environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        if world is None:
+            os.environ.pop("WORLD_SIZE", None)
+        try:
+            train.configure(argv)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+    assert not os.path.exists(NEVER) and out.getvalue() == ""
+    if code == 0:
+        assert err.getvalue() == "" and not clearly_wrong(preset, values)
+    else:
+        message = err.getvalue()
+        assert code == 2 and message.startswith("train.py: error: ") and message.count("\n") == 1, message
+    if preset == "7b" and not values and world is None:  # this CPU machine: what to run, and where
+        assert "torchrun --nproc_per_node 4 train.py --model 7b --model-path" in err.getvalue()
