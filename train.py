@@ -467,8 +467,9 @@ def build_model(cfg, vocab_size):
 def base_policy_path(cfg, task, run_dir):
     """Where the warm-up's result is cached: next to the run directory, named by a hash of
     everything it depends on, so runs of the same seed share it and nothing stale is reused."""
-    key = hashlib.sha256(json.dumps([cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"],
-                                     cfg["warmup_lr"], cfg["warmup_unboxed"], task.vocab]).encode()).hexdigest()[:12]
+    depends = [cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"], cfg["warmup_lr"],
+               cfg["warmup_unboxed"], task.vocab, task.VERSION]
+    key = hashlib.sha256(json.dumps(depends).encode()).hexdigest()[:12]
     return os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
 
 

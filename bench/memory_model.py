@@ -14,6 +14,10 @@ The 27B model is not public. We assume Qwen2.5-32B's widths (hidden 5120, interm
 27648, 40 heads, 8 KV heads, vocab 152064) cut to 52 layers, which gives 26.9B parameters:
 the paper's model is a Qwen model of that size, and these widths are Qwen's own at that scale.
 
+It also prints the whole per-GPU plan of the 7B run (`python train.py --model 7b --dry-run`:
+trainer state and step transients, activations, the engine GPU) with the figures that matter
+for it, as the block `dry_run_7b`.
+
     python bench/memory_model.py [--markdown]
 """
 
@@ -37,7 +41,7 @@ def main():
                                                            "(bench:memory_model)")
     args = p.parse_args()
     if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("memory_model")
+        report.check("memory_model", "dry_run_7b")
     header = ["model", "AdamW state (est.)", "paper AdamW avg", "implied rest", "LoGRA state (est.)",
               "paper LoGRA avg", "implied rest", "est. saving", "paper saving"]
     rows, table_rows = [], []
@@ -57,8 +61,36 @@ def main():
     result = report.table(header, table_rows)
     print(result)
     chart(rows)
+    plan = dry_run_7b()
+    print("\n" + plan)
     if args.markdown:
         report.publish("memory_model", result)
+        report.publish("dry_run_7b", plan)
+
+
+def dry_run_7b() -> str:
+    """The 7B preset's plan as train.py --dry-run prints it, and what it says, in Markdown."""
+    cfg = train.PRESETS["7b"]
+    plans = {name: memory_plan.estimate(train.PRESETS[name]["model"], 4, cfg["sketch_rank"],
+                                        micro_batch=cfg["micro_batch"], context=cfg["context"],
+                                        kl_real_positions=cfg["kl_real_positions"]) for name in ("7b", "27b")}
+    m, big = plans["7b"], plans["27b"]
+    lines = memory_plan.describe(m, preset="7b", checkpoint=cfg["hf_id"], sketch_rank=cfg["sketch_rank"],
+                                 micro_batch=cfg["micro_batch"], context=cfg["context"], cuda=True,
+                                 engine_gpus=cfg["engine_gpus"])
+    gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+    extra = m["logra_sketches"] + m["logra_directions"] + m["logra_moments"] + m["logra_projections"]
+    said = (f"LoGRA's state beyond the fp32 weight shard is {gib(extra)} per training GPU (AdamW's: "
+            f"{gib(m['adam_grads'] + m['adam_moments'])}), its optimizer step's largest transient "
+            f"{gib(m['trainer_logra_transient_bytes'])} (AdamW's {gib(m['trainer_adam_transient_bytes'])}); "
+            f"in all {gib(m['trainer_logra_bytes'])} against {gib(m['trainer_adam_bytes'])} "
+            f"({m['trainer_logra_bytes'] / m['trainer_adam_bytes']:.2f}x) before activations. The engine holds the "
+            f"trainer's exact fp32 master as bf16 weights ({gib(m['engine_weight_bytes'])}) plus int16 residuals "
+            f"({gib(m['engine_residual_bytes'])}), which leaves {gib(m['engine_kv_cache_bytes'])} of KV cache on an "
+            f"80 GB card; at 27B the residuals ({gib(big['engine_residual_bytes'])}) go to pinned host memory and "
+            f"the KV cache keeps {gib(big['engine_kv_cache_bytes'])}. Activations and vLLM's overhead are "
+            f"estimates, not GPU measurements.")
+    return "```\n" + "\n".join(lines) + "\n```\n\n" + said
 
 
 def chart(rows):
