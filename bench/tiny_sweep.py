@@ -39,9 +39,16 @@ def run(out, method, seed, option=None, value=None):
             f.write(f"{time.time() - t0:.1f}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     passes = [r["pass1"] for r in rows if "pass1" in r]
+    updates = [r for r in rows if "time_s" in r]
     wall = float(open(os.path.join(run_dir, "wall.txt")).read())
     return dict(base=passes[0], final=passes[-1], best=max(passes), gain=100 * (passes[-1] - passes[0]), wall=wall,
-                cmd=" ".join(["python train.py"] + cmd[2:]))
+                update_ms=[1e3 * r["time_s"] for r in updates], sync_bytes=[r["sync_bytes"] for r in updates],
+                mem=max(r["mem_gib"] for r in updates), cmd=" ".join(["python train.py"] + cmd[2:]))
+
+
+def spread(values, fmt):
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{format(statistics.mean(values), fmt)} +- {format(sd, fmt.lstrip('+'))}"
 
 
 def main():
@@ -62,16 +69,20 @@ def main():
     print(report.table(header, []))  # the rows follow as the runs finish
     runs, summary = [], []
     for method, option, value in settings:
-        gains = []
+        results = []
         for seed in args.seeds:
             r = run(args.out, method, seed, option, value)
-            gains.append(r["gain"])
+            results.append(r)
             runs.append([method, f"{option or 'default'} {value or ''}", seed, f"{r['base']:.3f}", f"{r['final']:.3f}",
                          f"{r['best']:.3f}", f"{r['gain']:+.1f}", f"{r['wall']:.0f} s"])
             print(report.row(runs[-1]), flush=True)
-        sd = statistics.stdev(gains) if len(gains) > 1 else 0.0
-        summary.append([method, f"{option or 'default'} {value or ''}", f"{statistics.mean(gains):+.1f} +- {sd:.1f}"])
-    means = report.table(["method", "setting", "mean gain +- sd over seeds"], summary)
+        summary.append([method, f"{option or 'default'} {value or ''}", spread([r["base"] for r in results], ".3f"),
+                        spread([r["final"] for r in results], ".3f"), spread([r["gain"] for r in results], "+.1f"),
+                        f"{statistics.median(t for r in results for t in r['update_ms']):.0f} ms",
+                        f"{statistics.median(b for r in results for b in r['sync_bytes']) / 1e3:.0f} KB",
+                        f"{min(r['mem'] for r in results):.2f}-{max(r['mem'] for r in results):.2f} GiB"])
+    means = report.table([f"mean +- sd over seeds {', '.join(map(str, args.seeds))}", "setting", "base", "final",
+                          "gain (points)", "median update", "sync per update", "peak RSS"], summary)
     print("\n" + means)
     if args.markdown:
         report.publish("tiny_sweep_sweep" if args.sweep else "tiny_sweep",
