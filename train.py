@@ -292,6 +292,7 @@ def main(argv=None):
         summarise(metrics_path, os.path.join(run_dir, "curves.png"), len(task.heldout), cfg["engine"])
     engine.close()
     if dist.is_initialized():
+        dist.barrier()  # every rank done (rank 0's summary too) before any tears the group down
         dist.destroy_process_group()
 
 

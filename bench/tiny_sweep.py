@@ -17,6 +17,7 @@ run, then mean +- sd of the gain over the seeds per setting.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,9 @@ def run(out, method, seed, option=None, value=None):
            "--run-dir", run_dir] + ([option, str(value)] if option else [])
     if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         t0 = time.time()
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "stdout.txt"), "w") as out:  # what the user sees
+            subprocess.run(cmd, check=True, cwd=ROOT, stdout=out)
         with open(os.path.join(run_dir, "wall.txt"), "w") as f:
             f.write(f"{time.time() - t0:.1f}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -60,7 +63,7 @@ def main():
                                                            "(bench:tiny_sweep, or bench:tiny_sweep_sweep with --sweep)")
     args = p.parse_args()
     if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("tiny_sweep_sweep" if args.sweep else "tiny_sweep")
+        report.check(*(["tiny_sweep_sweep"] if args.sweep else ["tiny_sweep", "default_run"]))
     settings = [("logra", None, None), ("adam", None, None)]
     if args.sweep:
         settings = [("logra", "--kl-start", v) for v in (1e-2, 2e-2, 4e-2)] + \
@@ -87,6 +90,17 @@ def main():
     if args.markdown:
         report.publish("tiny_sweep_sweep" if args.sweep else "tiny_sweep",
                        report.table(header, runs) + "\n\n" + means)
+        if not args.sweep:
+            # What `python train.py` prints (the first seed's LoGRA run), as README.md shows it.
+            with open(os.path.join(args.out, f"logra-seed{args.seeds[0]}", "stdout.txt")) as f:
+                lines = [line.rstrip("\n").replace(ROOT + os.sep, "") for line in f]
+            steps = [i for i, line in enumerate(lines) if line.startswith("step ")]
+            shown = lines[:steps[0] + 3] + ["..."] + lines[steps[-1]:]
+            report.publish("default_run", "```\n" + "\n".join(shown) + "\n```")
+            # The curves of the first seed's two runs, as bench/README.md shows them.
+            for method in ("logra", "adam"):
+                shutil.copyfile(os.path.join(args.out, f"{method}-seed{args.seeds[0]}", "curves.png"),
+                                os.path.join(ROOT, "bench", "results", f"tiny-{method}-curves.png"))
 
 
 if __name__ == "__main__":
