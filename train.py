@@ -23,8 +23,8 @@ One update, in the order the paper runs it (the loop in `main`):
     sync      the same bf16 factors go to the engine, which merges them itself;
               fingerprints confirm both hold the same weights                   (sync.py, engine.py)
 
-The dense baseline (--optimizer adam) runs the same loop with AdamW in place of the last five
-steps and full bf16 weights as its sync. The presets: `tiny` (two-digit additions, a 2-layer
+The dense baseline (--optimizer adam) runs the same loop with backward into .grad, one AdamW
+step in place of RowAdam, the probe and the merge, and full bf16 weights as its sync. The presets: `tiny` (two-digit additions, a 2-layer
 Qwen2 and its base policy made here: tasks.py), `tiny-math` (the paper's path at toy scale
 with vLLM's CPU build), `smoke-0.5b` (bench/gpu_smoke.py), and the paper's `1.5b`, `7b`,
 `27b`, which train Qwen checkpoints on DAPO-Math-17k with vLLM engines and evaluate on
