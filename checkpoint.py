@@ -70,9 +70,12 @@ class CheckpointError(Exception):
 def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep: int = 2):
     """`state` (a dict DCP can save: tensors, DTensors, plain values) as `checkpoint-<update>`,
     sealed by its manifest and made the newest by `latest`; then only the `keep` newest
-    checkpoints are kept. Every rank calls it with its own state (see the module docstring)."""
+    checkpoints are kept. Every rank calls it with its own state (the module docstring's "Order of a
+    save, and why it is safe")."""
     import torch.distributed.checkpoint as dcp
 
+    if keep < 1:
+        raise CheckpointError(f"keep {keep}: the newest checkpoint is always kept, so keep must be >= 1")
     name = f"checkpoint-{update}"
     path = os.path.join(run_dir, name)
     if rank == 0 and os.path.exists(path):
@@ -200,7 +203,7 @@ def read_manifest(path: str):
         with open(os.path.join(path, "manifest.json"), "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        return None, f"{where} is missing (its save did not finish, or a train.py without manifests wrote it)"
+        return None, f"{where} is missing (its save did not finish)"
     try:
         body = json.loads(raw)
         body.pop("manifest_sha256")

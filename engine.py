@@ -368,7 +368,7 @@ class VLLMEngine:
     `residual_on_host`: keep the exact-merge residuals (sync.EngineWeights) in pinned host
     memory instead of on the engine's GPU (the 27B preset: they do not fit beside the weights).
     On a GPU, vLLM gets the card's memory less `reserve_bytes` (what the extension adds there:
-    `train.memory_estimate` counts it); `gpu_memory_utilization` is used as given on CPUs,
+    `memory_plan.estimate` counts it); `gpu_memory_utilization` is used as given on CPUs,
     where vLLM reads it as a share of the NUMA node's memory.
     `eos`/`pad`: token ids when the engine runs without a tokenizer (the tiny task); None
     takes them from the checkpoint's tokenizer. `timeout` bounds start-up and every command.

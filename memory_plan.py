@@ -38,10 +38,11 @@ MIN_KV_CACHE = 16 * 2**30  # residuals go to host memory below this KV cache (as
 
 
 def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int = 2, context: int = 4096,
-             probe_tokens: int = 2 * 4096, kl_real_positions: int = 256, compute_bytes: int = 2,
+             probe_forward_tokens: int = 2 * 4096, kl_real_positions: int = 256, compute_bytes: int = 2,
              gpu_bytes: int = GPU_BYTES) -> dict:
     """Per-GPU bytes of a run under `world`-way FSDP2 at sketch rank `sketch_rank`, from the
-    shapes, for training process 0 (it holds the largest shard).
+    shapes, for training process 0 (it holds the largest shard). `probe_forward_tokens`: the
+    tokens of the KL probe's forward pass (the paper's 2 responses of up to 4096 tokens).
 
     Trainer, persistent: fp32 weight shards; AdamW's fp32 gradient and two moments per target
     row held; LoGRA's row shards of S, U (n, r) and v (n,), and the int8 signs of A (r, k).
@@ -91,9 +92,9 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     # training activations are gone): its activations and tangents, and the hook's P and dY,
     # are counted as activations; its own buffers are one layer's gathered U, A formed in
     # fp32 and one output-head chunk.
-    head = min(kl_control.HEAD_CHUNK_BYTES, probe_tokens * kl_control.BYTES_PER_VOCAB_ENTRY * vocab)
+    head = min(kl_control.HEAD_CHUNK_BYTES, probe_forward_tokens * kl_control.BYTES_PER_VOCAB_ENTRY * vocab)
     probe = 4 * d_max * r + 8 * r * k_max + head
-    probe_activations = compute_bytes * probe_tokens * (2 * (4 * h + 2 * kv + 4 * inter) + r + d_max)
+    probe_activations = compute_bytes * probe_forward_tokens * (2 * (4 * h + 2 * kv + 4 * inter) + r + d_max)
     # A in fp32 and float64, and a float64 (c, k) block with its fp32 result, c = min(chunk, rows)
     merge = max(12 * r * k + 12 * min(chunk, ceil(d)) * k for d, k in shapes)
     # one decoder layer's gathered F, then its encoded payload or the checksum's int64 work

@@ -194,7 +194,7 @@ class Arithmetic:
     CHARS = "0123456789+-=}"
     PROMPT_TOKENS = 7  # <bos> and "ab+cd="
     PROBLEMS = 100 * 100  # every (a, "+", b): the held-out ones and the training ones
-    # Part of the cache key of a warmed-up base policy (train.py's base_policy_path): changed
+    # Part of the cache key of a warmed-up base policy (the caller's cache): changed
     # whenever the problems, the vocabulary or the warm-up change, so that no stale one is loaded.
     VERSION = 1
 
@@ -261,7 +261,7 @@ def warmup(model, task: Arithmetic, *, steps: int, batch: int, lr: float, unboxe
     """Supervised warm-up on correct answers, in place: AdamW (no weight decay) with a cosine
     learning rate from `lr` to 0 over `steps` batches of `batch` training problems drawn from
     negative indices (never the ones RL draws). A share `unboxed` of the answers lacks the box
-    the grader requires (see the module docstring). Leaves the model in eval mode."""
+    the grader requires (the module docstring says why). Leaves the model in eval mode."""
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()

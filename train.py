@@ -23,13 +23,15 @@ One update, in the order the paper runs it (the loop in `main`):
     sync      the same bf16 factors go to the engine, which merges them itself;
               fingerprints confirm both hold the same weights                   (sync.py, engine.py)
 
-The dense baseline (--optimizer adam) runs the same loop with backward into .grad, one AdamW
-step in place of RowAdam, the probe and the merge, and full bf16 weights as its sync. The presets: `tiny` (two-digit additions, a 2-layer
-Qwen2 and its base policy made here: tasks.py), `tiny-math` (the paper's path at toy scale
-with vLLM's CPU build), `smoke-0.5b` (bench/gpu_smoke.py), and the paper's `1.5b`, `7b`,
-`27b`, which train Qwen checkpoints on DAPO-Math-17k with vLLM engines and evaluate on
-MATH-500. The infrastructure lives in files named for it: options.py (the command line and
-its checks), tasks.py, checkpoint.py, memory_plan.py (--dry-run), metrics.py, engine.py.
+The dense baseline (--optimizer adam) runs the same loop with backward into .grad, one
+AdamW step in place of RowAdam, the probe and the merge, and full bf16 weights as its sync.
+
+The presets: `tiny` (two-digit additions, a 2-layer Qwen2 and its base policy made here:
+tasks.py), `tiny-math` (the paper's path at toy scale with vLLM's CPU build), `smoke-0.5b`
+(bench/gpu_smoke.py), and the paper's `1.5b`, `7b`, `27b`, which train Qwen checkpoints on
+DAPO-Math-17k with vLLM engines and evaluate on MATH-500. The infrastructure lives in files
+named for it: options.py (the command line and its checks), tasks.py, checkpoint.py,
+memory_plan.py (--dry-run), metrics.py, engine.py.
 
 Shape legend: B responses of this rank (b of a micro-batch), T tokens of a padded response
 with its prompt, V vocabulary.
@@ -499,8 +501,8 @@ def load_pretrained_sharded(cfg, device, world, rank):
     try:
         config = AutoConfig.from_pretrained(cfg["model_path"])
     except Exception as e:
-        fail(f"no checkpoint at {cfg['model_path']} ({type(e).__name__}). Download it once with network "
-             f"access (hf download {cfg['model_path']}) or pass --model-path DIR")
+        raise OptionError(f"no checkpoint at {cfg['model_path']} ({type(e).__name__}). Download it once with "
+                          f"network access (hf download {cfg['model_path']}) or pass --model-path DIR") from e
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     freeze_for(model, cfg["optimizer"])

@@ -75,7 +75,7 @@ def tiny_checkpoint(run_dir):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
                                                            "(bench:checkpoint_verify)")
     args = p.parse_args()
     if args.markdown:  # a missing block fails now, not after the measurement

@@ -13,7 +13,7 @@
 
     python bench/kl_probe.py            # all three
     python bench/kl_probe.py --trained  # only the third
-    python bench/kl_probe.py --markdown # and write the tables into bench/README.md
+    python bench/kl_probe.py --markdown # and write the tables into the READMEs
 """
 
 import argparse
@@ -169,7 +169,7 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trained", action="store_true", help="only the third part, on the trained policy")
-    p.add_argument("--markdown", action="store_true", help="also write the tables into bench/README.md "
+    p.add_argument("--markdown", action="store_true", help="also write the tables into the READMEs "
                                                            "(bench:kl_probe, bench:kl_probe_trained)")
     args = p.parse_args()
     if args.markdown:  # a missing block fails now, not after the measurement

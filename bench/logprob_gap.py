@@ -43,7 +43,7 @@ def run(out, tag, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "logprob-gap"))
-    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
                                                            "(bench:logprob_gap)")
     args = p.parse_args()
     if args.markdown:  # a missing block fails now, not after the measurement

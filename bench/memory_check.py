@@ -16,7 +16,7 @@ and subtracts them when the storage dies: the peak of live bytes above the step'
 Both are compared with `memory_plan.estimate` for the same shapes and world size.
 
     python bench/memory_check.py            # about a minute; prints the table and the ratios
-    python bench/memory_check.py --markdown # and writes them into bench/README.md
+    python bench/memory_check.py --markdown # and writes them into the READMEs
 """
 
 import argparse
@@ -171,8 +171,9 @@ def measure(model_cfg, r):
     with tempfile.TemporaryDirectory() as tmp:
         run_gloo(worker, WORLD, model_cfg, r, tmp)
         measured = [json.load(open(os.path.join(tmp, f"rank{k}.json"))) for k in range(WORLD)]
-    est = memory_plan.estimate(model_cfg, WORLD, r, micro_batch=MICRO, context=TOKENS, probe_tokens=MICRO * TOKENS,
-                               kl_real_positions=0, compute_bytes=4)  # fp32 compute here (bf16 on GPUs)
+    # fp32 compute here (bf16 on GPUs)
+    est = memory_plan.estimate(model_cfg, WORLD, r, micro_batch=MICRO, context=TOKENS,
+                               probe_forward_tokens=MICRO * TOKENS, kl_real_positions=0, compute_bytes=4)
     rows = [("LoGRA persistent (weights shard, S, U, v, signs)", measured[0]["logra"][0], measured[1]["logra"][0],
              est["trainer_logra_persistent_bytes"])]
     for phase in ("prepare", "merge", "sync"):
@@ -191,7 +192,7 @@ def measure(model_cfg, r):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
                                                            "(bench:memory_check)")
     args = p.parse_args()
     if args.markdown:  # a missing block fails now, not after the measurement

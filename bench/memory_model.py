@@ -37,8 +37,8 @@ GIB = 2**30
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
-                                                           "(bench:memory_model)")
+    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
+                                                           "(bench:memory_model and bench:dry_run_7b)")
     args = p.parse_args()
     if args.markdown:  # a missing block fails now, not after the measurement
         report.check("memory_model", "dry_run_7b")

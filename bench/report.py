@@ -39,8 +39,7 @@ READMES = (os.path.join(ROOT, "README.md"), os.path.join(BENCH, "README.md"))
 # --- Markdown tables -----------------------------------------------------------------------
 
 def row(cells) -> str:
-    """One table line: `| a | b |`. An empty cell is written `| |`, as the scripts always
-    printed it, so that the output without `--markdown` stays what it was."""
+    """One table line: `| a | b |`; an empty cell is written `| |`."""
     return "|" + "".join(f" {cell} |" if str(cell) else " |" for cell in cells)
 
 

@@ -41,7 +41,7 @@ def main():
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--r", type=int, default=256)
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
                                                            "(bench:sketch_layer)")
     args = p.parse_args()
     if args.markdown:  # a missing block fails now, not after the measurement

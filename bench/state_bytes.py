@@ -48,7 +48,7 @@ def main():
     p.add_argument("--preset", default="7b", choices=[k for k, v in train.PRESETS.items() if v["model"]],
                    help="the widths of this preset of train.py (default: the paper's 7B)")
     p.add_argument("--rank", type=int, default=None, help="default: the preset's rank")
-    p.add_argument("--markdown", action="store_true", help="also write the table into bench/README.md "
+    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
                                                            "(bench:state_bytes)")
     args = p.parse_args()
     if args.markdown:  # a missing block fails now, not after the measurement

@@ -11,7 +11,7 @@ run, then mean +- sd of the gain over the seeds per setting.
     python bench/tiny_sweep.py                      # defaults only, seeds 0 1 2
     python bench/tiny_sweep.py --sweep              # the three values of each knob
     python bench/tiny_sweep.py --out /tmp/sweep     # where the run directories go
-    python bench/tiny_sweep.py --markdown           # and write the tables into bench/README.md
+    python bench/tiny_sweep.py --markdown           # and write the tables into the READMEs
 """
 
 import argparse
@@ -59,11 +59,13 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "sweep"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--markdown", action="store_true", help="also write the tables into bench/README.md "
-                                                           "(bench:tiny_sweep, or bench:tiny_sweep_sweep with --sweep)")
+    p.add_argument("--markdown", action="store_true",
+                   help="also write the tables into the READMEs (bench:tiny_sweep, tiny_sweep_summary and "
+                        "default_run; bench:tiny_sweep_sweep with --sweep)")
     args = p.parse_args()
+    blocks = ["tiny_sweep_sweep"] if args.sweep else ["tiny_sweep", "tiny_sweep_summary", "default_run"]
     if args.markdown:  # a missing block fails now, not after the measurement
-        report.check(*(["tiny_sweep_sweep"] if args.sweep else ["tiny_sweep", "default_run"]))
+        report.check(*blocks)
     settings = [("logra", None, None), ("adam", None, None)]
     if args.sweep:
         settings = [("logra", "--kl-start", v) for v in (1e-2, 2e-2, 4e-2)] + \
@@ -91,6 +93,7 @@ def main():
         report.publish("tiny_sweep_sweep" if args.sweep else "tiny_sweep",
                        report.table(header, runs) + "\n\n" + means)
         if not args.sweep:
+            report.publish("tiny_sweep_summary", means)  # README.md's headline table
             # What `python train.py` prints (the first seed's LoGRA run), as README.md shows it.
             with open(os.path.join(args.out, f"logra-seed{args.seeds[0]}", "stdout.txt")) as f:
                 lines = [line.rstrip("\n").replace(ROOT + os.sep, "") for line in f]

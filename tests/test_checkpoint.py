@@ -6,18 +6,15 @@ import contextlib
 import hashlib
 import io
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import tomllib
-from unittest import mock
 
 import pytest
 import torch
-from hypothesis import example, given, settings, strategies as st
 
 import checkpoint
 import kl_control

@@ -56,6 +56,16 @@ def engine_processes(marker: str) -> list[int]:
 # -----------------------------------------------------------------------------
 # Prompts, environment, failures (no vLLM needed)
 
+def test_rollout_from_engine_outputs():
+    prompts = [[5, 6, 7], [8]]
+    outputs = [([1, 2, 0], [-0.5, -0.25, -1.0], True), ([3, 4, 9, 9], [-1.0, -2.0, -0.125, -0.5], False)]
+    ro = engine.rollout_from_lists(prompts, outputs, pad=99, device="cpu")
+    assert ro.ids.tolist() == [[5, 6, 7, 1, 2, 0], [8, 3, 4, 9, 9, 99]]
+    assert ro.mask.tolist() == [[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 0]]
+    assert ro.logprobs[0, 3:].tolist() == [-0.5, -0.25, -1.0] and ro.logprobs[1, 1:5].tolist() == [-1.0, -2.0, -0.125, -0.5]
+    assert ro.eos.tolist() == [True, False] and ro.responses == [[1, 2, 0], [3, 4, 9, 9]]
+
+
 def test_prompts_are_lists_of_ints_with_the_real_tokenizer(tiny_math):
     from transformers import AutoTokenizer
 

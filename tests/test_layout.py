@@ -1,6 +1,7 @@
-"""The layout: every top-level module but train.py imports without it and without a process
-group (each copied alone, with only the project modules it imports, into an empty folder and
-run there in a fresh interpreter); no module imports train.py, and the imports have no cycle."""
+"""The layout: no module imports train.py, the imports have no cycle, the algorithm files need
+at most sketch.py; and each infrastructure module (tasks, checkpoint, options, memory_plan,
+metrics) runs one of its functions in a fresh interpreter, copied with only the project
+modules it imports into an empty folder, without train.py and without a process group."""
 
 import ast
 import os

@@ -1,5 +1,6 @@
-"""train.py's paper path, its CPU-testable parts: presets and --dry-run, grading, data prompts, rollouts
-from engine outputs, and the sharded checkpoint load (the engine processes: test_engine.py)."""
+"""train.py's paper path, its CPU-testable parts: presets and --dry-run, the probe's sample size,
+and the sharded checkpoint load (the engine processes: test_engine.py; the memory plan:
+test_memory_plan.py)."""
 
 import json
 import os
@@ -9,13 +10,12 @@ import sys
 import pytest
 import torch
 
-import engine
 import memory_plan
 import train
 from distributed import run_gloo
+from subproc import ROOT
 from tiny import tiny_qwen2
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def dry(*args, world=None):
@@ -39,31 +39,6 @@ def test_dry_run_presets(preset, billions):
     assert abs(m["params"] / 1e9 - billions) < 0.005
     # AdamW: fp32 gradient + 2 moments per target weight, sharded 4 ways.
     assert m["adam_grads"] == 4 * -(-m["target_params"] // 4) and m["adam_moments"] == 2 * m["adam_grads"]
-
-
-def test_dry_run_7b_memory_against_shapes():
-    m = memory_plan.estimate(train.PRESETS["7b"]["model"], 4, 256)
-    h, i, q, kv, layers = 3584, 18944, 3584, 512, 28
-    rows = layers * (q + kv + kv + h + i + i + h)  # sum of d over the targets (all divisible by 4)
-    cols = layers * (h + h + h + q + h + h + i)  # sum of k over the targets
-    # Row-sharded S (and U): a quarter of the rows per rank; A as int8 signs, whole on every rank.
-    assert m["logra_sketches"] == 4 * (rows // 4) * 256 and m["logra_projections"] == 256 * cols
-    gib = 2**30
-    # The targets of the 7B run: LoGRA's state beyond the fp32 weight shard <= 1 GiB, and so
-    # is its optimizer step's transient; the engine keeps a KV cache of >= 16 GiB on 80 GB.
-    assert m["trainer_logra_persistent_bytes"] - m["weights"] <= 1.0 * gib
-    assert m["trainer_logra_transient_bytes"] <= 1.0 * gib
-    # The probe's forward (after backward) stays below the training step's activations.
-    assert m["trainer_probe_activation_bytes"] < m["trainer_activation_bytes"]
-    assert m["engine_kv_cache_bytes"] >= 16 * gib and not m["engine_residual_on_host"]
-    assert m["engine_residual_bytes"] == 2 * m["target_params"]  # int16 per target weight
-    # The 27B preset does not fit dense AdamW's state on an 80 GB GPU; LoGRA's does, and its
-    # engines fit the same node with their residuals in host memory.
-    m27 = memory_plan.estimate(train.PRESETS["27b"]["model"], 4, 256)
-    assert m27["trainer_adam_persistent_bytes"] > 80e9
-    assert m27["trainer_logra_bytes"] + m27["trainer_activation_bytes"] < 80e9
-    assert m27["engine_residual_on_host"] and m27["engine_kv_cache_bytes"] >= 16 * gib
-    assert m27["engine_gpu_bytes"] + m27["engine_kv_cache_bytes"] < 80e9
 
 
 def test_dry_run_json_keys():
@@ -112,23 +87,6 @@ def test_meta_init_sharded_load_matches_the_checkpoint(tmp_path):
         expect = ref(input_ids=torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])).logits
     got = torch.load(tmp_path / "logits.pt")
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
-
-
-def test_memory_estimate_matches_measured_tensors():
-    """bench/memory_check.py at a small size: on 2 gloo ranks with FSDP2, the LoGRA and AdamW
-    tensors each rank holds (persistent) and allocates in the optimizer step (transient, by
-    phase) are within 5% of memory_plan.estimate for the same shapes."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import memory_check
-
-    small = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=False)
-    rows, probe = memory_check.measure(small, 64)
-    print("\n".join(f"{label}: {got} / {want} = {got / want:.3f}" for label, got, _, want in rows))
-    for label, got, other, want in rows:
-        assert abs(got / want - 1) <= 0.05, (label, got, want)
-        assert got == other or "persistent" not in label  # both ranks hold the same (d divisible by 2)
-    assert probe[0] > 0
 
 
 def test_probe_count_sizes_the_probe_in_tokens():

@@ -1,0 +1,51 @@
+"""The memory plan (memory_plan.py): the 7B plan against the shapes counted by hand, the
+paper's targets for it, and the estimate against the tensors measured on 2 gloo ranks."""
+
+import os
+import sys
+
+import memory_plan
+import train
+from subproc import ROOT
+
+
+def test_dry_run_7b_memory_against_shapes():
+    m = memory_plan.estimate(train.PRESETS["7b"]["model"], 4, 256)
+    h, i, q, kv, layers = 3584, 18944, 3584, 512, 28
+    rows = layers * (q + kv + kv + h + i + i + h)  # sum of d over the targets (all divisible by 4)
+    cols = layers * (h + h + h + q + h + h + i)  # sum of k over the targets
+    # Row-sharded S (and U): a quarter of the rows per rank; A as int8 signs, whole on every rank.
+    assert m["logra_sketches"] == 4 * (rows // 4) * 256 and m["logra_projections"] == 256 * cols
+    gib = 2**30
+    # The targets of the 7B run: LoGRA's state beyond the fp32 weight shard <= 1 GiB, and so
+    # is its optimizer step's transient; the engine keeps a KV cache of >= 16 GiB on 80 GB.
+    assert m["trainer_logra_persistent_bytes"] - m["weights"] <= 1.0 * gib
+    assert m["trainer_logra_transient_bytes"] <= 1.0 * gib
+    # The probe's forward (after backward) stays below the training step's activations.
+    assert m["trainer_probe_activation_bytes"] < m["trainer_activation_bytes"]
+    assert m["engine_kv_cache_bytes"] >= 16 * gib and not m["engine_residual_on_host"]
+    assert m["engine_residual_bytes"] == 2 * m["target_params"]  # int16 per target weight
+    # The 27B preset does not fit dense AdamW's state on an 80 GB GPU; LoGRA's does, and its
+    # engines fit the same node with their residuals in host memory.
+    m27 = memory_plan.estimate(train.PRESETS["27b"]["model"], 4, 256)
+    assert m27["trainer_adam_persistent_bytes"] > 80e9
+    assert m27["trainer_logra_bytes"] + m27["trainer_activation_bytes"] < 80e9
+    assert m27["engine_residual_on_host"] and m27["engine_kv_cache_bytes"] >= 16 * gib
+    assert m27["engine_gpu_bytes"] + m27["engine_kv_cache_bytes"] < 80e9
+
+
+def test_memory_estimate_matches_measured_tensors():
+    """bench/memory_check.py at a small size: on 2 gloo ranks with FSDP2, the LoGRA and AdamW
+    tensors each rank holds (persistent) and allocates in the optimizer step (transient, by
+    phase) are within 5% of memory_plan.estimate for the same shapes."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import memory_check
+
+    small = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=False)
+    rows, probe = memory_check.measure(small, 64)
+    print("\n".join(f"{label}: {got} / {want} = {got / want:.3f}" for label, got, _, want in rows))
+    for label, got, other, want in rows:
+        assert abs(got / want - 1) <= 0.05, (label, got, want)
+        assert got == other or "persistent" not in label  # both ranks hold the same (d divisible by 2)
+    assert probe[0] > 0

@@ -1,0 +1,43 @@
+"""What a run writes down (metrics.py): the log's rows back as written, the line per update,
+the run summary from rows written out here, and curves.png."""
+
+import math
+import os
+
+import pytest
+
+import metrics
+
+ROW = {"update": 3, "reward": 0.5, "kl_pred": 1.5e-3, "kl_real": 1.25e-3, "alpha": 0.75, "budget": 2e-3,
+       "mismatch": 2.5e-4, "mem_gib": 0.5, "time_s": 0.25, "logp_gap_mean": 1e-3, "logp_gap_max": 0.5}
+
+
+def test_rows_come_back_and_a_first_row_starts_the_log(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    metrics.append(path, {"update": 9})  # a stale row of an abandoned run
+    metrics.append(path, {"update": 0, "pass1": 0.25}, first=True)
+    metrics.append(path, ROW)
+    assert metrics.read(path) == [{"update": 0, "pass1": 0.25}, ROW]
+
+
+def test_step_line():
+    assert metrics.step_line(ROW) == ("step 3 | reward 0.500 | kl 1.50e-03 (real 1.25e-03) | alpha 0.75 | "
+                                      "budget 2.00e-03 | mismatch 2.5e-04 | mem 0.50 GiB | 250 ms")
+    assert "| pass@1 0.625 |" in metrics.step_line(dict(ROW, pass1=0.625))
+
+
+def test_summary():
+    rows = [{"update": 0, "pass1": 0.25}, dict(ROW, update=1, mem_gib=0.5, time_s=0.5),
+            dict(ROW, update=2, pass1=0.75, mem_gib=1.0, time_s=1.5, logp_gap_mean=3e-3, logp_gap_max=0.25)]
+    assert metrics.summary(rows, heldout=8, engine="hf") == [
+        "held-out pass@1: base 0.250 -> final 0.750 (+50.0 points, 8 problems)",
+        "engine vs trainer log-prob per response token: mean gap 2.00e-03, max 5.00e-01 (hf engine)",
+        "memory per update: average 0.75 GiB, peak 1.00 GiB; 3600 updates/h"]
+
+
+def test_plot(tmp_path):
+    if metrics.pyplot() is None:
+        pytest.fail("matplotlib is part of the test set-up (the plot extra)")
+    path = str(tmp_path / "curves.png")
+    assert metrics.plot([{"update": 0, "pass1": 0.25}, ROW, dict(ROW, update=4, kl_real=math.nan)], path)
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 1000
