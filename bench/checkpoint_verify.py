@@ -75,11 +75,7 @@ def tiny_checkpoint(run_dir):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
-                                                           "(bench:checkpoint_verify)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("checkpoint_verify")
+    args = report.parse_args(p, "checkpoint_verify")
     in_memory, from_file = hashing_speed()
     speed = (f"sha256 on this CPU: {in_memory / 1e6:.0f} MB/s over a 1 GiB buffer in memory, "
              f"{from_file / 1e6:.0f} MB/s through checkpoint.file_sha256 (a 256 MiB file in the page cache)")

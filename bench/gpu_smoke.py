@@ -79,11 +79,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=300, help="supervised steps before the timed updates")
-    p.add_argument("--markdown", action="store_true", help="also write the results into the READMEs "
-                                                           "(bench:gpu_smoke)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("gpu_smoke")
+    args = report.parse_args(p, "gpu_smoke")
     import torch
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

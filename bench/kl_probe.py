@@ -169,11 +169,8 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trained", action="store_true", help="only the third part, on the trained policy")
-    p.add_argument("--markdown", action="store_true", help="also write the tables into the READMEs "
-                                                           "(bench:kl_probe, bench:kl_probe_trained)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check(*(["kl_probe_trained"] if args.trained else ["kl_probe", "kl_probe_trained"]))
+    args = report.parse_args(p, "kl_probe", "kl_probe_trained",
+                             which=lambda a: ["kl_probe_trained"] if a.trained else ["kl_probe", "kl_probe_trained"])
     if not args.trained:
         cost_and_accuracy = timing() + "\n\n" + accuracy()
         if args.markdown:  # published at once: the third part takes minutes

@@ -43,11 +43,7 @@ def run(out, tag, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "logprob-gap"))
-    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
-                                                           "(bench:logprob_gap)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("logprob_gap")
+    args = report.parse_args(p, "logprob_gap")
     import tiny_math  # tests/tiny_math.py: the paper's formats, made here
 
     data = tiny_math.make(os.path.join(args.out, "tiny-math-data"))

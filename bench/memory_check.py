@@ -192,11 +192,7 @@ def measure(model_cfg, r):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
-                                                           "(bench:memory_check)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("memory_check")
+    args = report.parse_args(p, "memory_check")
     rows, probe = measure(SEVEN_B, 256)
     mib = 2**20
     caption = (f"Qwen2 with 7B widths, 2 layers, vocab 1024; {WORLD} gloo ranks, FSDP2, r = 256; "

@@ -37,11 +37,7 @@ GIB = 2**30
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
-                                                           "(bench:memory_model and bench:dry_run_7b)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("memory_model", "dry_run_7b")
+    args = report.parse_args(p, "memory_model", "dry_run_7b")
     header = ["model", "AdamW state (est.)", "paper AdamW avg", "implied rest", "LoGRA state (est.)",
               "paper LoGRA avg", "implied rest", "est. saving", "paper saving"]
     rows, table_rows = [], []

@@ -183,11 +183,7 @@ def main():
     p.add_argument("--rank", type=int, default=256)
     p.add_argument("--png", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "memory_speed.png"))
-    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
-                                                           "(bench:memory_speed)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("memory_speed")
+    args = report.parse_args(p, "memory_speed")
     base, data = build(), batch()
     mem, steps, failed = {}, {}, {}
     for name, setup in METHODS.items():

@@ -16,6 +16,7 @@ two marker lines changes; everything else in the file stays byte for byte as it 
     row(cells) -> str               one line of such a table (for scripts that print as they go)
     publish(name, markdown)         replace the block NAME in README.md and bench/README.md
     check(*names)                   fail now, before a long run, if a block cannot be published
+    parse_args(parser, *names)      a script's arguments with --markdown, the blocks checked
 
 Charts use metrics.pyplot (the project's one matplotlib import). Besides the standard library
 this module needs only checkpoint.py, for its atomic write.
@@ -171,6 +172,17 @@ def check(*names: str) -> None:
     before measuring, so that a run of minutes does not end in a missing marker."""
     for name in names:
         updated_readmes(name, "")
+
+
+def parse_args(parser, *names: str, which=None):
+    """The script's arguments, with `--markdown` added: publish the blocks `names` (or those
+    `which(args)` picks) after measuring. With it, the blocks are checked at once (`check`)."""
+    parser.add_argument("--markdown", action="store_true",
+                        help=f"also write the tables into the READMEs (bench:{', bench:'.join(names)})")
+    args = parser.parse_args()
+    if args.markdown:
+        check(*(which(args) if which else names))
+    return args
 
 
 def publish(name: str, markdown: str) -> list[str]:

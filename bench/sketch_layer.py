@@ -41,11 +41,7 @@ def main():
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--r", type=int, default=256)
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
-                                                           "(bench:sketch_layer)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("sketch_layer")
+    args = report.parse_args(p, "sketch_layer")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.n, args.k, generator=g).requires_grad_(True)  # (N, k)
     w = torch.randn(args.d, args.k, generator=g) / args.k**0.5  # (d, k)

@@ -48,11 +48,7 @@ def main():
     p.add_argument("--preset", default="7b", choices=[k for k, v in train.PRESETS.items() if v["model"]],
                    help="the widths of this preset of train.py (default: the paper's 7B)")
     p.add_argument("--rank", type=int, default=None, help="default: the preset's rank")
-    p.add_argument("--markdown", action="store_true", help="also write the table into the READMEs "
-                                                           "(bench:state_bytes)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("state_bytes")
+    args = report.parse_args(p, "state_bytes")
     m = train.PRESETS[args.preset]["model"]
     args.hidden, args.intermediate = m["hidden_size"], m["intermediate_size"]
     args.heads, args.kv_heads = m["num_attention_heads"], m["num_key_value_heads"]

@@ -87,11 +87,7 @@ def timings(reps=7, rank=64):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--markdown", action="store_true", help="also write the tables into the READMEs "
-                                                           "(bench:sync_payload)")
-    args = p.parse_args()
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check("sync_payload")
+    args = report.parse_args(p, "sync_payload")
     tables = [sizes(), timings()]
     if args.markdown:
         report.publish("sync_payload", "\n\n".join(tables))

@@ -59,13 +59,9 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "sweep"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--markdown", action="store_true",
-                   help="also write the tables into the READMEs (bench:tiny_sweep, tiny_sweep_summary and "
-                        "default_run; bench:tiny_sweep_sweep with --sweep)")
-    args = p.parse_args()
-    blocks = ["tiny_sweep_sweep"] if args.sweep else ["tiny_sweep", "tiny_sweep_summary", "default_run"]
-    if args.markdown:  # a missing block fails now, not after the measurement
-        report.check(*blocks)
+    args = report.parse_args(p, "tiny_sweep", "tiny_sweep_summary", "default_run", "tiny_sweep_sweep",
+                             which=lambda a: ["tiny_sweep_sweep"] if a.sweep else
+                             ["tiny_sweep", "tiny_sweep_summary", "default_run"])
     settings = [("logra", None, None), ("adam", None, None)]
     if args.sweep:
         settings = [("logra", "--kl-start", v) for v in (1e-2, 2e-2, 4e-2)] + \
