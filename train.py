@@ -388,16 +388,23 @@ def configure(argv=None):
 
 def dry_run(cfg, world, as_json=False) -> dict:
     """The preset's sharding plan and per-GPU memory plan, trainer and engine (memory_plan.py)."""
-    plan = memory_plan.estimate(cfg["model"], world, cfg["sketch_rank"], micro_batch=cfg["micro_batch"],
+    plan = run_plan(cfg, world)
+    print(json.dumps({"preset": cfg["preset"], **plan}) if as_json else "\n".join(plan_lines(cfg, plan)))
+    return plan
+
+
+def run_plan(cfg, world) -> dict:
+    """The memory plan of this run: its model's shapes, world size, sketch rank and sizes."""
+    return memory_plan.estimate(cfg["model"], world, cfg["sketch_rank"], micro_batch=cfg["micro_batch"],
                                 context=cfg["context"], kl_real_positions=cfg["kl_real_positions"])
-    if as_json:
-        print(json.dumps({"preset": cfg["preset"], **plan}))
-        return plan
-    print("\n".join(memory_plan.describe(
+
+
+def plan_lines(cfg, plan) -> list[str]:
+    """What --dry-run prints of a run's plan (memory_plan.describe)."""
+    return memory_plan.describe(
         plan, preset=cfg["preset"], checkpoint=cfg.get("model_path") or "built from its config",
         sketch_rank=cfg["sketch_rank"], micro_batch=cfg["micro_batch"], context=cfg["context"],
-        cuda=cfg["device"] == "cuda", engine_gpus=cfg.get("engine_gpus") if cfg["task"] == "math" else None)))
-    return plan
+        cuda=cfg["device"] == "cuda", engine_gpus=cfg.get("engine_gpus") if cfg["task"] == "math" else None)
 
 
 def init_processes(cfg, world):
@@ -566,8 +573,7 @@ def start_vllm_engines(cfg, world, rank, device, run_dir, engine_model, eos, pad
     gpu = int(cfg["engine_gpus"].split(",")[local_rank]) if device.type == "cuda" else None
     # On GPUs the engine's share for vLLM is what is left after what LoGRA adds there (the
     # exact-merge residuals, unless they go to host memory, and one layer's transfer buffer).
-    plan = memory_plan.estimate(cfg["model"], world, cfg["sketch_rank"], micro_batch=cfg["micro_batch"],
-                                context=cfg["context"], kl_real_positions=cfg["kl_real_positions"])
+    plan = run_plan(cfg, world)
     engine = start_on_every_rank(lambda: VLLMEngine(
         model_path=engine_model, context=cfg["context"], seed=cfg["seed"], rank=cfg["sketch_rank"], gpu=gpu,
         device=device, log_path=os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log"),

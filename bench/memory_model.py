@@ -28,6 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory_plan  # noqa: E402
 import metrics  # noqa: E402
+import options  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import train  # noqa: E402
 
@@ -66,14 +67,9 @@ def main():
 
 def dry_run_7b() -> str:
     """The 7B preset's plan as train.py --dry-run prints it, and what it says, in Markdown."""
-    cfg = train.PRESETS["7b"]
-    plans = {name: memory_plan.estimate(train.PRESETS[name]["model"], 4, cfg["sketch_rank"],
-                                        micro_batch=cfg["micro_batch"], context=cfg["context"],
-                                        kl_real_positions=cfg["kl_real_positions"]) for name in ("7b", "27b")}
-    m, big = plans["7b"], plans["27b"]
-    lines = memory_plan.describe(m, preset="7b", checkpoint=cfg["hf_id"], sketch_rank=cfg["sketch_rank"],
-                                 micro_batch=cfg["micro_batch"], context=cfg["context"], cuda=True,
-                                 engine_gpus=cfg["engine_gpus"])
+    cfg = options.resolve(options.parse(["--model", "7b"], train.PRESETS), train.PRESETS)  # as --dry-run
+    m, big = train.run_plan(cfg, 4), train.run_plan(train.PRESETS["27b"], 4)
+    lines = train.plan_lines(cfg, m)
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
     extra = m["logra_sketches"] + m["logra_directions"] + m["logra_moments"] + m["logra_projections"]
     said = (f"LoGRA's state beyond the fp32 weight shard is {gib(extra)} per training GPU (AdamW's: "
