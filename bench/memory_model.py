@@ -67,9 +67,9 @@ def main():
 
 def dry_run_7b() -> str:
     """The 7B preset's plan as train.py --dry-run prints it, and what it says, in Markdown."""
-    cfg = options.resolve(options.parse(["--model", "7b"], train.PRESETS), train.PRESETS)  # as --dry-run
-    m, big = train.run_plan(cfg, 4), train.run_plan(train.PRESETS["27b"], 4)
-    lines = train.plan_lines(cfg, m)
+    _, cfg, layout, _ = train.configure(["--model", "7b", "--dry-run"])
+    m, big = train.run_plan(cfg, layout.world), train.run_plan(train.PRESETS["27b"], 4)
+    lines = train.plan_lines(cfg, m, layout)
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
     extra = m["logra_sketches"] + m["logra_directions"] + m["logra_moments"] + m["logra_projections"]
     said = (f"LoGRA's state beyond the fp32 weight shard is {gib(extra)} per training GPU (AdamW's: "

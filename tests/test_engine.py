@@ -20,7 +20,7 @@ import tasks
 from distributed import run_gloo
 from rowadam import avoid_bf16_ties_, merge_rows
 from sketch import make_projection, projection_seed, target_modules
-from subproc import ROOT, env
+from subproc import ROOT, env, read_checkpoint, two_nodes
 
 RANK = 16
 SEED = 5
@@ -276,10 +276,13 @@ def factor_bytes(model_dir, rank):
     return rows * rank * 2, targets * 2
 
 
+def math_args(tiny_math):
+    return ["--model", "tiny-math", "--model-path", tiny_math["model"], "--train-data", tiny_math["train"],
+            "--eval-data", tiny_math["eval"], "--updates", "3", "--save-every", "3"]
+
+
 def math_run(tiny_math, run_dir, world):
-    args = ["train.py", "--model", "tiny-math", "--model-path", tiny_math["model"], "--train-data",
-            tiny_math["train"], "--eval-data", tiny_math["eval"], "--updates", "3", "--save-every", "3",
-            "--run-dir", str(run_dir)]
+    args = ["train.py", *math_args(tiny_math), "--run-dir", str(run_dir)]
     cmd = [sys.executable, *args] if world == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", "29541",
          *args]
@@ -289,10 +292,16 @@ def math_run(tiny_math, run_dir, world):
     return out, rows
 
 
+@pytest.fixture(scope="module")
+def math_runs(tmp_path_factory):
+    """The folder of this module's math-task runs (the 2-rank one is compared with 2 nodes)."""
+    return tmp_path_factory.mktemp("math-runs")
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("world", [1, 2])
-def test_math_task_with_vllm_engines(tiny_math, tmp_path, world):
-    run_dir = tmp_path / f"math-{world}"
+def test_math_task_with_vllm_engines(tiny_math, math_runs, world):
+    run_dir = math_runs / f"math-{world}"
     out, rows = math_run(tiny_math, run_dir, world)
     assert [r["update"] for r in rows] == [0, 1, 2, 3] and "pass1" in rows[0]
     updates = rows[1:]
@@ -311,6 +320,25 @@ def test_math_task_with_vllm_engines(tiny_math, tmp_path, world):
     assert (run_dir / "engine-0.log").exists() and (world == 1 or (run_dir / "engine-1.log").exists())
     assert json.loads(open(run_dir / "latest").read().strip().split("-")[1]) == 3
     assert not engine_processes(str(run_dir))  # the engines exited with the run
+
+
+@pytest.mark.vllm
+def test_math_task_on_two_nodes_agrees_with_one_node(tiny_math, math_runs):
+    """2 torchrun nodes x 1 rank, each rank with its own vLLM CPU engine on its own node, end
+    bitwise where 1 node x 2 ranks ends: weights and RowAdam's moments."""
+    one_node = math_runs / "math-2"
+    if not (one_node / "latest").exists():
+        math_run(tiny_math, one_node, 2)
+    nodes = math_runs / "math-nodes"
+    for code, out, err in two_nodes([*math_args(tiny_math), "--run-dir", str(nodes)], 29581, math_runs,
+                                    timeout=420):
+        assert code == 0, out[-2000:] + err[-4000:]
+    a, b = read_checkpoint(nodes), read_checkpoint(one_node)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(v, b["optimizer"]["moments"][k]) for k, v in a["optimizer"]["moments"].items())
+    assert (nodes / "engine-0.log").exists() and (nodes / "engine-1.log").exists()
+    assert json.load(open(nodes / "config.json"))["layout"]["nodes"] == 2
+    assert not engine_processes(str(nodes))
 
 
 @pytest.mark.vllm

@@ -1,8 +1,10 @@
-"""train.py end to end, in subprocesses: smoke runs, 1 vs 2 processes, SIGKILL and resume, bad input."""
+"""train.py end to end, in subprocesses: smoke runs, 1 vs 2 processes, two torchrun "nodes" on this
+machine, resumes on other numbers of ranks, SIGKILL and resume, bad input."""
 
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import time
 import pytest
 import torch
 
-from subproc import ROOT, env
+from subproc import ROOT, env, model_state, read_checkpoint, two_nodes
 
 # A few small updates: a short warm-up (cached for the module), batch 8, 16 held-out problems.
 SMALL = ["--warmup-steps", "300", "--batch", "8", "--eval-problems", "16", "--eval-every", "0", "--rank", "8"]
@@ -23,22 +25,6 @@ def run(args, *, check=True, **kw):
     if check and out.returncode != 0:
         raise AssertionError(f"train.py failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
     return out
-
-
-def read_checkpoint(run_dir):
-    """The latest sharded (DCP) checkpoint of a run, gathered into one dict."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    latest = os.path.join(run_dir, open(os.path.join(run_dir, "latest")).read().strip())
-    out = os.path.join(latest + ".pt")
-    dcp_to_torch_save(latest, out)
-    state = torch.load(out, weights_only=False)
-    os.remove(out)
-    return state
-
-
-def model_state(run_dir):
-    return read_checkpoint(run_dir)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +60,13 @@ def test_smoke_run(runs, optimizer):
         assert max(r["sync_bytes"] for r in logra) < 0.5 * min(r["sync_bytes"] for r in rows[1:])
 
 
+# The KL probe scores the first responses of each rank; probing all 8 makes the probed set the
+# same for any number of ranks. Checkpoints at 2 and 4, for the resumes on other rank counts.
+RANKS = [*SMALL, "--updates", "4", "--micro-batch", "4", "--probe-responses", "8", "--save-every", "2"]
+
+
 def test_one_and_two_processes_agree(runs):
-    # The KL probe scores the first responses of each rank; probing all 8 makes the probed
-    # set the same for 1 and 2 processes.
-    args = [*SMALL, "--updates", "3", "--micro-batch", "4", "--probe-responses", "8"]
+    args = RANKS
     one, two = runs / "world1", runs / "world2"
     run([*args, "--run-dir", str(one)])
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -189,3 +178,92 @@ def test_two_rank_sigkill_and_resume_is_bitwise(runs):
     assert all(torch.equal(a[k], b[k]) for k in a)
     moments = read_checkpoint(killed)["optimizer"]["moments"]
     assert all(torch.equal(moments[k], read_checkpoint(whole)["optimizer"]["moments"][k]) for k in moments)
+
+
+# --- several nodes: two torchrun "nodes" on this machine (c10d rendezvous on 127.0.0.1) -----------
+
+def nodes_run(runs):
+    """The 2 nodes x 1 rank run of RANKS (made once for the module)."""
+    d = runs / "nodes"
+    if not (d / "latest").exists():
+        for code, out, err in two_nodes([*RANKS, "--run-dir", str(d)], 29571, runs):
+            assert code == 0, out[-2000:] + err[-4000:]
+    return d
+
+
+def test_two_nodes_agree_with_one_node(runs):
+    """2 nodes x 1 rank end bitwise where 1 node x 2 ranks ends (and one process): the layout
+    changes where the ranks run, not what they compute. config.json and the manifest say how
+    the ranks were laid out."""
+    d = nodes_run(runs)
+    if not (runs / "world2" / "latest").exists():
+        test_one_and_two_processes_agree(runs)
+    a, b = model_state(d), model_state(runs / "world2")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    layout = {"nodes": 2, "ranks_per_node": 1, "world": 2, "engine_gpus": []}
+    assert json.load(open(d / "config.json"))["layout"] == layout
+    assert json.load(open(d / "checkpoint-4" / "manifest.json"))["layout"] == layout
+    assert json.load(open(runs / "world2" / "config.json"))["layout"]["ranks_per_node"] == 2
+
+
+def test_resume_on_other_numbers_of_ranks(runs, tmp_path):
+    """The 2-rank run resumed from checkpoint-2 on 1 process ends bitwise equal to it (one and
+    two processes sum the sketches in the same order); on 4 ranks, whose micro-batches are half
+    as long (other sums), it continues to within float rounding. Each update is logged once."""
+    d = nodes_run(runs)
+    final = model_state(d)
+    halfway = read_checkpoint(d, "checkpoint-2")["model"]
+    moved = max((final[k] - halfway[k]).abs().max().item() for k in final)
+    for ranks in (1, 4):
+        again = tmp_path / f"on{ranks}"
+        shutil.copytree(d, again)
+        args = [*RANKS, "--resume", str(again), "--resume-from", "checkpoint-2"]
+        if ranks == 1:
+            out = run(args)
+        else:
+            out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                                  "--master_port", "29573", os.path.join(ROOT, "train.py"), *args], cwd=ROOT,
+                                 capture_output=True, text=True, env=env(), timeout=300)
+            assert out.returncode == 0, out.stdout + out.stderr
+        assert (f"resumed {again} at update 2 (checkpoint-2, verified; written by 2 nodes x 1 training rank, now "
+                f"1 node x {ranks} training rank") in out.stdout
+        assert [json.loads(line)["update"] for line in open(again / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+        state = model_state(again)
+        diff = max((state[k] - final[k]).abs().max().item() for k in final)
+        print(f"resumed on {ranks} rank(s): max |dW| {diff:.2e} against the 2-rank run, update 2->4 {moved:.2e}")
+        if ranks == 1:
+            assert all(torch.equal(state[k], final[k]) for k in final)
+        else:
+            assert diff < 1e-3 * moved, (diff, moved)
+
+
+def files(folder):
+    """Every file under a folder: its bytes and its mtime (a folder's own mtime may change: the
+    probe's files come and go)."""
+    return {os.path.relpath(os.path.join(f, n), folder): (open(os.path.join(f, n), "rb").read(),
+                                                          os.stat(os.path.join(f, n)).st_mtime_ns)
+            for f, _, names in os.walk(folder) for n in names}
+
+
+def test_a_run_dir_the_nodes_do_not_share_is_refused_on_every_node(runs, tmp_path):
+    """Node 1 in its own mount namespace sees an empty folder where node 0 sees the runs: a new
+    run and a resume both stop on both nodes with one line and exit code 2, within a bound,
+    and nothing on node 0's side changes (no config, no checkpoint)."""
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs mount namespaces (unshare --mount, as root) to give one node its own file system")
+    mounted = tmp_path / "mounted"
+    shutil.copytree(nodes_run(runs), mounted / "old")
+    for port, args in ((29575, ["--run-dir", str(mounted / "new")]),
+                       (29576, ["--resume", str(mounted / "old"), "--resume-from", "checkpoint-2"])):
+        before = files(mounted)
+        t0 = time.monotonic()
+        results = two_nodes([*RANKS, *args], port, tmp_path, own_mount=mounted, timeout=240)
+        elapsed = time.monotonic() - t0
+        for code, out, err in results:
+            lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+            assert len(lines) == 1 and "is not one folder shared by every node" in lines[0], err[-3000:]
+            assert "exitcode  : 2" in err  # torchrun's report of its worker's exit code
+            assert 'train.py", line' not in err  # no traceback from train.py
+        assert files(mounted) == before and sorted(os.listdir(mounted)) == ["old"]
+        print(f"{args[0]}: refused on both nodes in {elapsed:.0f} s")
+        assert elapsed < 200

@@ -34,7 +34,8 @@ def test_dry_run_presets(preset, billions):
     out = dry("--model", preset)
     assert out.returncode == 0, out.stderr
     assert f"preset {preset}: {billions:.2f}B parameters" in out.stdout
-    assert "FSDP2 over 4 training ranks" in out.stdout and "vLLM engines on 4,5,6,7" in out.stdout
+    assert "FSDP2 over 4 training ranks" in out.stdout and "vLLM engines on GPUs 4,5,6,7" in out.stdout
+    assert f"launch: torchrun --nproc_per_node 4 train.py --model {preset}" in out.stdout
     m = memory_plan.estimate(train.PRESETS[preset]["model"], 4, 256)
     assert abs(m["params"] / 1e9 - billions) < 0.005
     # AdamW: fp32 gradient + 2 moments per target weight, sharded 4 ways.
@@ -53,13 +54,34 @@ def test_dry_run_json_keys():
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "7b", "--engine-gpus", "0,1,2,3"], "engines need other GPUs"),
-    (["--model", "7b", "--engine-gpus", "4,5,6"], "must name 4 distinct GPUs"),
+    (["--model", "7b", "--engine-gpus", "4,5,6"], "does not split across 3 ranks"),  # a rank per engine GPU
     (["--model", "7b", "--engine-gpus", "4,4,5,6"], "must name 4 distinct GPUs"),
     (["--model", "7b", "--batch", "126"], "does not split across 4 ranks"),
 ])
 def test_dry_run_rejects_bad_assignments(args, message):
     out = dry(*args)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_dry_run_plans_several_nodes(capsys):
+    """--nodes 2: FSDP2 over 8 ranks (the plan per GPU shrinks), 4 ranks and 4 engines per node,
+    and the launch lines for every node and for Slurm."""
+    two = dry("--model", "7b", "--nodes", "2")
+    assert two.returncode == 0, two.stderr
+    assert "FSDP2 over 8 training ranks" in two.stdout
+    assert "layout: 2 nodes x 4 training ranks; on each node, training ranks on GPUs 0..3" in two.stdout
+    launch_lines = [line for line in two.stdout.splitlines() if line.startswith("launch: ")]
+    assert launch_lines[0].startswith("launch: on each of the 2 nodes: torchrun --nnodes 2 --nproc_per_node 4 "
+                                      "--rdzv-backend c10d --rdzv-endpoint")
+    assert launch_lines[1].startswith("launch: under Slurm: srun --nodes 2 --ntasks-per-node 1 torchrun")
+    plan = json.loads(dry("--model", "7b", "--nodes", "2", "--json").stdout)
+    assert plan["world"] == 8 and plan["layout"] == {"nodes": 2, "ranks_per_node": 4, "world": 8,
+                                                     "engine_gpus": [4, 5, 6, 7]}
+    one_node = memory_plan.estimate(train.PRESETS["7b"]["model"], 4, 256)
+    assert plan["weights"] < one_node["weights"]  # each rank holds an eighth of the weights, not a quarter
+    with pytest.raises(SystemExit) as stop:
+        train.configure(["--nodes", "2"])
+    assert stop.value.code == 2 and "--nodes 2: a number >= 1, with --dry-run" in capsys.readouterr().err
 
 
 def test_27b_needs_a_model_path(tmp_path):

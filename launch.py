@@ -1,0 +1,254 @@
+"""
+launch.py: where a run's processes go (nodes, training ranks, engine GPUs), the process group
+that joins them, and refusals that every rank agrees on.
+
+A run on several nodes is the same command on every node, as for any FSDP2 trainer:
+
+    torchrun --nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \\
+        --rdzv-id RUN train.py --model 7b --model-path ... --run-dir /shared/runs/7b
+
+The layout
+----------
+N nodes x L training ranks (torchrun's WORLD_SIZE = N L and LOCAL_WORLD_SIZE = L). On every
+node the training ranks take GPUs 0..L-1 and their rollout engines take the node's
+`engine_gpus` (one per local rank, the same list on every node): local rank i's engine runs on
+GPU engine_gpus[i] of its own node. The weight channel between a trainer and its engine is
+therefore always on the loopback interface; only the trainers' FSDP2 collectives cross nodes.
+`Layout` holds it, `Layout.from_env` reads it from torchrun's variables, `check` refuses a
+layout that a node's GPUs cannot hold, and `commands` writes the launch lines (torchrun, Slurm).
+
+Agreement
+---------
+A rank that stops on its own while another waits in a collective leaves that one waiting until
+the process group's timeout. So everything that may differ between ranks (what a node has: its
+GPUs, its files) is checked after the process group starts, and the verdict is gathered:
+`agree(error)` raises the first rank's error on every rank, `agreed(fn)` runs a check that way.
+Checks that depend only on the command line need no agreement: every rank reaches the same
+verdict before the group exists.
+
+The run directory
+-----------------
+Rank 0 alone writes the run's config, the engine's model copy, each checkpoint's index and
+manifest, and the pointer to the newest checkpoint, which the other ranks then read: the run
+directory must be one folder that every node mounts (NFS, Lustre, ...). `check_shared_folder`
+proves it before anything is written: each rank writes a probe file, every rank looks for all
+of them, and a rank that misses one stops every rank with one line.
+
+Departures, numbered
+--------------------
+1. On GPUs the process group has two backends, "cpu:gloo,cuda:nccl": NCCL for the trainers'
+   tensors, gloo for the agreement on refusals and other CPU objects. The NCCL communicator is
+   made at the first GPU collective, after the nodes' GPUs were checked and agreed on, so a
+   node with too few GPUs is refused on every node instead of failing in NCCL's set-up.
+2. The process group's timeout (torch's default: 10 minutes for NCCL) is the caller's, and
+   must be longer than the engine's start-up bound: every rank waits in a collective while the
+   slowest rank's engine starts.
+"""
+
+import dataclasses
+import datetime
+import os
+import pickle
+import secrets
+import socket
+import time
+
+import torch.distributed as dist
+
+PROBE_WAIT_S = 10  # how long a rank looks for the others' probe files before it calls the folder unshared
+
+
+class LaunchError(Exception):
+    """A layout or a launch that cannot run; the message is one line that says what to change."""
+
+
+# -----------------------------------------------------------------------------
+# The layout
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """`nodes` x `ranks_per_node` training ranks; `engine_gpus[i]`: the GPU of local rank i's
+    engine on its own node (empty: no engine on a GPU)."""
+
+    nodes: int
+    ranks_per_node: int
+    engine_gpus: tuple = ()
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @classmethod
+    def from_env(cls, environ, engine_gpus: str = None) -> "Layout":
+        """The layout torchrun started: WORLD_SIZE and LOCAL_WORLD_SIZE (a run without torchrun
+        is 1 x 1; WORLD_SIZE without LOCAL_WORLD_SIZE is one node)."""
+        world = int(environ.get("WORLD_SIZE", "1"))
+        local = int(environ.get("LOCAL_WORLD_SIZE", world))
+        if local < 1 or world % local:
+            raise LaunchError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}: every node must "
+                              f"run the same number of training ranks (torchrun --nproc_per_node)")
+        return cls(world // local, local, parse_gpus(engine_gpus))
+
+    def engine_gpu(self, local_rank: int):
+        """The GPU index, on this node, of local rank `local_rank`'s engine (None: no GPU engine)."""
+        return self.engine_gpus[local_rank] if self.engine_gpus else None
+
+    def record(self) -> dict:
+        """What config.json and each checkpoint's manifest record of the layout."""
+        return {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world": self.world,
+                "engine_gpus": list(self.engine_gpus)}
+
+    def describe(self) -> str:
+        plural = lambda n, word: f"{n} {word}{'s' if n > 1 else ''}"  # noqa: E731
+        text = f"{plural(self.nodes, 'node')} x {plural(self.ranks_per_node, 'training rank')}"
+        if self.engine_gpus:
+            text += (f"; on each node, training ranks on GPUs 0..{self.ranks_per_node - 1} and their vLLM engines on "
+                     f"GPUs {','.join(map(str, self.engine_gpus))} (local rank i's on the i-th)")
+        return text
+
+
+def parse_gpus(text) -> tuple:
+    """`--engine-gpus 4,5,6,7` as (4, 5, 6, 7); None or "" as ()."""
+    items = [g.strip() for g in (text or "").split(",") if g.strip()]
+    if not all(g.isdigit() for g in items):
+        raise LaunchError(f"--engine-gpus {text}: give GPU indices separated by commas, e.g. --engine-gpus 4,5,6,7")
+    return tuple(int(g) for g in items)
+
+
+def check(layout: Layout, gpus_per_node=None):
+    """Refuse a layout that a node with `gpus_per_node` GPUs cannot hold (None: a CPU run, no
+    GPU to count). The engines need their own GPUs, one per training rank of the node."""
+    local, engines = layout.ranks_per_node, layout.engine_gpus
+    listed = ",".join(map(str, engines))
+    if engines and (len(engines) != local or len(set(engines)) != local):
+        raise LaunchError(f"--engine-gpus {listed} must name {local} distinct GPUs, one per training rank of a node "
+                          f"({layout.describe()})")
+    if gpus_per_node is not None and gpus_per_node < local + len(engines):
+        raise LaunchError(f"{socket.gethostname()} has {gpus_per_node} GPUs (torch.cuda.device_count()) and this "
+                          f"run needs {local + len(engines)} on each node ({layout.describe()})")
+    if engines and (min(engines) < local or (gpus_per_node is not None and max(engines) >= gpus_per_node)):
+        among = "" if gpus_per_node is None else f" among 0..{gpus_per_node - 1}"
+        raise LaunchError(f"--engine-gpus {listed}: a node's training ranks use GPUs 0..{local - 1}; engines need "
+                          f"other GPUs{among}")
+
+
+def commands(args: str, layout: Layout, *, endpoint: str = "HEAD_NODE:29500") -> list[str]:
+    """How to start `train.py args` in `layout`: one line, or (several nodes) the torchrun line
+    to run on every node and the same line under Slurm."""
+    if layout.world == 1:
+        return [f"python train.py {args}"]
+    if layout.nodes == 1:
+        return [f"torchrun --nproc_per_node {layout.ranks_per_node} train.py {args}"]
+
+    def torchrun(endpoint, run_id):
+        return (f"torchrun --nnodes {layout.nodes} --nproc_per_node {layout.ranks_per_node} --rdzv-backend c10d "
+                f"--rdzv-endpoint {endpoint} --rdzv-id {run_id} train.py {args}")
+
+    head, job = '"$HEAD":29500', '"$SLURM_JOB_ID"'  # HEAD: the first host of `scontrol show hostnames`
+    return [f"on each of the {layout.nodes} nodes: {torchrun(endpoint, 'logra')}",
+            f"under Slurm: srun --nodes {layout.nodes} --ntasks-per-node 1 {torchrun(head, job)}"]
+
+
+# -----------------------------------------------------------------------------
+# The process group, and agreement
+
+def start(*, cuda: bool, timeout: float):
+    """Join torchrun's process group (departures 1 and 2); the caller sets its CUDA device."""
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+def agree(error=None):
+    """Raise on every rank the error of the lowest rank that has one, if any has. Without a
+    process group, raise `error` if there is one. Every rank must call it at the same point."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    try:
+        pickle.dumps(error)
+    except Exception:  # an error that cannot travel is sent as its words
+        error = LaunchError(f"{type(error).__name__}: {error}")
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        first.agreed = True  # every rank stops with it: the caller may print it once per node
+        raise first
+
+
+def agreed(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on every rank; if it raises on any rank, every rank raises the
+    lowest such rank's error (agree). Returns fn's value."""
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as e:  # every error a check can raise must reach every rank
+        agree(e)
+        raise  # not reached: agree raised
+    agree(None)
+    return value
+
+
+def gathered(facts: dict) -> list[dict]:
+    """Every rank's `facts` (plain values), on every rank."""
+    if not dist.is_initialized():
+        return [facts]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, facts)
+    return everyone
+
+
+def check_same_layout(layout: Layout):
+    """Every rank was started with the same LOCAL_WORLD_SIZE (torchrun lets nodes differ; this
+    layout does not). On every rank, after the process group exists; raised on every rank."""
+    facts = gathered({"host": socket.gethostname(), "local": layout.ranks_per_node})
+    if len({f["local"] for f in facts}) > 1:
+        per_host = ", ".join(sorted({f"{f['host']} {f['local']}" for f in facts}))
+        raise LaunchError(f"every node must run the same number of training ranks (torchrun --nproc_per_node); "
+                          f"LOCAL_WORLD_SIZE is {per_host}")
+
+
+def check_shared_folder(path: str, *, option: str = "--run-dir"):
+    """Prove that every rank sees one folder at `path`: each writes a probe file and looks for
+    everyone's; a rank that misses one stops every rank with one line (raised on every rank).
+    The folder is left as it was found (one made for the probe is removed again)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    rank, world, host = dist.get_rank(), dist.get_world_size(), socket.gethostname()
+    token = [secrets.token_hex(8) if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    names = [os.path.join(path, f".shared-probe-{token[0]}-{r}") for r in range(world)]
+    made = not os.path.isdir(path)
+    error = None
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(names[rank], "w") as f:
+            f.write(host)
+    except OSError as e:
+        error = LaunchError(f"{option} {path}: rank {rank} on {host} cannot write there ({e.strerror})")
+    agree(error)
+    dist.barrier()  # every probe written before any is looked for
+    deadline = time.monotonic() + PROBE_WAIT_S
+    while True:  # each file looked up by its name: NFS may serve a folder's listing from its cache
+        seen = [r for r, name in enumerate(names) if os.path.exists(name)]
+        if len(seen) == world or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    facts = gathered({"rank": rank, "host": host, "seen": seen})
+    os.remove(names[rank])
+    dist.barrier()  # every probe removed before a folder made for them is
+    if made:
+        try:
+            os.rmdir(path)
+        except OSError:  # the same folder, already removed by another rank
+            pass
+    blind = [f for f in facts if len(f["seen"]) < world]  # the same list on every rank
+    if blind:
+        f = blind[0]
+        missing = sorted(set(range(world)) - set(f["seen"]))
+        hosts = ",".join(sorted({facts[r]["host"] for r in missing}))
+        error = LaunchError(f"{option} {path} is not one folder shared by every node: rank {f['rank']} on {f['host']} "
+                          f"does not see the files of rank(s) {','.join(map(str, missing))} on {hosts}; put it on a "
+                          f"filesystem that every node mounts (NFS, Lustre, ...)")
+        error.agreed = True  # raised on every rank
+        raise error

@@ -1,0 +1,165 @@
+"""launch.py: the layout of ranks and engines over nodes, its checks and launch lines, agreement
+on refusals, and the shared-folder probe (in two gloo processes). The layout end to end, with
+two torchrun "nodes" on this machine: test_train.py and test_engine.py."""
+
+import ipaddress
+import json
+import os
+
+import pytest
+
+import engine
+import launch
+from distributed import run_gloo
+from launch import Layout, LaunchError
+
+
+def torchrun_env(rank, world, local_world):
+    """The variables torchrun gives rank `rank` (node rank // local_world)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank % local_world), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(rank // local_world), "MASTER_ADDR": "node0",
+            "MASTER_PORT": "29500", "HOME": "/root"}
+
+
+@pytest.mark.parametrize("visible", [None, "0,1,2,3", "4,5,6,7"])
+def test_every_node_puts_local_rank_i_on_the_ith_engine_gpu(visible):
+    """2 nodes x 2 ranks with --engine-gpus 2,3: local rank 1 gets engine GPU 3 on both nodes,
+    translated through what the scheduler made visible; the engine sees none of torchrun's
+    variables and talks to its trainer on the loopback interface."""
+    placed = {}
+    for rank in range(4):
+        env = torchrun_env(rank, 4, 2)
+        if visible:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        layout = Layout.from_env(env, "2,3")
+        assert (layout.nodes, layout.ranks_per_node, layout.world) == (2, 2, 4)
+        gpu = layout.engine_gpu(int(env["LOCAL_RANK"]))
+        engine_env = engine.engine_env(gpu, env)
+        placed[rank] = (gpu, engine_env["CUDA_VISIBLE_DEVICES"])
+        assert not any(k in engine_env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "GROUP_RANK"))
+    physical = visible.split(",") if visible else ["0", "1", "2", "3"]
+    assert placed == {0: (2, physical[2]), 1: (3, physical[3]), 2: (2, physical[2]), 3: (3, physical[3])}
+    assert ipaddress.ip_address(engine.LOCAL_HOST).is_loopback
+
+
+def test_layout_from_env_defaults_and_refusals():
+    assert Layout.from_env({}) == Layout(1, 1, ())
+    assert Layout.from_env({"WORLD_SIZE": "2"}) == Layout(1, 2, ())  # no LOCAL_WORLD_SIZE: one node
+    assert Layout.from_env({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, "4,5,6,7").engine_gpus == (4, 5, 6, 7)
+    with pytest.raises(LaunchError, match="not a multiple of LOCAL_WORLD_SIZE 4"):
+        Layout.from_env({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"})
+    with pytest.raises(LaunchError, match="GPU indices"):
+        Layout.from_env({}, "4,five")
+
+
+def test_layout_checks_use_the_nodes_gpus():
+    # 2 nodes x 4 ranks with engines on 4..7 of each 8-GPU node: the paper's node, twice.
+    launch.check(Layout(2, 4, (4, 5, 6, 7)), 8)
+    launch.check(Layout(4, 1, (1,)), 2)
+    launch.check(Layout(3, 2, ()), None)  # a CPU run: nothing to count
+    bad = [(Layout(2, 4, (4, 5, 6)), 8, "must name 4 distinct GPUs"),
+           (Layout(2, 4, (4, 4, 5, 6)), 8, "must name 4 distinct GPUs"),
+           (Layout(2, 4, (3, 5, 6, 7)), 8, "training ranks use GPUs 0..3; engines need other GPUs among 0..7"),
+           (Layout(2, 4, (4, 5, 6, 8)), 8, "engines need other GPUs among 0..7"),
+           (Layout(2, 4, (4, 5, 6, 7)), 6, "has 6 GPUs"),
+           (Layout(1, 2, ()), 1, "has 1 GPUs (torch.cuda.device_count()) and this run needs 2 on each node"),
+           (Layout(1, 1, ()), 0, "has 0 GPUs")]
+    for layout, gpus, message in bad:
+        with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            launch.check(layout, gpus)
+
+
+def test_launch_lines_name_every_flag_a_node_needs():
+    assert launch.commands("--model tiny", Layout(1, 1)) == ["python train.py --model tiny"]
+    assert launch.commands("--model 7b", Layout(1, 4)) == ["torchrun --nproc_per_node 4 train.py --model 7b"]
+    every_node, slurm = launch.commands("--model 7b", Layout(2, 4, (4, 5, 6, 7)))
+    for line in (every_node, slurm):
+        assert ("--nnodes" in line and "--nproc_per_node 4" in line and "--rdzv-backend c10d" in line
+                and "--rdzv-endpoint" in line and "--rdzv-id" in line and line.endswith("train.py --model 7b"))
+    assert every_node.startswith("on each of the 2 nodes: torchrun --nnodes 2 ")
+    assert slurm.startswith("under Slurm: srun --nodes 2 --ntasks-per-node 1 torchrun") and "$SLURM_JOB_ID" in slurm
+
+
+# --- in two gloo processes ------------------------------------------------------------------
+
+class Refused(Exception):
+    pass
+
+
+def _agree(rank, world, out, failing):
+    results = {}
+    for name, who in failing.items():
+        try:
+            launch.agree(Refused(f"rank {rank} refuses") if rank in who else None)
+            results[name] = None
+        except Refused as e:
+            results[name] = [str(e), getattr(e, "agreed", False)]
+    value = launch.agreed(lambda: rank * 10)
+    try:
+        launch.agreed(lambda: 1 / rank)  # rank 0 divides by zero: every rank raises it
+        results["agreed"] = None
+    except ZeroDivisionError as e:
+        results["agreed"] = str(e)
+    with open(f"{out}-{rank}.json", "w") as f:
+        json.dump({"results": results, "value": value}, f)
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
+    failing = {"none": [], "rank1": [1], "both": [0, 1]}
+    run_gloo(_agree, 2, str(tmp_path / "r"), failing)
+    got = [json.load(open(tmp_path / f"r-{rank}.json")) for rank in range(2)]
+    for rank, g in enumerate(got):
+        assert g["results"]["none"] is None
+        assert g["results"]["rank1"] == ["rank 1 refuses", True]
+        assert g["results"]["both"] == ["rank 0 refuses", True]  # the lowest rank's words
+        assert g["results"]["agreed"] == "division by zero"
+        assert g["value"] == 10 * rank
+
+
+def _probe(rank, world, folders, out):
+    launch.PROBE_WAIT_S = 1  # this test's ranks write at once
+    for name, paths in folders.items():
+        try:
+            launch.check_shared_folder(paths[rank])
+            result = None
+        except LaunchError as e:
+            result = str(e)
+        with open(f"{out}-{name}-{rank}.json", "w") as f:
+            json.dump(result, f)
+
+
+def test_shared_folder_probe(tmp_path):
+    """One folder seen by both ranks passes, and is left as it was (a folder made for the probe
+    is removed again); each rank given its own folder (what unshared mounts of one path look
+    like to the ranks) is refused on both ranks, naming the rank whose files are missing."""
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "keep.txt").write_text("x")
+    folders = {"shared": [str(tmp_path / "shared")] * 2, "made": [str(tmp_path / "new")] * 2,
+               "apart": [str(tmp_path / "node0"), str(tmp_path / "node1")]}
+    run_gloo(_probe, 2, folders, str(tmp_path / "p"))
+    result = lambda name, rank: json.load(open(tmp_path / f"p-{name}-{rank}.json"))  # noqa: E731
+    assert result("shared", 0) is None and result("shared", 1) is None
+    assert sorted(os.listdir(tmp_path / "shared")) == ["keep.txt"]
+    assert result("made", 0) is None and not (tmp_path / "new").exists()
+    for rank in range(2):
+        message = result("apart", rank)
+        assert message.split(" is not")[1] == result("apart", 0).split(" is not")[1]  # the same verdict on every rank
+        assert "is not one folder shared by every node: rank 0" in message and "rank(s) 1" in message
+    assert not (tmp_path / "node0").exists() and not (tmp_path / "node1").exists()
+
+
+def _same_layout(rank, world, out):
+    try:
+        launch.check_same_layout(Layout(1, 2) if rank == 0 else Layout(2, 1))
+        result = None
+    except LaunchError as e:
+        result = str(e)
+    with open(f"{out}-{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+def test_nodes_with_different_rank_counts_are_refused_on_every_rank(tmp_path):
+    run_gloo(_same_layout, 2, str(tmp_path / "s"))
+    for rank in range(2):
+        message = json.load(open(tmp_path / f"s-{rank}.json"))
+        assert message and "every node must run the same number of training ranks" in message
