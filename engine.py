@@ -35,8 +35,9 @@ The device-specific parts, small and named
 
 Failure
 -------
-An engine that dies or stays silent is reported within `timeout` seconds, with its device
-and the last lines of its log; its whole process group (vLLM's engine-core and worker
+An engine that dies or stays silent is reported within `timeout` seconds (its whole start-up
+shares one such deadline; after it, each command has its own), with its device and the last
+lines of its log; its whole process group (vLLM's engine-core and worker
 processes included) is killed, so nothing is left behind. `start_on_every_rank` makes every
 trainer process fail together when one process's engine does not start, instead of leaving
 the others waiting in a collective.
@@ -283,6 +284,7 @@ class EngineProcess:
         from multiprocessing.connection import Client
 
         self.where, self.log_path, self.timeout, self.conn = where, log_path, timeout, None
+        self.started = time.monotonic()  # start-up, every stage of it, is bounded by one `timeout` from here
         self.key = secrets.token_bytes(32)
         port_file = log_path + ".port"
         if os.path.exists(port_file):  # a stale one from an earlier engine
@@ -291,7 +293,7 @@ class EngineProcess:
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + timeout
+        deadline = self.started + timeout
         try:
             while not os.path.exists(port_file):
                 self._alive_or_raise(deadline, "to open its command port")
@@ -331,8 +333,9 @@ class EngineProcess:
             self._gone(f"to send '{command}'")
         return self.reply(what or f"for '{command}'")
 
-    def reply(self, what):
-        deadline = time.monotonic() + self.timeout
+    def reply(self, what, deadline=None):
+        """The reply to the last command, by `deadline` (default: `timeout` from now)."""
+        deadline = deadline or time.monotonic() + self.timeout
         while not self.conn.poll(0.5):
             self._alive_or_raise(deadline, what)
         try:
@@ -386,13 +389,16 @@ class VLLMEngine:
                 "eos": eos, "pad": pad, "log": log_path}
         self.proc = EngineProcess([sys.executable, os.path.join(HERE, "engine.py"), json.dumps(spec)],
                                   engine_env(gpu), log_path, where=where, timeout=timeout)
+        # One bound for the whole start-up (the trainers' collectives wait for the slowest).
+        deadline = self.proc.started + timeout
         try:
-            self.eos, self.pad = self.proc.reply("for vLLM to start")
+            self.eos, self.pad = self.proc.reply("for vLLM to start", deadline)
             # The weight channel: the trainer opens the store; both members join the group at once.
-            store = WeightChannel.open_store(LOCAL_HOST, timeout)
+            left = max(deadline - time.monotonic(), 1.0)
+            store = WeightChannel.open_store(LOCAL_HOST, left)
             self.proc.conn.send(("init_sync", (LOCAL_HOST, store.port, seed, rank, timeout, residual_on_host)))
-            self.channel = WeightChannel(store, 0, self.device, timeout)
-            self.proc.reply("to join the weight channel")
+            self.channel = WeightChannel(store, 0, self.device, timeout)  # its broadcasts' bound
+            self.proc.reply("to join the weight channel", deadline)
         except BaseException:
             self.proc.kill()
             raise
@@ -429,11 +435,11 @@ def start_on_every_rank(make_engine):
     engine, error = None, None
     try:
         engine = make_engine()
-    except EngineError as e:
+    except Exception as e:  # any failure here, or the other ranks would wait in the all_reduce
         error = e
     if dist.is_initialized():
         failed = torch.tensor([0.0 if error is None else 1.0])
-        if dist.get_backend() == "nccl":
+        if "gloo" not in str(dist.get_backend()):  # NCCL alone (train.py's groups have gloo beside it)
             failed = failed.cuda()
         dist.all_reduce(failed)
         n = int(failed.item())

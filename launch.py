@@ -14,15 +14,16 @@ node the training ranks take GPUs 0..L-1 and their rollout engines take the node
 `engine_gpus` (one per local rank, the same list on every node): local rank i's engine runs on
 GPU engine_gpus[i] of its own node. The weight channel between a trainer and its engine is
 therefore always on the loopback interface; only the trainers' FSDP2 collectives cross nodes.
-`Layout` holds it, `Layout.from_env` reads it from torchrun's variables, `check` refuses a
-layout that a node's GPUs cannot hold, and `commands` writes the launch lines (torchrun, Slurm).
+`Layout` holds it, `agreed_layout` reads it from torchrun's variables on every rank, `check`
+refuses a layout that a node's GPUs cannot hold, and `commands` writes the launch lines (torchrun, Slurm).
 
 Agreement
 ---------
 A rank that stops on its own while another waits in a collective leaves that one waiting until
 the process group's timeout. So everything that may differ between ranks (what a node has: its
 GPUs, its files) is checked after the process group starts, and the verdict is gathered:
-`agree(error)` raises the first rank's error on every rank, `agreed(fn)` runs a check that way.
+`agree(error)` raises the first rank's error on every rank, `agreed(fn)` runs a check that way,
+and `agreed_layout` reads the layout so (nodes must run the same number of ranks).
 Checks that depend only on the command line need no agreement: every rank reaches the same
 verdict before the group exists.
 
@@ -134,19 +135,22 @@ def check(layout: Layout, gpus_per_node=None):
 
 def commands(args: str, layout: Layout, *, endpoint: str = "HEAD_NODE:29500") -> list[str]:
     """How to start `train.py args` in `layout`: one line, or (several nodes) the torchrun line
-    to run on every node and the same line under Slurm."""
+    to run on every node and the same under Slurm, with a run directory on shared storage."""
     if layout.world == 1:
         return [f"python train.py {args}"]
     if layout.nodes == 1:
         return [f"torchrun --nproc_per_node {layout.ranks_per_node} train.py {args}"]
+    if "--run-dir" not in args and "--resume" not in args:
+        args += " --run-dir /shared/runs/NAME"  # every node must see it (check_shared_folder)
 
     def torchrun(endpoint, run_id):
         return (f"torchrun --nnodes {layout.nodes} --nproc_per_node {layout.ranks_per_node} --rdzv-backend c10d "
                 f"--rdzv-endpoint {endpoint} --rdzv-id {run_id} train.py {args}")
 
-    head, job = '"$HEAD":29500', '"$SLURM_JOB_ID"'  # HEAD: the first host of `scontrol show hostnames`
+    head = 'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'  # the first node of the job
+    slurm = torchrun('"$HEAD":29500', '"$SLURM_JOB_ID"')
     return [f"on each of the {layout.nodes} nodes: {torchrun(endpoint, 'logra')}",
-            f"under Slurm: srun --nodes {layout.nodes} --ntasks-per-node 1 {torchrun(head, job)}"]
+            f"under Slurm: {head}; srun --nodes {layout.nodes} --ntasks-per-node 1 {slurm}"]
 
 
 # -----------------------------------------------------------------------------
@@ -166,8 +170,8 @@ def agree(error=None):
             raise error
         return
     try:
-        pickle.dumps(error)
-    except Exception:  # an error that cannot travel is sent as its words
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # an error that cannot travel (both ways) is sent as its words
         error = LaunchError(f"{type(error).__name__}: {error}")
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
@@ -198,14 +202,17 @@ def gathered(facts: dict) -> list[dict]:
     return everyone
 
 
-def check_same_layout(layout: Layout):
-    """Every rank was started with the same LOCAL_WORLD_SIZE (torchrun lets nodes differ; this
-    layout does not). On every rank, after the process group exists; raised on every rank."""
-    facts = gathered({"host": socket.gethostname(), "local": layout.ranks_per_node})
+def agreed_layout(environ, engine_gpus: str = None) -> Layout:
+    """The run's layout from torchrun's variables, the same on every rank or refused on every
+    rank: torchrun lets nodes run different numbers of ranks (--nproc_per_node), this layout
+    does not. Called on every rank once the process group exists."""
+    local = environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1"))
+    facts = gathered({"host": socket.gethostname(), "local": local})
     if len({f["local"] for f in facts}) > 1:
         per_host = ", ".join(sorted({f"{f['host']} {f['local']}" for f in facts}))
         raise LaunchError(f"every node must run the same number of training ranks (torchrun --nproc_per_node); "
                           f"LOCAL_WORLD_SIZE is {per_host}")
+    return Layout.from_env(environ, engine_gpus)  # the same variables everywhere now: the same verdict
 
 
 def check_shared_folder(path: str, *, option: str = "--run-dir"):
@@ -218,37 +225,45 @@ def check_shared_folder(path: str, *, option: str = "--run-dir"):
     token = [secrets.token_hex(8) if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
     names = [os.path.join(path, f".shared-probe-{token[0]}-{r}") for r in range(world)]
-    made = not os.path.isdir(path)
-    error = None
+    made = []  # the folders this rank creates, deepest last: removed again at the end
+    folder = os.path.abspath(path)
+    while not os.path.isdir(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    error, facts = None, None
     try:
-        os.makedirs(path, exist_ok=True)
-        with open(names[rank], "w") as f:
-            f.write(host)
-    except OSError as e:
-        error = LaunchError(f"{option} {path}: rank {rank} on {host} cannot write there ({e.strerror})")
-    agree(error)
-    dist.barrier()  # every probe written before any is looked for
-    deadline = time.monotonic() + PROBE_WAIT_S
-    while True:  # each file looked up by its name: NFS may serve a folder's listing from its cache
-        seen = [r for r, name in enumerate(names) if os.path.exists(name)]
-        if len(seen) == world or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    facts = gathered({"rank": rank, "host": host, "seen": seen})
-    os.remove(names[rank])
-    dist.barrier()  # every probe removed before a folder made for them is
-    if made:
         try:
-            os.rmdir(path)
-        except OSError:  # the same folder, already removed by another rank
-            pass
+            os.makedirs(path, exist_ok=True)
+            with open(names[rank], "w") as f:
+                f.write(host)
+        except OSError as e:
+            error = LaunchError(f"{option} {path}: rank {rank} on {host} cannot write there ({e.strerror})")
+        agree(error)
+        dist.barrier()  # every probe written before any is looked for
+        deadline = time.monotonic() + PROBE_WAIT_S
+        while True:  # each file looked up by its name: NFS may serve a folder's listing from its cache
+            seen = [r for r, name in enumerate(names) if os.path.exists(name)]
+            if len(seen) == world or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        facts = gathered({"rank": rank, "host": host, "seen": seen})
+    finally:
+        if os.path.exists(names[rank]):
+            os.remove(names[rank])
+        if facts is not None:
+            dist.barrier()  # every probe removed before a folder made for them is
+        for folder in made:
+            try:
+                os.rmdir(folder)
+            except OSError:  # another rank's, or not empty: left
+                pass
     blind = [f for f in facts if len(f["seen"]) < world]  # the same list on every rank
     if blind:
         f = blind[0]
         missing = sorted(set(range(world)) - set(f["seen"]))
         hosts = ",".join(sorted({facts[r]["host"] for r in missing}))
         error = LaunchError(f"{option} {path} is not one folder shared by every node: rank {f['rank']} on {f['host']} "
-                          f"does not see the files of rank(s) {','.join(map(str, missing))} on {hosts}; put it on a "
-                          f"filesystem that every node mounts (NFS, Lustre, ...)")
+                            f"does not see the files of rank(s) {','.join(map(str, missing))} on {hosts}; put it on "
+                            f"a filesystem that every node mounts (NFS, Lustre, ...)")
         error.agreed = True  # raised on every rank
         raise error

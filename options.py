@@ -5,7 +5,7 @@ What it is
 ----------
 `parse(argv, presets)` reads the flags; `resolve(args, presets)` gives the run's
 configuration, a flat dict of plain values (the preset's values with the command line's
-overrides); `validate(cfg, layout, ...)` checks it, raising `OptionError` with one line that
+overrides); `validate(cfg, world, ...)` checks it, raising `OptionError` with one line that
 says what to change, before anything is written or started; `launch_commands(cfg, layout, ...)`
 are the commands that start a preset as it is meant to run. The presets themselves are
 train.py's table, passed in.
@@ -83,6 +83,8 @@ POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "engine_timeout", "
 MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
 PAPER_GPUS_PER_NODE = 8  # the node --dry-run plans for
+# What a resume may change: where its ranks and engines run, and how long a wait may last.
+MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout")
 
 
 def flag(key: str) -> str:
@@ -155,13 +157,18 @@ def read_model_config(cfg: dict) -> dict:
     return {k: hf[k] for k in MODEL_KEYS if k in hf}
 
 
-def validate(cfg: dict, layout: launch.Layout, *, keep: int = 2, resume=None, resume_from=None, machine: bool = True,
+def engine_gpus(cfg: dict):
+    """The --engine-gpus of a run whose engines are on GPUs (vLLM on CUDA), else None."""
+    return cfg.get("engine_gpus") if cfg["engine"] == "vllm" and cfg["device"] == "cuda" else None
+
+
+def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=None, machine: bool = True,
              preset_device: str = "cpu", preset_engine_gpus=None):
-    """Everything that the command line and torchrun's WORLD_SIZE decide, in the order of the
-    module docstring: the same verdict on every rank. `machine`: check this machine and how
-    the run was started (--dry-run plans the paper's layout anywhere); `preset_device`,
-    `preset_engine_gpus`: the preset's own values, for the advice."""
-    world = layout.world
+    """Everything that the command line and torchrun's WORLD_SIZE (`world`) decide, in the
+    order of the module docstring: the same verdict on every rank. `machine`: check this
+    machine and how the run was started (--dry-run plans the paper's layout anywhere);
+    `preset_device`, `preset_engine_gpus`: the preset's own values, for the advice."""
+    engines = launch.parse_gpus(engine_gpus(cfg))
     # --- the numbers -------------------------------------------------------------------------
     for key, *_ in OPTIONS:  # in the order of --help
         if key in LEAST and cfg[key] < LEAST[key]:
@@ -196,7 +203,7 @@ def validate(cfg: dict, layout: launch.Layout, *, keep: int = 2, resume=None, re
             raise OptionError("the math task's rollouts need --engine vllm (the HF engine takes prompts of one length)")
     if cfg["task"] != "math":  # the preset's own widths (a checkpoint's are checked once read: check_model)
         check_model(cfg)
-    if cfg["engine"] == "vllm" and cfg["device"] == "cuda" and not layout.engine_gpus:
+    if cfg["engine"] == "vllm" and cfg["device"] == "cuda" and not engines:
         raise OptionError("--engine vllm on GPUs needs --engine-gpus, one GPU per training rank of a node "
                           "(e.g. --engine-gpus 1)")
 
@@ -204,14 +211,14 @@ def validate(cfg: dict, layout: launch.Layout, *, keep: int = 2, resume=None, re
     # Without torchrun (one process): what to start instead. Under torchrun, the node's GPUs
     # are checked once the process group exists, and every rank agrees (launch.check).
     if machine and cfg["device"] == "cuda" and "WORLD_SIZE" not in os.environ:
-        planned = launch.Layout(1, max(len(layout.engine_gpus), 1), layout.engine_gpus)  # a rank per engine GPU
+        planned = launch.Layout(1, max(len(engines), 1), engines)  # a training rank per engine GPU
         command = "; ".join(launch_commands(cfg, planned, preset_engine_gpus))
         if not torch.cuda.is_available():
             if preset_device != "cuda":
                 raise OptionError(f"--device cuda needs a GPU and this machine has none (torch.cuda.is_available() "
                                   f"is False): leave it out to run preset '{cfg['preset']}' on the CPU")
             need = (f"{2 * planned.world} GPUs ({planned.world} training ranks, {planned.world} vLLM engines on GPUs "
-                    f"{cfg['engine_gpus']})" if layout.engine_gpus else "a GPU")
+                    f"{cfg['engine_gpus']})" if engines else "a GPU")
             raise OptionError(f"preset '{cfg['preset']}' needs {need} and this machine has none "
                               f"(torch.cuda.is_available() is False): on a GPU node run {command}; on a CPU use "
                               f"--model tiny or --model tiny-math")
@@ -242,9 +249,9 @@ def check_model(cfg: dict):
 
 def check_run_dir(cfg: dict, run_dir: str, resume=None, resume_from=None):
     """What the run directory holds, only read (a refused resume changes nothing in it): a
-    resume needs the run's config.json, the same options (its `layout` may differ: a resume
-    may run on another number of ranks) and a checkpoint; a new run needs a directory that
-    holds none. A run calls it on every rank once the directory is known to be shared."""
+    resume needs the run's config.json, the same options (but MAY_CHANGE: a resume may run on
+    other nodes, ranks and engine GPUs, with other timeouts) and a checkpoint; a new run needs
+    a directory that holds none. A run calls it on every rank once the directory is known to be shared."""
     latest = os.path.join(resume or run_dir, "latest")
     if resume:
         path = os.path.join(resume, "config.json")
@@ -257,8 +264,7 @@ def check_run_dir(cfg: dict, run_dir: str, resume=None, resume_from=None):
             saved = None
         if not isinstance(saved, dict):
             raise OptionError(f"--resume {resume}: {path} is damaged (not a JSON object); it holds the run's options")
-        saved.pop("layout", None)
-        diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k))
+        diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k) and k not in MAY_CHANGE)
         if diff:
             raise OptionError(f"--resume {resume}: the run was made with a different configuration "
                               f"({', '.join(diff)}); pass the same options as the original run")

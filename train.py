@@ -64,6 +64,7 @@ import json
 import math
 import os
 import resource
+import socket
 import sys
 import time
 
@@ -189,19 +190,19 @@ def fail(msg, quiet=False):
 
 @refusals_exit
 def main(argv=None):
-    args, cfg, layout, run_dir = configure(argv)
+    args, cfg, world, run_dir = configure(argv)
     if args.dry_run:
-        return dry_run(cfg, layout, as_json=args.json)
+        return dry_run(cfg, planned_layout(args, cfg), as_json=args.json)
     logra = cfg["optimizer"] == "logra"  # else the dense AdamW baseline
-    world = layout.world
-    device, rank = init_processes(cfg, layout)
+    device, rank = init_processes(cfg, world)
     log = print if rank == 0 else (lambda *a, **k: None)
-    # What each node has (its GPUs, vLLM, the checkpoint) and the shared run directory: one
-    # verdict on every rank, so that no rank stops while another waits (launch.py).
-    check_nodes(cfg, layout, run_dir, args.resume, args.resume_from)
+    # The layout, what each node has (its GPUs, vLLM, the checkpoint) and the shared run
+    # directory: one verdict on every rank, so that no rank stops while another waits (launch.py).
+    layout = check_nodes(cfg, run_dir, args.resume, args.resume_from)
     # The checkpoint to resume is verified (every rank its own shards) before anything is
     # written or loaded: a refused resume leaves the run directory exactly as it was.
-    resume = checkpoint.resume_path(run_dir, args.resume_from, rank=rank, world=world) if args.resume else None
+    resume = launch.agreed(checkpoint.resume_path, run_dir, args.resume_from, rank=rank, world=world) \
+        if args.resume else None
     os.makedirs(run_dir, exist_ok=True)
     if rank == 0 and not args.resume:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -215,7 +216,7 @@ def main(argv=None):
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     start = 0
     if resume:
-        start = load_run_state(resume, model, opt, logra, baseline, mismatch, layout)
+        start = launch.agreed(load_run_state, resume, model, opt, logra, baseline, mismatch, layout)
         if rank == 0:
             checkpoint.truncate_rows(metrics_path, start)
         moved = resumed_layout(resume, layout)
@@ -379,45 +380,60 @@ def update_row(done, rewards, correct, ro, trainer_logp, step, watch, mismatch, 
 @refusals_exit
 def configure(argv=None):
     """The command line read, resolved against its preset and validated (options.py): (args,
-    cfg, layout, run_dir). Only what the command line and torchrun decide is checked here, the
-    same verdict on every rank before the process group exists; check_nodes checks the rest."""
+    cfg, world, run_dir). Only what the command line and torchrun's WORLD_SIZE decide is
+    checked here, the same verdict on every rank before the process group exists; check_nodes
+    checks the rest once it does."""
     args = options.parse(argv, PRESETS)
     cfg = options.resolve(args, PRESETS)
     preset = PRESETS[cfg["preset"]]
-    gpu_engines = cfg.get("engine_gpus") if cfg["engine"] == "vllm" and cfg["device"] == "cuda" else None
     checks = dict(keep=args.keep, resume=args.resume, resume_from=args.resume_from, preset_device=preset["device"],
                   preset_engine_gpus=preset.get("engine_gpus"))
     if args.nodes is not None and (not args.dry_run or args.nodes < 1):
         raise OptionError(f"--nodes {args.nodes}: a number >= 1, with --dry-run (a run takes its layout from "
                           f"torchrun's --nnodes)")
-    if args.dry_run:  # the paper's node by default: a training rank per engine GPU, 8 GPUs
-        nodes = args.nodes or 1
-        ranks = int(os.environ.get("WORLD_SIZE", 0)) // nodes or len(launch.parse_gpus(gpu_engines)) or 1
-        layout = launch.Layout(nodes, ranks, launch.parse_gpus(gpu_engines))
+    if args.dry_run:
+        layout = planned_layout(args, cfg)
         if cfg["task"] == "math" and not cfg["model_path"]:
             cfg["model_path"] = "(--model-path)"
-        options.validate(cfg, layout, machine=False, **checks)
+        options.validate(cfg, layout.world, machine=False, **checks)
         cfg["model"] = options.read_model_config(cfg)
         options.check_model(cfg)
         launch.check(layout, options.PAPER_GPUS_PER_NODE if cfg["device"] == "cuda" else None)
-        return args, cfg, layout, None
-    layout = launch.Layout.from_env(os.environ, gpu_engines)
+        return args, cfg, layout.world, None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
-    options.validate(cfg, layout, **checks)
-    return args, cfg, layout, run_dir
+    options.validate(cfg, world, **checks)
+    return args, cfg, world, run_dir
 
 
-def check_nodes(cfg, layout, run_dir, resume, resume_from):
+def planned_layout(args, cfg) -> launch.Layout:
+    """What --dry-run plans: --nodes nodes (1) of the paper's kind, a training rank per engine
+    GPU (or WORLD_SIZE / nodes ranks per node when it is set)."""
+    engines = launch.parse_gpus(options.engine_gpus(cfg))
+    nodes = args.nodes or 1
+    return launch.Layout(nodes, int(os.environ.get("WORLD_SIZE", 0)) // nodes or len(engines) or 1, engines)
+
+
+def check_nodes(cfg, run_dir, resume, resume_from) -> launch.Layout:
     """What may differ between nodes, checked once the process group exists, with every rank
-    stopping on the same one-line refusal (launch.py, "Agreement"): the layout against each
-    node's GPUs, vLLM and the model's checkpoint on each node, the run directory shared by
-    every node, and what it holds. Sets cfg["model"] to the checkpoint's widths."""
-    launch.check_same_layout(layout)
+    stopping on the same one-line refusal (launch.py, "Agreement"): the layout (the same number
+    of ranks on every node, each node's GPUs), vLLM and the model's checkpoint on each node, one
+    configuration on every node, the run directory shared by every node, and what it holds.
+    Sets cfg["model"] to the checkpoint's widths; returns the layout."""
+    layout = launch.agreed_layout(os.environ, options.engine_gpus(cfg))
     cfg["model"] = launch.agreed(check_node, cfg, layout)
+    configs = {hashlib.sha256(json.dumps(f["cfg"], sort_keys=True).encode()).hexdigest(): f["host"]
+               for f in launch.gathered({"cfg": cfg, "host": socket.gethostname()})}
+    if len(configs) > 1:  # e.g. another checkpoint (other widths) at --model-path on one node
+        error = LaunchError(f"the nodes disagree on the run's configuration (the checkpoint's config.json, or the "
+                            f"command line): {', '.join(sorted(configs.values()))} differ; give every node the same")
+        error.agreed = True  # the same gathered verdict on every rank
+        raise error
     launch.check_shared_folder(run_dir, option="--resume" if resume else "--run-dir")
     if cfg["task"] == "arithmetic" and cfg["warmup_steps"]:  # the base policy is cached next to the run directory
         launch.check_shared_folder(os.path.dirname(os.path.abspath(run_dir)), option="the folder of --run-dir")
     launch.agreed(options.check_run_dir, cfg, run_dir, resume, resume_from)
+    return layout
 
 
 def check_node(cfg, layout) -> dict:
@@ -458,7 +474,7 @@ def plan_lines(cfg, plan, layout) -> list[str]:
         cuda=cfg["device"] == "cuda", layout=layout.describe())
 
 
-def init_processes(cfg, layout):
+def init_processes(cfg, world):
     """(device, rank): on GPUs a process group always, one code path for 1 and N GPUs (a single
     process gets torchrun's variables' defaults), NCCL with gloo beside it (launch.py,
     departure 1); on the CPU gloo, with several ranks only. Its timeout: --dist-timeout."""
@@ -472,7 +488,7 @@ def init_processes(cfg, layout):
         launch.start(cuda=cuda, timeout=cfg["dist_timeout"])
     else:
         device = torch.device("cpu")
-        if layout.world > 1:
+        if world > 1:
             launch.start(cuda=False, timeout=cfg["dist_timeout"])
     return device, dist.get_rank() if dist.is_initialized() else 0
 
@@ -491,22 +507,18 @@ def setup(cfg, layout, rank, device, run_dir, log):
         return task, model, start_vllm_engines(cfg, layout, rank, device, run_dir, cfg["model_path"], None, None, log)
     task = tasks.Arithmetic(cfg["seed"], cfg["eval_problems"])
     model = build_model(cfg, task.vocab_size).to(device)
+    # Rank 0 writes, then the others read, each step agreed: a failure on one rank stops all.
     if cfg["warmup_steps"]:
         path = base_policy_path(cfg, task, run_dir)
-        if rank == 0:
-            base_policy(model, task, cfg, path, log)
+        launch.agreed(lambda: base_policy(model, task, cfg, path, log) if rank == 0 else None)
         if world > 1:
-            dist.barrier()
-            if rank:
-                model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
+            launch.agreed(lambda: model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
+                          if rank else None)
     model.eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
     engine = None
     engine_model = os.path.join(run_dir, "engine-model")
     if cfg["engine"] == "vllm":  # vLLM loads a checkpoint folder (its weights are then resynced)
-        if rank == 0:
-            model.save_pretrained(engine_model)
-        if world > 1:
-            dist.barrier()
+        launch.agreed(lambda: model.save_pretrained(engine_model) if rank == 0 else None)
     else:
         engine = HFEngine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"], rank=cfg["sketch_rank"],
                           eos=task.eos, pad=task.pad)

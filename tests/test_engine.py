@@ -154,26 +154,30 @@ class _Started:
         _Started.closed = True
 
 
-def _start_one_failing(rank, world, out):
+def _start_one_failing(rank, world, out, error):
     def make():
         if rank == 1:
-            raise engine.EngineError("engine on GPU 5 exited with code 1")
+            raise error
         return _Started()
 
     try:
         engine.start_on_every_rank(make)
         result = "started"
-    except engine.EngineError as e:
-        result = str(e)
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
     with open(f"{out}.{rank}", "w") as f:
         f.write(f"{result}|closed={_Started.closed}")
 
 
-def test_one_ranks_engine_failing_stops_every_rank(tmp_path):
-    run_gloo(_start_one_failing, 2, str(tmp_path / "r"))
+@pytest.mark.parametrize("error", [engine.EngineError("engine on GPU 5 exited with code 1"),
+                                   PermissionError("[Errno 13] Permission denied: 'engine-1.log'")])
+def test_one_ranks_engine_failing_stops_every_rank(tmp_path, error):
+    """Whatever stops one rank's engine start (an engine's error, or any other, such as a log
+    that cannot be opened) stops every rank: none is left waiting in the all_reduce."""
+    run_gloo(_start_one_failing, 2, str(tmp_path / "r"), error)
     zero, one = (open(tmp_path / f"r.{i}").read() for i in range(2))
-    assert zero.startswith("the engine of 1 other rank(s) failed") and zero.endswith("closed=True")
-    assert one.startswith("engine on GPU 5 exited with code 1")
+    assert zero.startswith("EngineError: the engine of 1 other rank(s) failed") and zero.endswith("closed=True")
+    assert one.startswith(f"{type(error).__name__}: {error}")
 
 
 # -----------------------------------------------------------------------------

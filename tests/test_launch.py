@@ -75,9 +75,13 @@ def test_launch_lines_name_every_flag_a_node_needs():
     every_node, slurm = launch.commands("--model 7b", Layout(2, 4, (4, 5, 6, 7)))
     for line in (every_node, slurm):
         assert ("--nnodes" in line and "--nproc_per_node 4" in line and "--rdzv-backend c10d" in line
-                and "--rdzv-endpoint" in line and "--rdzv-id" in line and line.endswith("train.py --model 7b"))
+                and "--rdzv-endpoint" in line and "--rdzv-id" in line
+                and line.endswith("train.py --model 7b --run-dir /shared/runs/NAME"))  # a folder every node sees
     assert every_node.startswith("on each of the 2 nodes: torchrun --nnodes 2 ")
-    assert slurm.startswith("under Slurm: srun --nodes 2 --ntasks-per-node 1 torchrun") and "$SLURM_JOB_ID" in slurm
+    assert slurm.startswith('under Slurm: HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); srun '
+                            '--nodes 2 --ntasks-per-node 1 torchrun') and '"$HEAD":29500' in slurm
+    assert "$SLURM_JOB_ID" in slurm
+    assert launch.commands("--resume /shared/r", Layout(2, 1))[0].endswith("train.py --resume /shared/r")
 
 
 # --- in two gloo processes ------------------------------------------------------------------
@@ -129,13 +133,15 @@ def _probe(rank, world, folders, out):
 
 
 def test_shared_folder_probe(tmp_path):
-    """One folder seen by both ranks passes, and is left as it was (a folder made for the probe
-    is removed again); each rank given its own folder (what unshared mounts of one path look
+    """One folder seen by both ranks passes, and is left as it was (folders made for the probe
+    are removed again); each rank given its own folder (what unshared mounts of one path look
     like to the ranks) is refused on both ranks, naming the rank whose files are missing."""
     (tmp_path / "shared").mkdir()
     (tmp_path / "shared" / "keep.txt").write_text("x")
-    folders = {"shared": [str(tmp_path / "shared")] * 2, "made": [str(tmp_path / "new")] * 2,
-               "apart": [str(tmp_path / "node0"), str(tmp_path / "node1")]}
+    (tmp_path / "afile").write_text("not a folder")
+    folders = {"shared": [str(tmp_path / "shared")] * 2, "made": [str(tmp_path / "new" / "deep")] * 2,
+               "apart": [str(tmp_path / "node0"), str(tmp_path / "node1")],
+               "unwritable": [str(tmp_path / "fresh" / "deep"), str(tmp_path / "afile" / "x")]}
     run_gloo(_probe, 2, folders, str(tmp_path / "p"))
     result = lambda name, rank: json.load(open(tmp_path / f"p-{name}-{rank}.json"))  # noqa: E731
     assert result("shared", 0) is None and result("shared", 1) is None
@@ -146,20 +152,32 @@ def test_shared_folder_probe(tmp_path):
         assert message.split(" is not")[1] == result("apart", 0).split(" is not")[1]  # the same verdict on every rank
         assert "is not one folder shared by every node: rank 0" in message and "rank(s) 1" in message
     assert not (tmp_path / "node0").exists() and not (tmp_path / "node1").exists()
+    # Rank 1 cannot write (its path's parent is a file): both ranks refuse, and rank 0's probe
+    # and the folders it made for it are gone again.
+    assert "rank 1 on" in result("unwritable", 0) and "cannot write there" in result("unwritable", 1)
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "new").exists()
 
 
-def _same_layout(rank, world, out):
-    try:
-        launch.check_same_layout(Layout(1, 2) if rank == 0 else Layout(2, 1))
-        result = None
-    except LaunchError as e:
-        result = str(e)
+def _agreed_layout(rank, world, out, environs):
+    result = {}
+    for name, envs in environs.items():
+        try:
+            layout = launch.agreed_layout(envs[rank], "2,3")
+            result[name] = [layout.nodes, layout.ranks_per_node, list(layout.engine_gpus)]
+        except LaunchError as e:
+            result[name] = str(e)
     with open(f"{out}-{rank}.json", "w") as f:
         json.dump(result, f)
 
 
-def test_nodes_with_different_rank_counts_are_refused_on_every_rank(tmp_path):
-    run_gloo(_same_layout, 2, str(tmp_path / "s"))
+def test_the_layout_is_agreed_or_refused_on_every_rank(tmp_path):
+    """Nodes that run different numbers of ranks (torchrun allows it) are refused on every
+    rank, including the node whose own numbers divide WORLD_SIZE; a sound layout is read the
+    same everywhere."""
+    environs = {"uneven": [{"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, {"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2"}],
+                "even": [{"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}] * 2}
+    run_gloo(_agreed_layout, 2, str(tmp_path / "s"), environs)
     for rank in range(2):
-        message = json.load(open(tmp_path / f"s-{rank}.json"))
-        assert message and "every node must run the same number of training ranks" in message
+        got = json.load(open(tmp_path / f"s-{rank}.json"))
+        assert "every node must run the same number of training ranks" in got["uneven"], got
+        assert got["even"] == [2, 2, [2, 3]]

@@ -234,7 +234,7 @@ def test_resume_on_other_numbers_of_ranks(runs, tmp_path):
         if ranks == 1:
             assert all(torch.equal(state[k], final[k]) for k in final)
         else:
-            assert diff < 1e-3 * moved, (diff, moved)
+            assert diff < 1e-6 < 1e-3 * moved, (diff, moved)  # rounding, where the updates moved ~1e-3
 
 
 def files(folder):

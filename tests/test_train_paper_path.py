@@ -73,7 +73,8 @@ def test_dry_run_plans_several_nodes(capsys):
     launch_lines = [line for line in two.stdout.splitlines() if line.startswith("launch: ")]
     assert launch_lines[0].startswith("launch: on each of the 2 nodes: torchrun --nnodes 2 --nproc_per_node 4 "
                                       "--rdzv-backend c10d --rdzv-endpoint")
-    assert launch_lines[1].startswith("launch: under Slurm: srun --nodes 2 --ntasks-per-node 1 torchrun")
+    assert launch_lines[1].startswith("launch: under Slurm: HEAD=$(scontrol show hostnames")
+    assert all(line.endswith("--run-dir /shared/runs/NAME") for line in launch_lines)
     plan = json.loads(dry("--model", "7b", "--nodes", "2", "--json").stdout)
     assert plan["world"] == 8 and plan["layout"] == {"nodes": 2, "ranks_per_node": 4, "world": 8,
                                                      "engine_gpus": [4, 5, 6, 7]}
