@@ -68,6 +68,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+import architectures
 import sync
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -343,6 +344,10 @@ class EngineProcess:
         except (EOFError, OSError):
             self._gone(what)
         if status != "ok":
+            try:  # an engine that fails to start exits right after it answers: its traceback first
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # a failed command: the engine lives on
+                pass
             raise EngineError(f"engine on {self.where} failed {what}: {value}; "
                               f"last lines of {self.log_path}:\n{_tail(self.log_path)}")
         return value
@@ -377,16 +382,18 @@ class VLLMEngine:
     `memory_plan.estimate` counts it); `gpu_memory_utilization` is used as given on CPUs,
     where vLLM reads it as a share of the NUMA node's memory.
     `eos`/`pad`: token ids when the engine runs without a tokenizer (the tiny task); None
-    takes them from the checkpoint's tokenizer. `timeout` bounds start-up and every command.
+    takes them from the checkpoint's tokenizer. `stop_ids`: the ids that end a response
+    (tasks.generation_stop_ids), passed to every request. `timeout` bounds start-up and every command.
     """
 
     def __init__(self, *, model_path, context, seed, rank, gpu, device, log_path, timeout,
-                 gpu_memory_utilization=None, reserve_bytes=0, eos=None, pad=None, residual_on_host=False):
+                 gpu_memory_utilization=None, reserve_bytes=0, eos=None, pad=None, residual_on_host=False,
+                 stop_ids=None):
         self.device = torch.device(device)
         where = f"GPU {engine_env(gpu).get('CUDA_VISIBLE_DEVICES')}" if gpu is not None else "the CPU"
         spec = {"model": model_path, "context": context, "seed": seed, "device": self.device.type,
                 "gpu_memory_utilization": gpu_memory_utilization, "reserve_bytes": reserve_bytes,
-                "eos": eos, "pad": pad, "log": log_path}
+                "eos": eos, "pad": pad, "stop_ids": stop_ids, "log": log_path}
         self.proc = EngineProcess([sys.executable, os.path.join(HERE, "engine.py"), json.dumps(spec)],
                                   engine_env(gpu), log_path, where=where, timeout=timeout)
         # One bound for the whole start-up (the trainers' collectives wait for the slowest).
@@ -505,7 +512,7 @@ def serve(spec: dict) -> None:
                 value = llm.collective_rpc("logra_init", args=args)[0]
             elif command == "generate":
                 prompts, seeds, temperature, top_p, max_new = args
-                stop = [eos] if no_tokenizer else None
+                stop = [eos] if no_tokenizer else spec.get("stop_ids")  # None: vLLM's own reading
                 params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new, logprobs=0,
                                          seed=s, stop_token_ids=stop, detokenize=not no_tokenizer)
                           for s in seeds]
@@ -543,9 +550,12 @@ class WorkerExtension:
     def logra_init(self, host: str, port: int, base_seed: int, rank: int, timeout: float,
                    residual_on_host: bool = False) -> None:
         model = self.model_runner.model
-        self.logra_cpu_layers = _restore_cpu_weights(model) if self.device.type == "cpu" else []
+        # The trainer layers each of vLLM's layers holds: the model family's row (architectures.py).
+        layers = architectures.lookup(self.model_runner.model_config.hf_config.model_type).engine
+        self.logra_cpu_layers = _restore_cpu_weights(model, layers) if self.device.type == "cpu" else []
         self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=rank, layout="vllm",
-                                                residual_device="cpu" if residual_on_host else None)
+                                                residual_device="cpu" if residual_on_host else None,
+                                                engine_layers=layers)
         store = WeightChannel.join_store(host, port, timeout)
         self.logra_channel = WeightChannel(store, 1, self.device, timeout)
 
@@ -564,15 +574,12 @@ class WorkerExtension:
         return self.logra_weights.fingerprint()
 
 
-TARGET_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def _restore_cpu_weights(model):
+def _restore_cpu_weights(model, engine_layers):
     """vLLM's CPU backend dropped each linear `.weight` after packing it: give every target
     layer a bf16 weight of its shape back (zeros: the trainer's first full sync fills it)."""
     layers = []
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in TARGET_LAYERS and module.weight.numel() == 0:
+        if name.rsplit(".", 1)[-1] in engine_layers and module.weight.numel() == 0:
             shape = (module.output_size_per_partition, module.input_size_per_partition)
             module.weight = torch.nn.Parameter(torch.zeros(shape, dtype=module.weight.dtype), requires_grad=False)
             layers.append(module)

@@ -60,6 +60,15 @@ Departures, numbered
    exactly `start` at update 0 and exactly `end` from update H - 1 on.
 3. `max_tokens` (default 4096) truncates each probed sequence, prompt included, to its first
    `max_tokens` tokens.
+4. The injected tangent -(X A^T) U^T is formed in the activations' dtype (bf16 on GPUs), as
+   the rest of the forward is. The authors' newest probe forms it in fp32 and casts it back;
+   tried on the tiny Qwen2 against float64, that did not lower KL1's error, which the bf16
+   forward's own rounding dominates (the matmuls accumulate in fp32 already), while an fp32
+   (N, d) tangent would double the probe's largest transient per layer.
+   tests/test_kl_control.py bounds the bf16 error (0.5%, bf16 weights and bf16 autocast).
+5. `solve_alpha` with KL1 = 0 (a direction that moves no scored logit) returns 1.0 capped at
+   `alpha_max`, where the authors return 1.0 even when `alpha_max` < 1: `alpha_max` is the
+   user's bound on every step, and it holds here without exception.
 """
 
 import math
@@ -201,8 +210,12 @@ def _probe_sums(model, decoder, head, layers, directions, ids, mask, am, tempera
             raise RuntimeError("the tangent was lost in the decoder (an op without forward AD?)")
         scored = hidden[:, :-1][mask[:, 1:]]  # (M, h): the positions that sampled a generated token
         chunk = max(1, HEAD_CHUNK_BYTES // (BYTES_PER_VOCAB_ENTRY * head.weight.shape[0]))  # positions
+        cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2: logits = cap tanh(z / cap)
         for start in range(0, scored.shape[0], chunk):
-            z, u = fwAD.unpack_dual(head(scored[start:start + chunk]))  # (c, V) each
+            out = head(scored[start:start + chunk])  # (c, V), dual
+            if cap:  # the model's forward applies it after the head; the probe calls the head itself
+                out = torch.tanh(out / cap) * cap
+            z, u = fwAD.unpack_dual(out)  # (c, V) each
             if u is None:
                 raise RuntimeError("the tangent was lost in the output head")
             kl = token_kl(z, u, temperature)  # (c,)
@@ -246,7 +259,7 @@ def realised_kl(old_logprobs, model, input_ids, response_mask, *, temperature=1.
 # Step size, budget schedule, mismatch subtraction
 
 def solve_alpha(kl1, *, budget, alpha_max=3.0) -> float:
-    """alpha = min(alpha_max, sqrt(budget / KL1)); KL1 == 0 gives 1.0 (capped)."""
+    """alpha = min(alpha_max, sqrt(budget / KL1)); KL1 == 0 gives 1.0 capped at alpha_max (departure 5)."""
     kl1 = float(kl1)
     if not math.isfinite(kl1) or kl1 < 0:
         raise ValueError(f"predicted KL must be finite and >= 0, got {kl1}: refusing an uncontrolled update")

@@ -56,10 +56,12 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     keeps at least 16 GiB, else in pinned host memory), one decoder layer's transfer buffer
     and merge chunk; what remains of `gpu_bytes` after vLLM's overhead is the KV cache.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    # The model's own family (its targets' shapes: Phi-3's are fused), Qwen2 without a model_type.
+    widths = {k: v for k, v in model_cfg.items() if k != "model_type"}
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**model_cfg))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_cfg.get("model_type", "qwen2"), **widths))
     r = sketch_rank
     ceil = lambda n: -(-n // world)  # noqa: E731  (rows of process 0: FSDP2 chunks dim 0)
     params = list(model.parameters())

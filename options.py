@@ -35,6 +35,7 @@ import os
 
 import torch
 
+import architectures
 import launch
 from checkpoint import CHECKPOINT_NAME
 from tasks import Arithmetic
@@ -58,6 +59,9 @@ OPTIONS = (
     ("probe_tokens", int, "the probe scores more responses until they hold this many generated tokens", None),
     ("kl_real_positions", int, "positions at which the realised KL of each step is measured (0: off)", None),
     ("adam_lr", float, "AdamW's learning rate before annealing (--optimizer adam)", None),
+    ("max_new_tokens", int, "tokens a response may have (rollouts and evaluation)", None),
+    ("context", int, "tokens of prompt + response the engines and the trainer hold per sequence", None),
+    ("eval_temperature", float, "sampling temperature of the held-out evaluation", None),
     ("warmup_steps", int, "supervised warm-up steps that make a tiny preset's base policy", None),
     ("eval_every", int, "updates between held-out evaluations (0: the base policy only)", None),
     ("eval_problems", int, "held-out problems per evaluation", None),
@@ -77,11 +81,12 @@ FLAGS = {"sketch_rank": "--rank"}  # keys whose flag is not made from the key
 # The least value of each count and size (an int option); the float options must be finite and > 0.
 LEAST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
          "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
-         "save_every": 0, "seed": 0}
-POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "engine_timeout", "dist_timeout")
+         "save_every": 0, "seed": 0, "max_new_tokens": 1, "context": 2}
+POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "eval_temperature", "engine_timeout", "dist_timeout")
 # The widths a local checkpoint's config.json gives (the rank limit, the memory plan).
-MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
+MODEL_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
+              "rope_theta", "rms_norm_eps")
 PAPER_GPUS_PER_NODE = 8  # the node --dry-run plans for
 # What a resume may change: where its ranks and engines run, and how long a wait may last.
 MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout")
@@ -154,6 +159,10 @@ def read_model_config(cfg: dict) -> dict:
             hf = json.load(f)
     except (ValueError, OSError) as e:
         raise OptionError(f"--model-path {cfg['model_path']}: its config.json cannot be read as JSON") from e
+    try:
+        architectures.check_config(hf)  # before its widths are read: a family without a row stops here
+    except architectures.ArchitectureError as e:
+        raise OptionError(f"--model-path {cfg['model_path']}: {e}") from e
     return {k: hf[k] for k in MODEL_KEYS if k in hf}
 
 
@@ -180,6 +189,9 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
     if cfg["kl_end"] > cfg["kl_start"]:
         raise OptionError(f"--kl-end {cfg['kl_end']} must be <= --kl-start {cfg['kl_start']}: the KL budget anneals "
                           f"from start to end")
+    if cfg["max_new_tokens"] >= cfg["context"]:
+        raise OptionError(f"--max-new-tokens {cfg['max_new_tokens']} must be below --context {cfg['context']}: the "
+                          f"prompt needs room too")
     if cfg["dist_timeout"] <= cfg["engine_timeout"]:
         raise OptionError(f"--dist-timeout {cfg['dist_timeout']} must be longer than --engine-timeout "
                           f"{cfg['engine_timeout']}: every rank waits in a collective while the slowest engine starts")
@@ -196,8 +208,8 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
         missing = [o for o, k in (("--model-path DIR", "model_path"), ("--train-data PATH", "train_data"),
                                   ("--eval-data PATH", "eval_data")) if not cfg.get(k)]
         if missing:
-            raise OptionError(f"preset '{cfg['preset']}' needs {', '.join(missing)} (a local Qwen2/Qwen3-family "
-                              f"Hugging Face checkpoint; DAPO-Math-17k- and MATH-500-format data; python "
+            raise OptionError(f"preset '{cfg['preset']}' needs {', '.join(missing)} (a local Hugging Face "
+                              f"checkpoint of a family in architectures.py; DAPO-Math-17k- and MATH-500-format data; python "
                               f"tests/tiny_math.py DIR makes small ones)")
         if cfg["engine"] != "vllm":
             raise OptionError("the math task's rollouts need --engine vllm (the HF engine takes prompts of one length)")
@@ -243,6 +255,9 @@ def check_model(cfg: dict):
     if cfg["optimizer"] == "logra" and cfg["sketch_rank"] > min(widths):
         raise OptionError(f"--rank {cfg['sketch_rank']} must be in 1..{min(widths)}, the smallest target in_features "
                           f"of '{cfg['preset']}'")
+    positions = shapes.get("max_position_embeddings")
+    if positions and cfg["context"] > positions:
+        raise OptionError(f"--context {cfg['context']} exceeds the model's max_position_embeddings {positions}")
     if cfg["engine"] == "vllm" and cfg["device"] == "cpu" and head_dim % 32:
         raise OptionError(f"vLLM's CPU attention needs a head_dim that is a multiple of 32; this model has {head_dim}")
 

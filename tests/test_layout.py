@@ -1,6 +1,6 @@
 """The layout: no module imports train.py, the imports have no cycle, the algorithm files need
-at most sketch.py; and each infrastructure module (tasks, checkpoint, launch, options,
-memory_plan, metrics) runs one of its functions in a fresh interpreter, copied with only the project
+at most sketch.py; and each infrastructure module (tasks, checkpoint, launch, architectures,
+options, memory_plan, metrics) runs one of its functions in a fresh interpreter, copied with only the project
 modules it imports into an empty folder, without train.py and without a process group."""
 
 import ast
@@ -40,14 +40,14 @@ def closure(name: str) -> set[str]:
 
 def test_no_module_imports_train_and_no_cycle():
     assert {"train", "sketch", "rowadam", "kl_control", "ppo", "sync", "engine", "tasks", "checkpoint", "launch",
-            "options", "memory_plan", "metrics"} <= set(MODULES)
+            "architectures", "options", "memory_plan", "metrics"} <= set(MODULES)
     for name in MODULES:
         assert "train" not in closure(name) or name == "train", name
         assert name not in closure(name), f"{name} imports itself through {sorted(closure(name))}"
     # The algorithm files copy alone: torch, the standard library and at most sketch.py.
     for name in ("sketch", "rowadam", "kl_control", "ppo"):
         assert closure(name) <= {"sketch"}, (name, closure(name))
-    for name in ("tasks", "checkpoint", "launch", "metrics"):  # leaves
+    for name in ("tasks", "checkpoint", "launch", "architectures", "metrics"):  # leaves
         assert closure(name) == set(), (name, closure(name))
 
 
@@ -58,6 +58,8 @@ CALLS = {
                    "checkpoint.save(d, {'w': torch.arange(4.0)}, 3, rank=0, world=1); "
                    "p = checkpoint.resume_path(d, None, rank=0, world=1); s = {'w': torch.zeros(4)}; "
                    "checkpoint.load(p, s); assert s['w'].tolist() == [0, 1, 2, 3] and p.endswith('checkpoint-3')"),
+    "architectures": ("a = architectures.check_config({'model_type': 'phi3'}); assert 'qkv_proj' in a.targets; "
+                      "import pytest; pytest.raises(architectures.ArchitectureError, architectures.lookup, 'gpt2')"),
     "launch": ("l = launch.Layout.from_env({'WORLD_SIZE': '8', 'LOCAL_WORLD_SIZE': '4'}, '4,5,6,7'); "
                "launch.check(l, 8); launch.check_shared_folder('.'); assert l.engine_gpu(1) == 5 and l.nodes == 2"),
     "options": ("a = options.parse(['--rank', '4'], {'tiny': {}}); assert a.sketch_rank == 4 and a.model == 'tiny'"),

@@ -26,7 +26,7 @@ FLOATS = [k for k, t, *_ in options.OPTIONS if t is float]
 # The least sound value of each count (written out here, not read from options.py).
 SMALLEST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
             "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
-            "save_every": 0, "seed": 0, "keep": 1}
+            "save_every": 0, "seed": 0, "keep": 1, "max_new_tokens": 1, "context": 2}
 NEVER = os.path.join(tempfile.gettempdir(), "logra-option-fuzz-never-made")
 int_values = st.one_of(st.sampled_from([0, -1, 1, 2, 7, 10**30, -(10**30)]), st.integers(-5, 400))
 float_values = st.one_of(st.sampled_from(["nan", "inf", "-inf", "0", "-0.0", "1e400", "1e-300", "2e-2", "5e-3"]),
@@ -40,7 +40,7 @@ def clearly_wrong(preset, values) -> bool:
         return True
     if any(not (math.isfinite(cfg[k]) and cfg[k] > 0) for k in FLOATS if k in values):
         return True
-    return cfg["kl_end"] > cfg["kl_start"]
+    return cfg["kl_end"] > cfg["kl_start"] or cfg["max_new_tokens"] >= cfg["context"]  # the prompt needs room
 
 
 @settings(max_examples=100, deadline=None)
@@ -72,3 +72,15 @@ def test_every_option_value_is_accepted_or_refused_in_one_line(preset, world, va
         assert code == 2 and message.startswith("train.py: error: ") and message.count("\n") == 1, message
     if preset == "7b" and not values and world is None:  # this CPU machine: what to run, and where
         assert "torchrun --nproc_per_node 4 train.py --model 7b --model-path" in err.getvalue()
+
+
+def test_context_beyond_the_models_positions_is_refused(capsys):
+    """The tiny preset's Qwen2 has 32 positions: --context 33 cannot run; 32 can."""
+    argv = ["--run-dir", NEVER, "--context", "33"]
+    try:
+        train.configure(argv)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2 and "--context 33 exceeds the model's max_position_embeddings 32" in capsys.readouterr().err
+    train.configure(["--run-dir", NEVER, "--context", "32"])

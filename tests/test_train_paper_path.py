@@ -122,3 +122,22 @@ def test_probe_count_sizes_the_probe_in_tokens():
     assert train.probe_count(mask, 1, 14) == 4  # 3 + 4 + 2 + 5
     assert train.probe_count(mask, 2, 1000) == 6  # all of them, never more
     assert train.probe_count(mask[:1], 2, 0) == 1
+
+
+def test_small_instruct_preset_matches_its_family():
+    """smollm2-135m's widths build a Llama (its row in architectures.py) whose parameter count
+    the memory plan reproduces, and it passes the dry run's checks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import architectures
+
+    widths = train.PRESETS["smollm2-135m"]["model"]
+    config = AutoConfig.for_model(**widths)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    architectures.check_layers(model)
+    count = sum(p.numel() for p in model.parameters())
+    assert 0.13e9 < count < 0.14e9  # "135M"
+    assert memory_plan.estimate(widths, 1, 64)["params"] == count
+    out = dry("--model", "smollm2-135m")
+    assert out.returncode == 0 and "preset smollm2-135m: 0.13B parameters" in out.stdout, out.stderr
