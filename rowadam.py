@@ -71,6 +71,14 @@ Departures, numbered
    summed from per-process partial sums in float64 with small all_reduces, so that no process
    ever holds a whole layer's S or U; the KL probe and the engine sync gather U or F one
    layer at a time.
+7. `S` is the sketch of the global mean-per-token loss (ppo.py divides each rank's loss by the
+   global token count N), taken as it is: the paper's RowAdam is stated on that sketch. The
+   authors' NeMo-RL code divides the sketch by the valid-token count before RowAdam
+   (`normalization_tokens`); on the same inputs that amounted to a second division of this
+   sketch, which within one update changes nothing (D does not depend on the scale of S) but
+   weights each update's square in the moving moment v by 1/N^2, so that updates with fewer
+   tokens count for more. Not done here (tests/test_rowadam.py shows the two differ once N
+   varies).
 """
 
 import math

@@ -275,3 +275,25 @@ def test_row_sharded_state_equals_one_process_bitwise(tmp_path):
         assert torch.equal(a, b)
     for l, v in zip(layers, opt.moments):
         assert torch.equal(v, got["moments"][l.name])
+
+
+def test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss():
+    """Departure 7: over updates whose token counts N differ (19, 27, 23), RowAdam on the
+    sketch of the per-token mean loss (S_sum / N) follows the float64 reference fed the same;
+    the authors' extra division (S_sum / N^2) gives other directions from the second update on
+    (the first is scale-free), so the choice is visible."""
+    g = torch.Generator().manual_seed(11)
+    d, r, beta2 = 12, 6, 0.95
+    v_ours = v_ref = v_double = torch.zeros(d, dtype=F64)
+    for step, n in enumerate((19, 27, 23), start=1):
+        s_sum = torch.randn(d, r, generator=g, dtype=F64) * n  # a token-summed loss's sketch grows with N
+        (ours,), (v_ours,), _ = rowadam.row_adam_directions([s_sum / n], [v_ours], step=step, beta2=beta2)
+        ref, v_ref = reference_direction(s_sum / n, v_ref, step, beta2, 1e-8)
+        np.testing.assert_allclose(ours.numpy(), ref, rtol=1e-12, atol=1e-14)
+        (double,), (v_double,), _ = rowadam.row_adam_directions([s_sum / n**2], [v_double], step=step, beta2=beta2)
+        # Directions up to their scale (c rescales every layer together): compare unit directions.
+        gap = ((ours / ours.norm()) - (double / double.norm())).norm().item()
+        if step == 1:
+            assert gap < 1e-12
+        else:
+            assert gap > 1e-3, (step, gap)
