@@ -279,8 +279,8 @@ def check_run_dir(cfg: dict, run_dir: str, resume=None, resume_from=None):
             saved = None
         if not isinstance(saved, dict):
             raise OptionError(f"--resume {resume}: {path} is damaged (not a JSON object); it holds the run's options")
-        if isinstance(saved.get("model"), dict) and isinstance(cfg.get("model"), dict):  # a run from before
-            saved["model"].setdefault("model_type", cfg["model"].get("model_type"))  # model_type was recorded
+        if isinstance(saved.get("model"), dict) and "model_type" in (cfg.get("model") or {}):  # a run from
+            saved["model"].setdefault("model_type", cfg["model"]["model_type"])  # before model_type was recorded
         diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k) and k not in MAY_CHANGE)
         if diff:
             raise OptionError(f"--resume {resume}: the run was made with a different configuration "
