@@ -20,7 +20,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import report  # noqa: E402  (bench/report.py)
+from subproc import read_checkpoint  # noqa: E402  (tests/subproc.py: a run's checkpoint gathered)
 
 ROOT = report.ROOT
 # A few updates of the tiny preset, small enough for 4 processes on 2 cores. The probe scores
@@ -51,15 +53,6 @@ def launch(nodes, ranks, run_dir, port):
     return seconds
 
 
-def weights(run_dir):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    name = open(os.path.join(run_dir, "latest")).read().strip()
-    out = os.path.join(run_dir, "gathered.pt")
-    dcp_to_torch_save(os.path.join(run_dir, name), out)
-    return torch.load(out, weights_only=False)["model"]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--updates", type=int, default=4)
@@ -70,7 +63,7 @@ def main():
         for i, (nodes, ranks) in enumerate(LAYOUTS):
             d = os.path.join(tmp, f"{nodes}x{ranks}")
             seconds[nodes, ranks] = launch(nodes, ranks, d, 29651 + i)
-            final[nodes, ranks] = weights(d)
+            final[nodes, ranks] = read_checkpoint(d)["model"]
             print(f"{nodes} node(s) x {ranks} rank(s): {seconds[nodes, ranks]:.0f} s", flush=True)
         base = torch.load(next(p for p in (os.path.join(tmp, n) for n in os.listdir(tmp)) if
                                os.path.basename(p).startswith("base-tiny-")), weights_only=True)
