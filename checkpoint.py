@@ -37,6 +37,11 @@ one between them (or a power loss that keeps only one rename) is refused by the 
 the command that resumes from the other. Then all but the `keep` newest checkpoints go, each
 manifest first, so a removal cut short never leaves a folder that looks complete.
 
+A save that cannot be written (a full disk, a file that cannot be created) raises one
+CheckpointError on every rank (DCP reports any rank's failed write to all; rank 0's manifest
+and pointer are broadcast), naming the file, the error and the free space; rank 0 removes
+what the save left, and the previous checkpoint and `latest`, never touched, still verify.
+
 Departures, numbered
 --------------------
 1. A resume never falls back by itself to an older checkpoint: that would redo updates the
@@ -55,6 +60,7 @@ import shutil
 import warnings
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 PROJECT_VERSION = "0.1.0"  # pyproject.toml's version: every manifest records it, a resume requires it
 HASH_CHUNK_BYTES = 16 * 2**20  # files are hashed through one reused 16 MiB buffer, never read whole
@@ -62,7 +68,7 @@ CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 
 class CheckpointError(Exception):
-    """A checkpoint that cannot be resumed; the message is one line that says what to do."""
+    """A checkpoint that cannot be saved or resumed; the message is one line that says what to do."""
 
 
 # -----------------------------------------------------------------------------
@@ -84,8 +90,17 @@ def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep:
         remove(path)
     if dist.is_initialized():
         dist.barrier()  # no rank writes into the folder before a stale one is gone
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    try:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank's write fails
+        failed = {r: exc for r, (exc, _) in e.failures.items()} if isinstance(e, CheckpointException) else {rank: e}
+        writes = sorted((r, exc) for r, exc in failed.items() if _write_error(exc))
+        if not writes:  # not the disk: a rank that died mid-save, say; the caller's crash to handle
+            raise
+        r, exc = writes[0]
+        raise _save_failed(run_dir, name, rank, f"rank {r} writing {_last_written(path, r, world, exc)}: "
+                                                f"{_words(exc)}") from None
     # dcp.save returns on every rank once every rank's files and rank 0's .metadata are written.
     mine = {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": file_sha256(os.path.join(path, f)),
                 "rank": rank} for f in sorted(os.listdir(path)) if file_rank(f, world) == rank}
@@ -93,8 +108,31 @@ def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep:
     if dist.is_initialized():
         everyone = [None] * world if rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)
+    problem = None
+    if rank == 0:
+        try:
+            _commit(run_dir, name, update, world, layout, everyone)
+        except Exception as e:  # the manifest or the pointer could not be written: nothing was renamed
+            problem = f"rank 0 writing {getattr(e, 'filename', None) or name}: {_words(e)}"
+    if dist.is_initialized():  # the others learn rank 0's outcome, so that none trains on alone
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise _save_failed(run_dir, name, rank, problem)
     if rank != 0:
         return
+    # Kept: this checkpoint and the keep - 1 newest before it. Newer ones than this exist only
+    # after a resume from an older checkpoint: the run has left them behind.
+    older = [c for c in checkpoints(run_dir) if checkpoint_number(c) < update][:keep - 1]
+    for c in checkpoints(run_dir):
+        if c != name and c not in older:
+            remove(os.path.join(run_dir, c))
+
+
+def _commit(run_dir, name, update, world, layout, everyone):
+    """Rank 0 seals a written checkpoint: its manifest, then `latest` (save's steps 3)."""
+    path = os.path.join(run_dir, name)
     files = {f: entry for entries in everyone for f, entry in entries.items()}
     manifest, pointer = os.path.join(path, "manifest.json"), os.path.join(run_dir, "latest")
     # Both files on disk under temporary names first, then two renames back to back: a kill
@@ -103,18 +141,62 @@ def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep:
     body = {"version": PROJECT_VERSION, "update": update, "world": world, "files": files}
     if layout is not None:
         body["layout"] = layout
-    staged = [stage(manifest, manifest_bytes(body)),
-              stage(pointer, name.encode())]
+    staged = []
+    try:
+        staged.append(stage(manifest, manifest_bytes(body)))
+        staged.append(stage(pointer, name.encode()))
+    except OSError:
+        for tmp in [*staged, f"{manifest}.tmp{os.getpid()}", f"{pointer}.tmp{os.getpid()}"]:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        raise
     os.replace(staged[0], manifest)
     os.replace(staged[1], pointer)
     _fsync_folder(path)
     _fsync_folder(run_dir)
-    # Kept: this checkpoint and the keep - 1 newest before it. Newer ones than this exist only
-    # after a resume from an older checkpoint: the run has left them behind.
-    older = [c for c in checkpoints(run_dir) if checkpoint_number(c) < update][:keep - 1]
-    for c in checkpoints(run_dir):
-        if c != name and c not in older:
-            remove(os.path.join(run_dir, c))
+
+
+def _save_failed(run_dir, name, rank, what) -> "CheckpointError":
+    """The error of a save that could not be written, after rank 0 removed what it left (the
+    previous checkpoint and `latest` were never touched): one line, with the free space."""
+    pointer = os.path.join(run_dir, "latest")
+    named = os.path.exists(pointer) and open(pointer, "rb").read().decode(errors="replace").strip() == name
+    if rank == 0 and not named:  # (a failure after both renames leaves it in charge: it stays)
+        remove(os.path.join(run_dir, name))
+    try:
+        free = f"{shutil.disk_usage(run_dir).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    previous = read_pointer(run_dir, checkpoints(run_dir))[0] if os.path.exists(os.path.join(run_dir, "latest")) \
+        else None
+    kept = f"{previous} and latest are as they were" if previous else "no earlier checkpoint exists"
+    error = CheckpointError(f"saving {name} failed ({what}); {free} on the file system of {run_dir}; {kept}: free "
+                            f"some space, then run the same command again to continue")
+    error.agreed = True  # every rank raises it (train.py prints it once per node)
+    return error
+
+
+def _last_written(path, rank, world, exc) -> str:
+    """The file a failed write was writing: the error's own, or the newest of the rank's files."""
+    if getattr(exc, "filename", None):
+        return os.path.relpath(exc.filename, os.path.dirname(path))
+    try:
+        mine = [f for f in os.listdir(path) if file_rank(f, world) == rank]
+        newest = max(mine, key=lambda f: os.path.getmtime(os.path.join(path, f)))
+        return f"{os.path.basename(path)}/{newest}"
+    except (OSError, ValueError):  # no folder, or no file of its yet
+        return f"its files in {os.path.basename(path)}/"
+
+
+def _write_error(e: BaseException) -> bool:
+    """A failed write: an OSError (ENOSPC, EFBIG, EACCES, ...), or torch.save's zip writer
+    reporting one as a RuntimeError ("unexpected pos", "file write failed")."""
+    return isinstance(e, OSError) or any(w in str(e) for w in ("unexpected pos", "PytorchStreamWriter failed"))
+
+
+def _words(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}"
 
 
 def remove(path: str):

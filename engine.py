@@ -35,12 +35,17 @@ The device-specific parts, small and named
 
 Failure
 -------
-An engine that dies or stays silent is reported within `timeout` seconds (its whole start-up
-shares one such deadline; after it, each command has its own), with its device and the last
-lines of its log; its whole process group (vLLM's engine-core and worker
-processes included) is killed, so nothing is left behind. `start_on_every_rank` makes every
-trainer process fail together when one process's engine does not start, instead of leaving
-the others waiting in a collective.
+Every wait on an engine is bounded by `timeout` seconds and watches the engine: its start-up
+(one deadline for all of it, the weight channel's set-up included), each command's reply, and
+each broadcast of the weight channel (a payload sent to an engine that has died would
+otherwise wait for gloo's timeout on a CPU, and for ever on a GPU). Once started, every
+process of the engine is watched, vLLM's engine core and workers too: vLLM itself may hang
+when one of them dies under a rollout. An engine that dies or stays silent raises
+`EngineLost` with its device and the last lines of its log, after its whole process group is
+killed and gone, so nothing is left behind and its GPU is free; heal.py restarts it. A command
+the engine answers with an error raises `EngineError`. A new engine first kills what an
+earlier trainer's engine with the same log left running (`kill_stale`), and each generation
+starts from an empty prefix cache, so that it depends only on the weights and its requests.
 
 Shape legend: B batch (prompts), P prompt tokens, T prompt + response tokens, V vocab.
 
@@ -90,6 +95,12 @@ class Rollout:
 
 class EngineError(RuntimeError):
     """An engine process died, stayed silent past its timeout, or failed a command."""
+
+
+class EngineLost(EngineError):
+    """The engine process exited, closed its connection, or gave no answer within its timeout:
+    a fault that a new engine heals (heal.py), unlike a command the engine answered with an
+    error (a bad payload, a model vLLM refuses), which a restart would only repeat."""
 
 
 # -----------------------------------------------------------------------------
@@ -155,6 +166,9 @@ class HFEngine:
     def close(self):
         pass  # nothing to stop: the model lives in this process
 
+    def take_events(self) -> list:
+        return []  # nothing to restart either (heal.py supervises engine processes)
+
 
 def top_p_filter(logits, top_p):
     """Keep the smallest set of tokens whose probability reaches top_p; others get -inf."""
@@ -203,6 +217,7 @@ class WeightChannel:
 
             self.comm = PyNcclCommunicator(StatelessProcessGroup(rank=member, world_size=2, store=store),
                                            device=self.device)
+            self.stream = torch.cuda.Stream(self.device)
         else:
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("logra-weights", store), member, 2,
                                             datetime.timedelta(seconds=timeout))
@@ -217,19 +232,66 @@ class WeightChannel:
     def join_store(host: str, port: int, timeout: float):
         return dist.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout))
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """Member 0's tensor into member 1's (same shape and dtype, on this channel's device)."""
+    def broadcast(self, tensor: torch.Tensor, watch=None) -> None:
+        """Member 0's tensor into member 1's (same shape and dtype, on this channel's device).
+
+        `watch()` is called while the broadcast is in flight and raises to give up on it (the
+        trainer's side: its engine process died or the deadline passed). A broadcast to a peer
+        that never joins would otherwise wait for gloo's timeout on a CPU, and for ever on a
+        GPU, where an NCCL kernel spins until its peer arrives: there the broadcast runs on the
+        channel's own stream, its completion is polled, and a broadcast given up on aborts the
+        communicator, which ends the kernel."""
         if self.device.type == "cuda":
-            self.comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream(self.device))
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)  # the tensor is ready
+            self.comm.broadcast(tensor, src=0, stream=self.stream)
+            tensor.record_stream(self.stream)  # its memory is not reused before the broadcast is done
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            self._wait(done.query, watch)
+            current.wait_stream(self.stream)
         else:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
-            self.pg.broadcast([tensor], opts).wait()
+            work = self.pg.broadcast([tensor], opts)
+            self._wait(work.is_completed, watch)
+            work.wait()  # raises if it failed
 
-    def send(self, buf: torch.Tensor) -> None:
+    def _wait(self, finished, watch):
+        pause = 1e-4
+        try:
+            while watch is not None and not finished():
+                watch()
+                time.sleep(pause)
+                pause = min(2 * pause, 5e-3)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self):
+        """Give up the channel: on GPUs, ncclCommAbort ends the kernels waiting for the peer.
+        (On CPUs the peer's processes are killed by then, which fails gloo's pending op.)"""
+        if self.device.type == "cuda" and not self.comm.disabled:
+            import threading
+
+            def abort():
+                with torch.cuda.device(self.device):
+                    self.comm.nccl.ncclCommAbort(self.comm.comm)
+
+            # In a thread with a bound, as vLLM's own destroy() does: the abort may wait on
+            # CUDA work of this communicator; the trainer must not.
+            aborter = threading.Thread(target=abort, daemon=True)
+            aborter.start()
+            aborter.join(timeout=30)
+            self.comm.disabled = True  # vLLM's communicator then skips every call
+            if aborter.is_alive():  # the kernel may still spin on the channel's stream: no restart
+                raise EngineError(f"the NCCL weight channel on {self.device} could not be aborted within 30 s; "
+                                  f"the trainer's GPU may still wait on it: stop the run and resume it")
+
+    def send(self, buf: torch.Tensor, watch=None) -> None:
         """A 1-D uint8 buffer as (length, bytes)."""
-        self.broadcast(torch.tensor([buf.numel()], dtype=torch.int64, device=self.device))
-        self.broadcast(buf)
+        self.broadcast(torch.tensor([buf.numel()], dtype=torch.int64, device=self.device), watch)
+        self.broadcast(buf, watch)
 
     def recv(self) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -273,6 +335,54 @@ def _tail(path: str, lines: int = 20) -> str:
         return "(no log)"
 
 
+def kill_stale(port_file: str):
+    """Kill what an earlier trainer's engine with this log left behind: a trainer killed by
+    SIGKILL cannot stop its engine, and vLLM's engine-core and worker processes, which outlive
+    a killed engine process, would hold the GPU. They are found by the variable every one of
+    them inherits, LOGRA_ENGINE_PORT_FILE=<log>.port, never by a pid that may be reused."""
+    mark = f"LOGRA_ENGINE_PORT_FILE={port_file}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    group = os.getpgid(int(pid))
+                    os.killpg(group, signal.SIGKILL)
+                    wait_group_gone(group)
+        except OSError:  # gone, or another user's
+            pass
+
+
+def group_members(group: int) -> dict:
+    """{pid: name} of the live processes of a process group."""
+    members = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                name, fields = f.read().split(" (", 1)[1].rsplit(")", 1)
+        except OSError:
+            continue
+        fields = fields.split()
+        if fields[0] != "Z" and int(fields[2]) == group:  # state, ppid, pgrp
+            members[int(pid)] = name
+    return members
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has died
+    except OSError:
+        return False
+
+
+def wait_group_gone(group: int, timeout: float = 30.0):
+    """Until no live process is left in a process group (a new engine must not meet the GPU
+    memory of a killed one's vLLM processes), at most `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while group_members(group) and time.monotonic() < end:
+        time.sleep(0.1)
+
+
 class EngineProcess:
     """A child process in its own process group, its log in a file, and a command connection.
 
@@ -285,9 +395,11 @@ class EngineProcess:
         from multiprocessing.connection import Client
 
         self.where, self.log_path, self.timeout, self.conn = where, log_path, timeout, None
+        self.members, self._next_scan = {}, 0.0  # watch_group()
         self.started = time.monotonic()  # start-up, every stage of it, is bounded by one `timeout` from here
         self.key = secrets.token_bytes(32)
         port_file = log_path + ".port"
+        kill_stale(port_file)
         if os.path.exists(port_file):  # a stale one from an earlier engine
             os.remove(port_file)
         env = dict(env, LOGRA_ENGINE_KEY=self.key.hex(), LOGRA_ENGINE_PORT_FILE=port_file)
@@ -297,7 +409,7 @@ class EngineProcess:
         deadline = self.started + timeout
         try:
             while not os.path.exists(port_file):
-                self._alive_or_raise(deadline, "to open its command port")
+                self.check(deadline, "to open its command port")
                 time.sleep(0.2)
             with open(port_file) as f:
                 port = int(f.read())
@@ -307,15 +419,31 @@ class EngineProcess:
             self.kill()
             raise
 
-    def _alive_or_raise(self, deadline, what):
+    def watch_group(self):
+        """Record the engine's processes (vLLM's engine core, its workers) once it has started:
+        from then on one of them dying is the engine lost. vLLM itself may hang on it (its
+        engine core killed under a rollout, the engine process waits for ever), so `check`
+        looks for them too."""
+        self.members = group_members(self.proc.pid)
+
+    def check(self, deadline, what):
+        """Raise EngineLost if the engine or one of its processes has exited, or `deadline` has
+        passed (its group killed)."""
         if self.proc.poll() is not None:
-            self._gone(what)
+            self.gone(what)
+        if self.members and time.monotonic() >= self._next_scan:
+            self._next_scan = time.monotonic() + 0.2
+            dead = [(pid, name) for pid, name in self.members.items() if not _alive(pid)]
+            if dead:
+                self.kill()
+                raise EngineLost(f"engine on {self.where} lost its process {dead[0][0]} ({dead[0][1]}) while waiting "
+                                 f"{what} (killed); last lines of {self.log_path}:\n{_tail(self.log_path)}")
         if time.monotonic() > deadline:
             self.kill()
-            raise EngineError(f"engine on {self.where} gave no answer within {self.timeout:.0f} s while waiting "
+            raise EngineLost(f"engine on {self.where} gave no answer within {self.timeout:.0f} s while waiting "
                               f"{what} (killed); last lines of {self.log_path}:\n{_tail(self.log_path)}")
 
-    def _gone(self, what):
+    def gone(self, what):
         """The engine exited or dropped its connection: give it a moment to exit, then report."""
         try:
             code = self.proc.wait(timeout=30)
@@ -323,7 +451,7 @@ class EngineProcess:
             code = None
         self.kill()
         how = f"exited with code {code}" if code is not None else "closed its connection (killed)"
-        raise EngineError(f"engine on {self.where} {how} while waiting {what}; "
+        raise EngineLost(f"engine on {self.where} {how} while waiting {what}; "
                           f"last lines of {self.log_path}:\n{_tail(self.log_path)}")
 
     def call(self, command, *args, what=None):
@@ -331,23 +459,31 @@ class EngineProcess:
         try:
             self.conn.send((command, args))
         except OSError:
-            self._gone(f"to send '{command}'")
+            self.gone(f"to send '{command}'")
         return self.reply(what or f"for '{command}'")
 
     def reply(self, what, deadline=None):
         """The reply to the last command, by `deadline` (default: `timeout` from now)."""
         deadline = deadline or time.monotonic() + self.timeout
         while not self.conn.poll(0.5):
-            self._alive_or_raise(deadline, what)
+            self.check(deadline, what)
+        return self.read(what)
+
+    def read(self, what):
+        """The reply waiting on the connection: its value, or EngineLost / EngineError."""
         try:
             status, value = self.conn.recv()
         except (EOFError, OSError):
-            self._gone(what)
+            self.gone(what)
         if status != "ok":
             try:  # an engine that fails to start exits right after it answers: its traceback first
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:  # a failed command: the engine lives on
                 pass
+            if status == "lost":  # vLLM's own processes died under it
+                self.kill()
+                raise EngineLost(f"engine on {self.where} lost {what}: {value}; "
+                                 f"last lines of {self.log_path}:\n{_tail(self.log_path)}")
             raise EngineError(f"engine on {self.where} failed {what}: {value}; "
                               f"last lines of {self.log_path}:\n{_tail(self.log_path)}")
         return value
@@ -359,6 +495,7 @@ class EngineProcess:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        wait_group_gone(self.proc.pid)
 
     def stop(self):
         """Ask the engine to exit; kill its group if it has not within `timeout` seconds."""
@@ -404,21 +541,70 @@ class VLLMEngine:
             left = max(deadline - time.monotonic(), 1.0)
             store = WeightChannel.open_store(LOCAL_HOST, left)
             self.proc.conn.send(("init_sync", (LOCAL_HOST, store.port, seed, rank, timeout, residual_on_host)))
-            self.channel = WeightChannel(store, 0, self.device, timeout)  # its broadcasts' bound
+            self.channel = self._join(store, timeout, left)
             self.proc.reply("to join the weight channel", deadline)
+            self.proc.watch_group()
         except BaseException:
             self.proc.kill()
             raise
+
+    def _join(self, store, timeout, left):
+        """The trainer's side of the weight channel, made in a thread so that the wait is
+        bounded by what is left of the start-up deadline and watches the engine (NCCL's set-up
+        has no bound of its own): an engine that dies or never joins is lost, not waited for."""
+        import threading
+
+        made = []
+
+        def join():
+            try:
+                made.append(WeightChannel(store, 0, self.device, timeout))  # `timeout`: its broadcasts' bound
+            except Exception as e:
+                made.append(e)
+
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        end = time.monotonic() + left
+        while joining.is_alive():
+            self.proc.check(end, "to join the weight channel")
+            joining.join(0.2)
+        if isinstance(made[0], Exception):
+            self.proc.kill()
+            raise EngineLost(f"engine on {self.proc.where} could not join the weight channel: "
+                             f"{type(made[0]).__name__}: {made[0]}; last lines of {self.proc.log_path}:\n"
+                             f"{_tail(self.proc.log_path)}")
+        return made[0]
 
     def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
         outs = self.proc.call("generate", prompts, seeds, temperature, top_p, max_new_tokens)
         return rollout_from_lists(prompts, outs, self.pad, self.device)
 
     def _push(self, command, payload) -> int:
+        """A payload over the weight channel, every wait bounded: the broadcasts watch the
+        engine process (one that dies mid-sync is noticed at once), then the reply."""
         buf = sync.encode(payload).to(self.device)
-        self.proc.conn.send((command, ()))
-        self.channel.send(buf)
-        self.proc.reply(f"for '{command}'")
+        what, deadline, early = f"for '{command}'", time.monotonic() + self.proc.timeout, []
+        try:
+            self.proc.conn.send((command, ()))
+        except OSError:
+            self.proc.gone(f"to send '{command}'")
+
+        def watch():  # while the payload is in flight: the engine process, the deadline, an early answer
+            self.proc.check(deadline, f"{what} (its payload over the weight channel)")
+            if not early and self.proc.conn.poll():  # an answer before the payload was taken: a failure
+                early.append(self.proc.read(what))  # raises; "ok" can only come once the payload is in
+
+        try:
+            self.channel.send(buf, watch=watch)
+        except EngineError:
+            raise
+        except Exception as e:  # the channel itself broke: the engine's vLLM worker, its peer, is gone
+            self.proc.kill()
+            raise EngineLost(f"engine on {self.proc.where} lost its weight channel {what}: {type(e).__name__}: "
+                             f"{(str(e).splitlines() or [''])[0]}; last lines of {self.proc.log_path}:\n"
+                             f"{_tail(self.proc.log_path)}") from None
+        if not early:
+            self.proc.reply(what, deadline)
         return buf.numel()
 
     def apply(self, payload) -> int:
@@ -432,33 +618,6 @@ class VLLMEngine:
 
     def close(self):
         self.proc.stop()
-
-
-def start_on_every_rank(make_engine):
-    """`make_engine()` in this trainer process, then agree across processes: if any process's
-    engine failed to start, every process raises (the failing one with its engine's message),
-    so none is left waiting in a collective for a peer whose engine is gone. Returns this
-    process's engine."""
-    engine, error = None, None
-    try:
-        engine = make_engine()
-    except Exception as e:  # any failure here, or the other ranks would wait in the all_reduce
-        error = e
-    if dist.is_initialized():
-        failed = torch.tensor([0.0 if error is None else 1.0])
-        if "gloo" not in str(dist.get_backend()):  # NCCL alone (train.py's groups have gloo beside it)
-            failed = failed.cuda()
-        dist.all_reduce(failed)
-        n = int(failed.item())
-    else:
-        n = int(error is not None)
-    if n:
-        if engine is not None:
-            engine.close()
-        if error is not None:
-            raise error
-        raise EngineError(f"the engine of {n} other rank(s) failed to start (their logs say why); stopping")
-    return engine
 
 
 # -----------------------------------------------------------------------------
@@ -511,6 +670,9 @@ def serve(spec: dict) -> None:
             if command == "init_sync":
                 value = llm.collective_rpc("logra_init", args=args)[0]
             elif command == "generate":
+                # Nothing of earlier generations is reused: a generation depends only on the
+                # weights and its requests, so a restarted or resumed engine samples the same.
+                llm.reset_prefix_cache()
                 prompts, seeds, temperature, top_p, max_new = args
                 stop = [eos] if no_tokenizer else spec.get("stop_ids")  # None: vLLM's own reading
                 params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new, logprobs=0,
@@ -533,7 +695,20 @@ def serve(spec: dict) -> None:
                 raise ValueError(f"unknown command {command!r}")
             conn.send(("ok", value))
         except Exception as e:
+            if _vllm_is_dead(llm, e):  # its engine-core or worker process died: this engine is lost
+                conn.send(("lost", f"vLLM's own processes died: {type(e).__name__}: {e}"))
+                raise
             conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _vllm_is_dead(llm, error) -> bool:
+    """Whether an error means vLLM's engine-core or worker process is gone (vLLM V1 raises
+    EngineDeadError then; the OOM killer or a CUDA fault in a worker ends so), rather than a
+    command it refused."""
+    if type(error).__name__ == "EngineDeadError":
+        return True
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    return bool(getattr(core, "resources", None) and getattr(core.resources, "engine_dead", False))
 
 
 # -----------------------------------------------------------------------------

@@ -325,3 +325,17 @@ class Mismatch:
 
     def load_state_dict(self, state):
         self.m, self.momentum = float(state["m"]), float(state["momentum"])
+
+
+def probe_count(mask, responses: int, tokens: int) -> int:
+    """How many of this rank's responses the KL probe scores: the first `responses` (the
+    paper's 2), and more until they hold at least `tokens` generated tokens (all if need be).
+    The paper's responses run to thousands of tokens; a tiny task's are a few, and KL1 from
+    2 of them would be noise (train.py's departure 4)."""
+    per_response = mask.sum(dim=1).tolist()  # generated tokens of each response
+    count, seen = 0, 0
+    for n in per_response:
+        if count >= responses and seen >= tokens:
+            break
+        count, seen = count + 1, seen + n
+    return max(count, min(responses, len(per_response)))

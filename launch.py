@@ -35,6 +35,18 @@ directory must be one folder that every node mounts (NFS, Lustre, ...). `check_s
 proves it before anything is written: each rank writes a probe file, every rank looks for all
 of them, and a rank that misses one stops every rank with one line.
 
+Preemption and restarts
+-----------------------
+A scheduler stops a job with SIGTERM and kills it a grace period later; torchrun forwards
+SIGTERM and SIGINT to every rank. `Preemption` turns the first such signal into a flag that
+the ranks check together (`agreed()`, at the same points of every update, one all_reduce), so
+that every rank stops at the same update; a second SIGINT (Ctrl-C) stops the process at once.
+`REQUEUE_EXIT` (75, EX_TEMPFAIL of sysexits.h: "try again later") is the status of a run that
+stopped so, with its state saved: run the same command again (a wrapper, or Slurm's
+`--requeue`). torchrun gives its ranks `--shutdown-timeout` seconds (default 30) after
+forwarding the signal before it kills them; the stop needs about one update and one
+checkpoint save.
+
 Departures, numbered
 --------------------
 1. On GPUs the process group has two backends, "cpu:gloo,cuda:nccl": NCCL for the trainers'
@@ -51,12 +63,14 @@ import datetime
 import os
 import pickle
 import secrets
+import signal
 import socket
 import time
 
 import torch.distributed as dist
 
 PROBE_WAIT_S = 10  # how long a rank looks for the others' probe files before it calls the folder unshared
+REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint saved; run the same command again
 
 
 class LaunchError(Exception):
@@ -215,6 +229,58 @@ def gathered(facts: dict) -> list[dict]:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, facts)
     return everyone
+
+
+def check_restarts(environ):
+    """torchrun --max-restarts restarts every rank in the store the first ranks used, unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each restart a fresh one: a shared store keeps
+    the dead ranks' addresses, and the new ranks' gloo group may try them (connection refused;
+    seen on torch 2.13 in about half the restarts; pytorch#135712). Refused up front, since a
+    restart is exactly when the run cannot be watched."""
+    if int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise LaunchError("torchrun --max-restarts needs a fresh store for each restart: launch with "
+                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d (the README's "
+                          "\"Runs that heal\")")
+
+
+class Preemption:
+    """SIGTERM and SIGINT turned into a stop that every rank agrees on (the module docstring,
+    "Preemption and restarts"). Made in the main thread; `restore()` puts back the handlers.
+
+    A second SIGINT to this process, a second or more after its first signal, stops it at once
+    (KeyboardInterrupt): a user's second Ctrl-C. Other repeats are ignored: a scheduler may
+    deliver its SIGTERM to a rank directly and through torchrun, and a rank that learnt of
+    another rank's signal has received none itself."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.received = None  # the first signal's name (or that another rank had one)
+        self._own = None  # when this process received its first signal
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def _handle(self, signum, frame):
+        if self._own is None:
+            self._own = time.monotonic()
+            self.received = signal.Signals(signum).name
+        elif signum == signal.SIGINT and time.monotonic() - self._own >= 1.0:
+            self.restore()
+            raise KeyboardInterrupt("a second SIGINT: stopping at once")
+
+    def agreed(self) -> bool:
+        """Whether any rank has received a signal; every rank must call it at the same point."""
+        import torch
+
+        flag = torch.tensor([0 if self.received is None else 1])
+        if dist.is_initialized():
+            if "gloo" not in str(dist.get_backend()):  # NCCL alone (train.py's groups have gloo beside it)
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()) and self.received is None:
+            self.received = "a signal to another rank"
+        return bool(flag.item())
+
+    def restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 def agreed_layout(environ, engine_gpus: str = None) -> Layout:

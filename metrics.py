@@ -10,7 +10,8 @@ makes the closing lines of a run, `plot` draws curves.png (reward and held-out P
 predicted and realised KL against the budget, alpha), and `pyplot` is the one place that
 imports matplotlib (an optional extra: `pip install -e ".[plot]"`), for the benches too.
 `Laps` times an update's phases and `memory_gib` gives its peak memory (GPU, or the process's
-resident set on a CPU).
+resident set on a CPU). `global_sums` reduces a metric over ranks as sums and counts, and
+`logprob_gap` is the engine/trainer log-prob gap of a batch.
 """
 
 import json
@@ -19,6 +20,7 @@ import resource
 import time
 
 import torch
+import torch.distributed as dist
 
 
 def append(path: str, row: dict, *, first: bool = False):
@@ -117,3 +119,27 @@ def memory_gib(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB on Linux)
+
+
+# -----------------------------------------------------------------------------
+# Reduced over ranks
+
+def global_sums(sums, maxima=(), *, device) -> tuple[list[float], list[float]]:
+    """Sums and maxima over every rank, in float64: each metric is reduced as sums and counts,
+    never as an average of averages. The same code with one process."""
+    totals = torch.tensor(list(sums), dtype=torch.float64, device=device)
+    peaks = torch.tensor(list(maxima), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+        if len(maxima):
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return totals.tolist(), peaks.tolist()
+
+
+def logprob_gap(rollout_logprobs, trainer_logprobs, mask) -> tuple[float, float]:
+    """Mean and max of |engine log-prob - trainer log-prob| over every response token of the
+    global batch: the mismatch that TIS and mismatch subtraction exist for, whatever the engine."""
+    gap = (rollout_logprobs.double() - trainer_logprobs.double()).abs()[mask]  # (tokens,)
+    (total, count), (peak,) = global_sums([gap.sum().item(), gap.numel()],
+                                          [gap.max().item() if gap.numel() else 0.0], device=mask.device)
+    return total / max(count, 1.0), peak

@@ -75,6 +75,7 @@ OPTIONS = (
     ("engine", str, "rollout engine: the in-process Hugging Face one (tiny preset) or vLLM processes",
      ("hf", "vllm")),
     ("engine_timeout", float, "seconds an engine may take to start or to answer one command", None),
+    ("engine_restarts", int, "engines that may be restarted in a run after dying or going silent (heal.py)", None),
     ("dist_timeout", float, "seconds a rank waits for the others in a collective (torch.distributed's timeout; "
      "longer than --engine-timeout)", None),
     ("train_data", str, "DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id",
@@ -85,15 +86,17 @@ FLAGS = {"sketch_rank": "--rank"}  # keys whose flag is not made from the key
 # The least value of each count and size (an int option); the float options must be finite and > 0.
 LEAST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
          "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
-         "save_every": 0, "seed": 0, "max_new_tokens": 1, "context": 2}
+         "save_every": 0, "seed": 0, "max_new_tokens": 1, "context": 2, "engine_restarts": 0}
 POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "eval_temperature", "engine_timeout", "dist_timeout")
 # The widths a local checkpoint's config.json gives (the rank limit, the memory plan).
 MODEL_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
               "rope_theta", "rms_norm_eps")
 PAPER_GPUS_PER_NODE = 8  # the node --dry-run plans for
-# What a resume may change: where its ranks and engines run, and how long a wait may last.
-MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout")
+ENGINE_EXIT_S = 60  # beyond --engine-timeout, how long an engine given up on may take to be killed and reported
+# What a resume may change: where its ranks and engines run, how long a wait may last, how
+# many engine restarts it allows.
+MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout", "engine_restarts")
 
 
 def flag(key: str) -> str:
@@ -196,9 +199,10 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
     if cfg["max_new_tokens"] >= cfg["context"]:
         raise OptionError(f"--max-new-tokens {cfg['max_new_tokens']} must be below --context {cfg['context']}: the "
                           f"prompt needs room too")
-    if cfg["dist_timeout"] <= cfg["engine_timeout"]:
-        raise OptionError(f"--dist-timeout {cfg['dist_timeout']} must be longer than --engine-timeout "
-                          f"{cfg['engine_timeout']}: every rank waits in a collective while the slowest engine starts")
+    if cfg["dist_timeout"] < cfg["engine_timeout"] + ENGINE_EXIT_S:
+        raise OptionError(f"--dist-timeout {cfg['dist_timeout']} must be at least --engine-timeout "
+                          f"{cfg['engine_timeout']} + {ENGINE_EXIT_S}: every rank waits in a collective while the "
+                          f"slowest engine starts, or is given up and restarted")
     if keep < 1:
         raise OptionError(f"--keep {keep} must be >= 1: the newest checkpoint is always kept")
     if resume_from is not None and (not resume or not CHECKPOINT_NAME.fullmatch(resume_from)):
@@ -226,6 +230,8 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
     # --- this machine, and how the run was started ---------------------------------------------
     # Without torchrun (one process): what to start instead. Under torchrun, the node's GPUs
     # are checked once the process group exists, and every rank agrees (launch.check).
+    if machine:
+        launch.check_restarts(os.environ)
     if machine and cfg["device"] == "cuda" and "WORLD_SIZE" not in os.environ:
         planned = launch.Layout(1, max(len(engines), 1), engines)  # a training rank per engine GPU
         command = "; ".join(launch_commands(cfg, planned, preset_engine_gpus))
@@ -267,30 +273,39 @@ def check_model(cfg: dict):
 
 
 def check_run_dir(cfg: dict, run_dir: str, resume=None, resume_from=None):
-    """What the run directory holds, only read (a refused resume changes nothing in it): a
-    resume needs the run's config.json, the same options (but MAY_CHANGE: a resume may run on
-    other nodes, ranks and engine GPUs, with other timeouts) and a checkpoint; a new run needs
-    a directory that holds none. A run calls it on every rank once the directory is known to be shared."""
-    latest = os.path.join(resume or run_dir, "latest")
-    if resume:
-        path = os.path.join(resume, "config.json")
-        if not os.path.exists(path) or not (os.path.exists(latest) or resume_from):
-            raise OptionError(f"--resume {resume}: no config.json and checkpoint there")
-        try:
-            with open(path) as f:
-                saved = json.load(f)
-        except ValueError:  # not JSON (nor UTF-8)
-            saved = None
-        if not isinstance(saved, dict):
-            raise OptionError(f"--resume {resume}: {path} is damaged (not a JSON object); it holds the run's options")
-        if isinstance(saved.get("model"), dict) and "model_type" in (cfg.get("model") or {}):  # a run from
-            saved["model"].setdefault("model_type", cfg["model"]["model_type"])  # before model_type was recorded
-        diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k) and k not in MAY_CHANGE)
-        if diff:
-            raise OptionError(f"--resume {resume}: the run was made with a different configuration "
-                              f"({', '.join(diff)}); pass the same options as the original run")
-    elif os.path.exists(latest):
-        raise OptionError(f"{run_dir} already holds a run: use --resume {run_dir}, or another --run-dir")
+    """What the run directory holds, only read (a refused resume changes nothing in it); returns
+    the directory to resume, or None for a new run. A resume needs the run's config.json, the
+    same options (but MAY_CHANGE: a resume may run on other nodes, ranks and engine GPUs, with
+    other timeouts) and a checkpoint. Without --resume, a directory that holds this run (its
+    config.json, the same options, a checkpoint) is continued, so that the same command run
+    again after a crash, a preemption or torchrun's restart of every rank goes on from the
+    newest checkpoint; one that holds another run is refused. A run calls it on every rank
+    once the directory is known to be shared."""
+    resume_dir = resume or run_dir
+    latest = os.path.join(resume_dir, "latest")
+    if not resume and not os.path.exists(latest):
+        return None  # a new run
+    path = os.path.join(resume_dir, "config.json")
+    if not os.path.exists(path) or not (os.path.exists(latest) or resume_from):
+        raise OptionError(f"--resume {resume}: no config.json and checkpoint there" if resume else
+                          f"{run_dir} holds checkpoints but no config.json: pass another --run-dir")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except ValueError:  # not JSON (nor UTF-8)
+        saved = None
+    if not isinstance(saved, dict):
+        raise OptionError(f"{resume_dir}: {path} is damaged (not a JSON object); it holds the run's options")
+    if isinstance(saved.get("model"), dict) and "model_type" in (cfg.get("model") or {}):  # a run from
+        saved["model"].setdefault("model_type", cfg["model"]["model_type"])  # before model_type was recorded
+    diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k) and k not in MAY_CHANGE)
+    if diff and resume:
+        raise OptionError(f"--resume {resume}: the run was made with a different configuration "
+                          f"({', '.join(diff)}); pass the same options as the original run")
+    if diff:
+        raise OptionError(f"{run_dir} holds another run (its options differ: {', '.join(diff)}): pass the same "
+                          f"options to continue it, or another --run-dir")
+    return resume_dir
 
 
 def launch_commands(cfg: dict, layout: launch.Layout, preset_engine_gpus=None) -> list[str]:
@@ -316,12 +331,13 @@ def planned_layout(nodes, cfg: dict) -> launch.Layout:
     return launch.Layout(nodes, int(os.environ.get("WORLD_SIZE", 0)) // nodes or len(engines) or 1, engines)
 
 
-def check_nodes(cfg: dict, run_dir: str, resume=None, resume_from=None) -> launch.Layout:
+def check_nodes(cfg: dict, run_dir: str, resume=None, resume_from=None):
     """What may differ between nodes, checked once the process group exists, with every rank
     stopping on the same one-line refusal (launch.py, "Agreement"): the layout (the same number
     of ranks on every node, each node's GPUs), vLLM and the model's checkpoint on each node, one
     configuration on every node, the run directory shared by every node, and what it holds.
-    Sets cfg["model"] to the checkpoint's widths; returns the layout."""
+    Sets cfg["model"] to the checkpoint's widths; returns the layout and the directory to
+    resume (check_run_dir), or None."""
     layout = launch.agreed_layout(os.environ, engine_gpus(cfg))
     cfg["model"] = launch.agreed(check_node, cfg, layout)
     configs = {hashlib.sha256(json.dumps(f["cfg"], sort_keys=True).encode()).hexdigest(): f["host"]
@@ -335,8 +351,7 @@ def check_nodes(cfg: dict, run_dir: str, resume=None, resume_from=None) -> launc
     launch.check_shared_folder(run_dir, option="--resume" if resume else "--run-dir")
     if cfg["task"] == "arithmetic" and cfg["warmup_steps"]:  # the base policy is cached next to the run directory
         launch.check_shared_folder(os.path.dirname(os.path.abspath(run_dir)), option="the folder of --run-dir")
-    launch.agreed(check_run_dir, cfg, run_dir, resume, resume_from)
-    return layout
+    return layout, launch.agreed(check_run_dir, cfg, run_dir, resume, resume_from)
 
 
 def check_node(cfg: dict, layout: launch.Layout) -> dict:

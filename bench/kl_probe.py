@@ -132,7 +132,7 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
                                  temperature=cfg["temperature"], max_new_tokens=cfg["max_new_tokens"])
             rewards = ppo.outcome_reward(torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)]))
             advantages = rewards - rewards.mean()
-            probed = train.probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])
+            probed = kl_control.probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])
             scored = dict(temperature=cfg["temperature"], max_responses=probed, max_positions=cfg["kl_real_positions"])
             for budget in budgets:
                 model = copy.deepcopy(base)  # every budget from the same policy and the same sketches

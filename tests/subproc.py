@@ -10,16 +10,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def env(**extra) -> dict:
-    e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # torchrun's restarts meet at a fresh store (README)
     e.pop("WORLD_SIZE", None)
     e.update(extra)
     return e
 
 
-def two_nodes(args, port, out_dir, *, own_mount=None, timeout=300):
+FAULTS = os.path.join(ROOT, "tests", "faults")  # its sitecustomize.py kills engines on cue (LOGRA_TEST_FAULT)
+
+
+def faults(spec) -> dict:
+    """The environment of a run whose engines die as `spec` says (tests/faults/sitecustomize.py)."""
+    return env(PYTHONPATH=os.pathsep.join([ROOT, FAULTS]), LOGRA_TEST_FAULT=spec)
+
+
+def two_nodes(args, port, out_dir, *, own_mount=None, timeout=300, environ=None):
     """Run train.py as two torchrun nodes of one rank each; [(returncode, stdout, stderr)] per
     node. `own_mount`: node 1 sees a fresh, empty tmpfs at that folder (its own mount
-    namespace), as a node that does not share the file system would."""
+    namespace), as a node that does not share the file system would. `environ`: the nodes'
+    environment (default: env())."""
     procs, logs = [], []
     for node in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
@@ -30,7 +40,7 @@ def two_nodes(args, port, out_dir, *, own_mount=None, timeout=300):
                    'mount -t tmpfs none "$0" && exec "$@"', str(own_mount), *cmd]
         # files, not pipes: a node blocked on a full pipe would stall the other in a collective
         logs.append((open(out_dir / f"node{node}-{port}.out", "w+"), open(out_dir / f"node{node}-{port}.err", "w+")))
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=logs[-1][0], stderr=logs[-1][1]))
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=environ or env(), stdout=logs[-1][0], stderr=logs[-1][1]))
     results = []
     try:
         for p, (out, err) in zip(procs, logs):

@@ -181,3 +181,34 @@ def test_the_layout_is_agreed_or_refused_on_every_rank(tmp_path):
         got = json.load(open(tmp_path / f"s-{rank}.json"))
         assert "every node must run the same number of training ranks" in got["uneven"], got
         assert got["even"] == [2, 2, [2, 3]]
+
+
+def test_restarts_need_a_fresh_store_for_each():
+    shared = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    with pytest.raises(launch.LaunchError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d"):
+        launch.check_restarts(shared)
+    launch.check_restarts(dict(shared, TORCHELASTIC_USE_AGENT_STORE="False"))  # each restart its own store
+    launch.check_restarts(dict(shared, TORCHELASTIC_MAX_RESTARTS="0"))  # no restarts: nothing to meet again
+    launch.check_restarts({})  # not under torchrun
+
+
+def _preempted(rank, world, out):
+    """Rank 1 alone receives the signal: both ranks learn of it at the same check."""
+    import signal as signals
+
+    stop = launch.Preemption()
+    try:
+        seen = [stop.agreed()]
+        if rank == 1:
+            os.kill(os.getpid(), signals.SIGTERM)
+        seen.append(stop.agreed())
+    finally:
+        stop.restore()
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{seen}|{stop.received}")
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_check(tmp_path):
+    run_gloo(_preempted, 2, str(tmp_path / "r"))
+    assert open(tmp_path / "r.0").read() == "[False, True]|a signal to another rank"
+    assert open(tmp_path / "r.1").read() == "[False, True]|SIGTERM"

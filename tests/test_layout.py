@@ -40,7 +40,7 @@ def closure(name: str) -> set[str]:
 
 def test_no_module_imports_train_and_no_cycle():
     assert {"train", "sketch", "rowadam", "kl_control", "ppo", "sync", "engine", "tasks", "checkpoint", "launch",
-            "architectures", "options", "memory_plan", "metrics"} <= set(MODULES)
+            "architectures", "options", "memory_plan", "metrics", "heal"} <= set(MODULES)
     for name in MODULES:
         assert "train" not in closure(name) or name == "train", name
         assert name not in closure(name), f"{name} imports itself through {sorted(closure(name))}"
@@ -66,6 +66,12 @@ CALLS = {
     "memory_plan": ("p = memory_plan.estimate(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
                     "num_attention_heads=2, num_key_value_heads=1, vocab_size=32), 1, 8); "  # v: one per target row
                     "assert p['logra_moments'] == 4 * 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)"),
+    "heal": ("from engine import EngineLost\n"
+             "class E:\n    n = 0\n"
+             "    def generate(self, x):\n        E.n += 1\n"
+             "        if E.n == 1: raise EngineLost('gone')\n        return x\n"
+             "    def close(self): pass\n"
+             "s = heal.Supervisor(E, restarts=1, log=print); assert s.generate(7) == 7 and s.restarts == 1"),
     "metrics": ("assert metrics.summary([{'update': 0, 'pass1': 0.25}, {'update': 1, 'pass1': 0.5}], heldout=4, "
                 "engine='hf')[0].endswith('+25.0 points, 4 problems)')"),
 }

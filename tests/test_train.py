@@ -1,5 +1,6 @@
 """train.py end to end, in subprocesses: smoke runs, 1 vs 2 processes, two torchrun "nodes" on this
-machine, resumes on other numbers of ranks, SIGKILL and resume, bad input."""
+machine, resumes on other numbers of ranks, runs that heal (SIGTERM and the same command again, a
+rank SIGKILLed under torchrun --max-restarts, a full disk), bad input."""
 
 import json
 import math
@@ -98,21 +99,52 @@ def wait_for_rows(metrics, rows, timeout=240):
         time.sleep(0.01)
 
 
-def test_sigkill_and_resume_is_bitwise(runs):
+def test_sigterm_saves_and_the_same_command_continues_bitwise(runs):
+    """A SIGTERM stops the run at an update, with a checkpoint, exit 75; the same command run
+    again continues from it without --resume and ends bitwise where an undisturbed run ends."""
     args = [*SMALL, "--updates", "8", "--save-every", "1"]
-    whole, killed = runs / "whole", runs / "killed"
-    run([*args, "--run-dir", str(whole)])
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, "--run-dir", str(killed)],
-                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_rows(killed / "metrics.jsonl", 4)  # base row + 3 updates
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    saved = read_checkpoint(killed)["run"]["update"]
-    assert saved < 8, "the run finished before it was killed"
-    out = run([*args, "--resume", str(killed)])
-    assert f"resumed {killed} at update {saved}" in out.stdout
-    a, b = model_state(whole), model_state(killed)
+    whole, stopped = runs / "whole", runs / "stopped"
+    if not (whole / "latest").exists():
+        run([*args, "--run-dir", str(whole)])
+    args = [*SMALL, "--updates", "8", "--save-every", "4", "--run-dir", str(stopped)]  # the stop saves its own
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rows(stopped / "metrics.jsonl", 3)  # base row + 2 updates
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-2000:] + err[-2000:]
+    line = next(line for line in out.splitlines() if line.startswith("stopped on SIGTERM at update "))
+    at = int(line.split()[5].rstrip(":"))
+    assert 2 <= at < 8 and open(stopped / "latest").read() == f"checkpoint-{at}"
+    assert [json.loads(r)["update"] for r in open(stopped / "metrics.jsonl")] == list(range(at + 1))
+    again = run(args)
+    assert f"continued {stopped} at update {at} (checkpoint-{at}, verified)" in again.stdout
+    a, b = model_state(whole), model_state(stopped)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [json.loads(r)["update"] for r in open(stopped / "metrics.jsonl")] == list(range(9))
+
+
+def test_a_second_sigint_stops_at_once(tmp_path):
+    """The first SIGINT only asks for a stop at the next update; during the base policy's
+    warm-up (seconds long: a seed with no cached base policy) a second one stops the run at
+    once, and nothing is left half-written (no base policy, no temporary file)."""
+    d = tmp_path / "twice"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *SMALL, "--seed", "11",
+                             "--warmup-steps", "3000", "--run-dir", str(d)], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (d / "config.json").exists() and time.time() < deadline:  # written just before the warm-up
+        time.sleep(0.05)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.5)  # a second Ctrl-C, not the same one delivered twice
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert "KeyboardInterrupt: a second SIGINT: stopping at once" in err, err[-3000:]
+    assert proc.returncode not in (0, 75) and time.monotonic() - t0 < 30
+    assert "base policy:" not in out and sorted(os.listdir(tmp_path)) == ["twice"]  # nothing cached, no .tmp
+    assert sorted(os.listdir(d)) == ["config.json"]
 
 
 @pytest.mark.parametrize("args, extra_env, message", [
@@ -135,49 +167,108 @@ def test_resume_with_other_configuration_is_refused(runs):
     out = run([*SMALL, "--updates", "5", "--resume", str(d)], check=False)
     assert out.returncode != 0 and "different configuration (updates)" in out.stderr
     assert (d / "latest").stat().st_mtime == before
-    out = run([*SMALL, "--updates", "3", "--run-dir", str(d)], check=False)
-    assert out.returncode != 0 and "already holds a run" in out.stderr
+    out = run([*SMALL, "--updates", "5", "--run-dir", str(d)], check=False)
+    assert out.returncode == 2 and "holds another run (its options differ: updates)" in out.stderr
+    assert (d / "latest").stat().st_mtime == before
+    out = run([*SMALL, "--updates", "3", "--run-dir", str(d)])  # the same command: continued, nothing left to do
+    assert f"continued {d} at update 3" in out.stdout and (d / "latest").stat().st_mtime == before
 
 
-def kill_all(marker):
-    """SIGKILL every process whose command line mentions `marker`, all at once."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read() and int(pid) != os.getpid():
-                    os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
+def elastic(args, port, *more):
+    """torchrun with 2 ranks and a c10d rendezvous, as the README runs it for restarts: with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (its environment, env()) each restart of every rank
+    meets at a fresh store; a shared one keeps the dead ranks' addresses, and gloo tries them."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *more, "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}", os.path.join(ROOT, "train.py"),
+            *args]
 
 
-def torchrun(args, **kw):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-            kw.get("port", "29561"), os.path.join(ROOT, "train.py"), *args]
+def two_rank_reference(runs):
+    args = [*SMALL, "--updates", "6", "--save-every", "1", "--micro-batch", "4"]
+    whole = runs / "whole2"
+    if not (whole / "latest").exists():
+        out = subprocess.run(elastic([*args, "--run-dir", str(whole)], 29561), cwd=ROOT, capture_output=True,
+                             text=True, env=env(), timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+    return args, whole
 
 
-def test_two_rank_sigkill_and_resume_is_bitwise(runs):
-    """2 ranks (FSDP2, row-sharded LoGRA state saved as DTensors): killed and resumed, the run
-    ends with bitwise the weights of an uninterrupted one."""
-    args = [*SMALL, "--updates", "4", "--save-every", "1", "--micro-batch", "4"]
-    whole, killed = runs / "whole2", runs / "killed2"
-    out = subprocess.run(torchrun([*args, "--run-dir", str(whole)]), cwd=ROOT, capture_output=True, text=True,
-                         env=env(), timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    proc = subprocess.Popen(torchrun([*args, "--run-dir", str(killed)], port="29562"), cwd=ROOT, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_torchrun_restarts_a_killed_rank_and_the_run_ends_bitwise(runs):
+    """2 ranks (FSDP2, row-sharded LoGRA state saved as DTensors) under torchrun --max-restarts
+    1: one rank SIGKILLed mid-run, torchrun restarts both, they continue from the newest
+    checkpoint by themselves and end with bitwise the weights and moments of an undisturbed run."""
+    args, whole = two_rank_reference(runs)
+    killed = runs / "killed2"
+    proc = subprocess.Popen(elastic([*args, "--run-dir", str(killed)], 29562, "--max-restarts", "1"), cwd=ROOT,
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_rows(killed / "metrics.jsonl", 3)  # base row + 2 updates
-    kill_all(str(killed))  # torchrun and both ranks (torchrun's workers have their own process groups)
-    proc.wait()
-    saved = read_checkpoint(killed)["run"]["update"]
-    assert saved < 4, "the run finished before it was killed"
-    out = subprocess.run(torchrun([*args, "--resume", str(killed)], port="29563"), cwd=ROOT, capture_output=True,
-                         text=True, env=env(), timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"resumed {killed} at update {saved}" in out.stdout
+    rank1 = [pid for pid in workers(str(killed)) if b"LOCAL_RANK=1" in open(f"/proc/{pid}/environ", "rb").read()]
+    os.kill(rank1[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert f"continued {killed} at update " in out, out[-2000:]
     a, b = model_state(whole), model_state(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     moments = read_checkpoint(killed)["optimizer"]["moments"]
     assert all(torch.equal(moments[k], read_checkpoint(whole)["optimizer"]["moments"][k]) for k in moments)
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_update(runs):
+    """torchrun forwards a SIGTERM to both ranks: they agree on one update, both write their
+    shards of its checkpoint, and the same command run again ends bitwise where an undisturbed
+    run ends."""
+    args, whole = two_rank_reference(runs)
+    stopped = runs / "stopped2"
+    cmd = elastic([*args, "--run-dir", str(stopped)], 29563)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rows(stopped / "metrics.jsonl", 2)  # base row + 1 update
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    line = next((line for line in out.splitlines() if line.startswith("stopped on SIGTERM at update ")), None)
+    assert line, out[-2000:] + err[-3000:]
+    at = int(line.split()[5].rstrip(":"))
+    manifest = json.load(open(stopped / f"checkpoint-{at}" / "manifest.json"))
+    assert at < 6 and manifest["world"] == 2 and {f["rank"] for f in manifest["files"].values()} == {0, 1}
+    assert 'train.py", line' not in err  # both ranks stopped cleanly (torchrun's own exit is its own)
+    again = subprocess.run(elastic([*args, "--run-dir", str(stopped)], 29564), cwd=ROOT, capture_output=True,
+                           text=True, env=env(), timeout=300)
+    assert again.returncode == 0 and f"continued {stopped} at update {at}" in again.stdout, again.stderr[-3000:]
+    a, b = model_state(whole), model_state(stopped)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def workers(marker):
+    """The pids of train.py processes (torchrun's workers) whose command line mentions `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in cmd and any(c.endswith(b"train.py") for c in cmd) and b"torch.distributed.run" not in cmd:
+            found.append(int(pid))
+    return found
+
+
+def test_a_save_that_runs_out_of_space_stops_with_one_line(runs, tmp_path):
+    """The run directory on a 1.4 MB file system: checkpoints 1 and 2 fit, 3 does not. One line
+    names the file and the free space, exit 2, and checkpoint-2 (latest) still verifies."""
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs mount namespaces (unshare --mount, as root) to make a small file system")
+    d = runs / "small-disk"  # next to the module's cached base policy (on the big disk)
+    check = ("import checkpoint, sys; p = checkpoint.resume_path(sys.argv[1], None, rank=0, world=1); "
+             "print('verified', p)")
+    script = (f'py="$1"; shift; mkdir -p "$0" && mount -t tmpfs -o size=1400k none "$0" && "$py" train.py "$@" '
+              f'--run-dir "$0"; echo "exit $?"; "$py" -c "{check}" "$0"; cat "$0/latest"')
+    args = [*SMALL, "--updates", "6", "--save-every", "1"]
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(d),
+                          sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env(), timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert len(lines) == 1 and "exit 2" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    assert lines[0].startswith("train.py: error: saving checkpoint-3 failed (rank 0 writing checkpoint-3/__0_0.distcp:")
+    assert "MiB free on the file system of" in lines[0] and "checkpoint-2 and latest are as they were" in lines[0]
+    assert f"verified {d}/checkpoint-2" in out.stdout and out.stdout.rstrip().endswith("checkpoint-2")
+    assert 'train.py", line' not in out.stderr
 
 
 # --- several nodes: two torchrun "nodes" on this machine (c10d rendezvous on 127.0.0.1) -----------

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import kl_control
 import memory_plan
 import train
 from distributed import run_gloo
@@ -116,12 +117,12 @@ def test_probe_count_sizes_the_probe_in_tokens():
     mask = torch.zeros(6, 10, dtype=torch.bool)
     for i, n in enumerate([3, 4, 2, 5, 1, 1]):  # generated tokens of each response
         mask[i, 10 - n:] = True
-    assert train.probe_count(mask, 2, 0) == 2  # the paper's rule: 2 responses
-    assert train.probe_count(mask, 2, 7) == 2  # 3 + 4 tokens suffice
-    assert train.probe_count(mask, 2, 8) == 3  # one more response
-    assert train.probe_count(mask, 1, 14) == 4  # 3 + 4 + 2 + 5
-    assert train.probe_count(mask, 2, 1000) == 6  # all of them, never more
-    assert train.probe_count(mask[:1], 2, 0) == 1
+    assert kl_control.probe_count(mask, 2, 0) == 2  # the paper's rule: 2 responses
+    assert kl_control.probe_count(mask, 2, 7) == 2  # 3 + 4 tokens suffice
+    assert kl_control.probe_count(mask, 2, 8) == 3  # one more response
+    assert kl_control.probe_count(mask, 1, 14) == 4  # 3 + 4 + 2 + 5
+    assert kl_control.probe_count(mask, 2, 1000) == 6  # all of them, never more
+    assert kl_control.probe_count(mask[:1], 2, 0) == 1
 
 
 def test_small_instruct_preset_matches_its_family():
