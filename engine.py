@@ -179,6 +179,17 @@ def top_p_filter(logits, top_p):
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def _ticker(progress):
+    """A callable that moves `progress` on to the whole seconds it is given (cumulative)."""
+    shown = [0]
+
+    def tick(seconds):
+        if int(seconds) > shown[0]:
+            progress.update(int(seconds) - shown[0])
+            shown[0] = int(seconds)
+    return tick
+
+
 def rollout_from_lists(prompts, outputs, pad, device) -> Rollout:
     """Right-padded (B, T) tensors from per-sample (response ids, log-probs, ended with EOS)."""
     for p in prompts:
@@ -391,10 +402,11 @@ class EngineProcess:
     naming `where` and quoting the log's last lines, and the whole group is killed.
     """
 
-    def __init__(self, argv, env, log_path: str, *, where: str, timeout: float):
+    def __init__(self, argv, env, log_path: str, *, where: str, timeout: float, on_wait=None):
         from multiprocessing.connection import Client
 
         self.where, self.log_path, self.timeout, self.conn = where, log_path, timeout, None
+        self.on_wait = on_wait  # called with the seconds waited so far, while waiting (a progress line)
         self.members, self._next_scan = {}, 0.0  # watch_group()
         self.started = time.monotonic()  # start-up, every stage of it, is bounded by one `timeout` from here
         self.key = secrets.token_bytes(32)
@@ -429,6 +441,8 @@ class EngineProcess:
     def check(self, deadline, what):
         """Raise EngineLost if the engine or one of its processes has exited, or `deadline` has
         passed (its group killed)."""
+        if self.on_wait is not None:
+            self.on_wait(time.monotonic() - self.started)
         if self.proc.poll() is not None:
             self.gone(what)
         if self.members and time.monotonic() >= self._next_scan:
@@ -521,18 +535,21 @@ class VLLMEngine:
     `eos`/`pad`: token ids when the engine runs without a tokenizer (the tiny task); None
     takes them from the checkpoint's tokenizer. `stop_ids`: the ids that end a response
     (tasks.generation_stop_ids), passed to every request. `timeout` bounds start-up and every command.
+    `progress` (an object with `update(n)` and `close()`, such as metrics.Progress over
+    `timeout` seconds) is moved on by the seconds the start-up waits, and closed once it ends.
     """
 
     def __init__(self, *, model_path, context, seed, rank, gpu, device, log_path, timeout,
                  gpu_memory_utilization=None, reserve_bytes=0, eos=None, pad=None, residual_on_host=False,
-                 stop_ids=None):
+                 stop_ids=None, progress=None):
         self.device = torch.device(device)
         where = f"GPU {engine_env(gpu).get('CUDA_VISIBLE_DEVICES')}" if gpu is not None else "the CPU"
         spec = {"model": model_path, "context": context, "seed": seed, "device": self.device.type,
                 "gpu_memory_utilization": gpu_memory_utilization, "reserve_bytes": reserve_bytes,
                 "eos": eos, "pad": pad, "stop_ids": stop_ids, "log": log_path}
         self.proc = EngineProcess([sys.executable, os.path.join(HERE, "engine.py"), json.dumps(spec)],
-                                  engine_env(gpu), log_path, where=where, timeout=timeout)
+                                  engine_env(gpu), log_path, where=where, timeout=timeout,
+                                  on_wait=progress and _ticker(progress))
         # One bound for the whole start-up (the trainers' collectives wait for the slowest).
         deadline = self.proc.started + timeout
         try:
@@ -547,6 +564,10 @@ class VLLMEngine:
         except BaseException:
             self.proc.kill()
             raise
+        finally:
+            self.proc.on_wait = None  # the start-up is over, one way or the other
+            if progress is not None:
+                progress.close()
 
     def _join(self, store, timeout, left):
         """The trainer's side of the weight channel, made in a thread so that the wait is

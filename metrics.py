@@ -1,32 +1,49 @@
 """
-metrics.py: what a run writes down: metrics.jsonl, its one line per update, its summary and curves.
+metrics.py: what a run writes down and shows: metrics.jsonl, TensorBoard and W&B, the line per
+update, progress on long waits, the summary and curves.
 
 What it is
 ----------
 `metrics.jsonl` in the run directory holds one JSON object per line: `{"update": 0, "pass1":
 ..., "passk": ...}` for the base policy, then one row per update (`step_line` prints it; the
-keys are train.py's `update_row`). `append` adds a row, `read` gives them back, `summary`
-makes the closing lines of a run, `plot` draws curves.png (reward and held-out Pass@1,
-predicted and realised KL against the budget, alpha), and `pyplot` is the one place that
-imports matplotlib (an optional extra: `pip install -e ".[plot]"`), for the benches too.
-`Laps` times an update's phases and `memory_gib` gives its peak memory (GPU, or the process's
-resident set on a CPU). `global_sums` reduces a metric over ranks as sums and counts, and
-`logprob_gap` is the engine/trainer log-prob gap of a batch.
+keys are train.py's `update_row`), and one row per event (an engine restart). The JSON is
+strict: a value that does not apply (AdamW has no KL prediction, LoGRA no learning rate) is
+`null`, never NaN, so that `jq` and JavaScript read it. `Log` writes each row there and, when
+the packages are installed, as TensorBoard scalars under `RUN_DIR/tensorboard` and to W&B
+(`--wandb PROJECT`; `WANDB_MODE=offline` works without a network). A resumed run continues the
+same curves: TensorBoard's events after the checkpoint are purged (`purge_step`), W&B's run is
+resumed by its id (kept in `RUN_DIR/wandb-id`), and the updates run again after a resume are
+bitwise the ones logged before the stop, so nothing differs where W&B keeps its first values.
+`summarise` prints the closing lines (`summary`) and draws curves.png (`plot`); `pyplot` is
+the one place that imports matplotlib (an optional extra: `pip install -e ".[plot]"`), for the
+benches too. `Progress` shows a bar with the time left on a terminal and a plain line every
+`every` seconds in a log file. `Laps` times an update's phases and `memory_gib` gives its peak
+memory (GPU, or the process's resident set on a CPU). `global_sums` reduces a metric over
+ranks as sums and counts, and `logprob_gap` is the engine/trainer log-prob gap of a batch.
 """
 
+import importlib.util
 import json
 import math
+import os
 import resource
+import secrets
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 
+def strict(row: dict) -> dict:
+    """The row with every non-finite float (a value that does not apply) as None."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
 def append(path: str, row: dict, *, first: bool = False):
-    """One row at the end of the log; `first` starts the log anew (a run's update 0)."""
+    """One row at the end of the log, strict JSON; `first` starts the log anew (a run's update 0)."""
     with open(path, "w" if first else "a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(strict(row), allow_nan=False) + "\n")
 
 
 def read(path: str) -> list[dict]:
@@ -35,11 +52,16 @@ def read(path: str) -> list[dict]:
 
 
 def step_line(row: dict) -> str:
-    """One line per update: `step 12 | reward 0.41 | kl 1.9e-04 (real 2.0e-04) | alpha 0.80 | ...`."""
+    """One line per update, each method's own quantities: LoGRA's `kl 1.9e-04 (real 2.0e-04) |
+    alpha 0.80 | budget ...`, AdamW's `lr 1.0e-04`."""
+    if row.get("lr") is None:  # LoGRA
+        real = "n/a" if row.get("kl_real") is None or not math.isfinite(row["kl_real"]) else f"{row['kl_real']:.2e}"
+        method = f"kl {row['kl_pred']:.2e} (real {real}) | alpha {row['alpha']:.2f} | budget {row['budget']:.2e}"
+    else:
+        method = f"lr {row['lr']:.2e}"
     return (f"step {row['update']} | reward {row['reward']:.3f} | "
             + (f"pass@1 {row['pass1']:.3f} | " if "pass1" in row else "")
-            + f"kl {row['kl_pred']:.2e} (real {row['kl_real']:.2e}) | alpha {row['alpha']:.2f} | "
-            f"budget {row['budget']:.2e} | mismatch {row['mismatch']:.1e} | mem {row['mem_gib']:.2f} GiB | "
+            + f"{method} | mismatch {row['mismatch']:.1e} | mem {row['mem_gib']:.2f} GiB | "
             f"{row['time_s'] * 1e3:.0f} ms")
 
 
@@ -60,6 +82,15 @@ def summary(rows: list[dict], *, heldout: int, engine: str) -> list[str]:
         lines.append(f"memory per update: average {sum(mem) / len(mem):.2f} GiB, peak {max(mem):.2f} GiB; "
                      f"{3600 / (sum(r['time_s'] for r in updates) / len(updates)):.0f} updates/h")
     return lines
+
+
+def summarise(metrics_path: str, curves: str, *, heldout: int, engine: str):
+    """The run's closing lines (summary) and its curves.png."""
+    rows = read(metrics_path)
+    for line in summary(rows, heldout=heldout, engine=engine):
+        print(line)
+    print(f"curves: {curves}" if plot(rows, curves) else
+          "no plot: install matplotlib (pip install -e '.[plot]') to get curves.png")
 
 
 def pyplot():
@@ -85,10 +116,11 @@ def plot(rows: list[dict], path: str) -> bool:
     axes[0].plot(x, [r["reward"] for r in steps], label="train reward")
     axes[0].plot([r["update"] for r in rows if "pass1" in r], [r["pass1"] for r in rows if "pass1" in r],
                  "o-", label="held-out pass@1")
-    axes[1].semilogy(x, [r["kl_pred"] for r in steps], label="predicted KL")
-    axes[1].semilogy(x, [r.get("kl_real", math.nan) for r in steps], ".", label="realised KL")
-    axes[1].semilogy(x, [r["budget"] for r in steps], "--", label="budget")
-    axes[2].plot(x, [r["alpha"] for r in steps], label="alpha")
+    value = lambda r, k: math.nan if r.get(k) is None else r[k]  # noqa: E731  (null: does not apply)
+    axes[1].semilogy(x, [value(r, "kl_pred") for r in steps], label="predicted KL")
+    axes[1].semilogy(x, [value(r, "kl_real") for r in steps], ".", label="realised KL")
+    axes[1].semilogy(x, [value(r, "budget") for r in steps], "--", label="budget")
+    axes[2].plot(x, [value(r, "alpha") for r in steps], label="alpha")
     for ax in axes:
         ax.set_xlabel("update")
         ax.legend()
@@ -96,6 +128,89 @@ def plot(rows: list[dict], path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+# -----------------------------------------------------------------------------
+# Where the rows go: metrics.jsonl, TensorBoard, W&B
+
+class Log:
+    """The run's rows: metrics.jsonl always; TensorBoard scalars when `tensorboard` is
+    installed; W&B when `wandb_project` is given. `start`: the update a resumed run continues
+    from (TensorBoard's later events are purged). Made on rank 0 only."""
+
+    def __init__(self, run_dir: str, *, start: int, config: dict, wandb_project=None):
+        self.path, self.tb, self.wandb = os.path.join(run_dir, "metrics.jsonl"), None, None
+        if importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start + 1 if start else None)
+        if wandb_project:
+            import wandb
+
+            id_file = os.path.join(run_dir, "wandb-id")
+            if not os.path.exists(id_file) or not start:
+                with open(id_file, "w") as f:
+                    f.write(secrets.token_hex(8))
+            with open(id_file) as f:
+                run_id = f.read().strip()
+            self.wandb = wandb.init(project=wandb_project, id=run_id, resume="allow", dir=run_dir, config=config,
+                                    name=os.path.basename(os.path.abspath(run_dir)))
+
+    def append(self, row: dict, *, first: bool = False):
+        append(self.path, row, first=first)
+        scalars = {k: float(v) for k, v in strict(row).items()
+                   if k != "update" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if "event" in row:  # an engine restart: its cost on the curves
+            scalars = {f"{row['event']}_seconds": float(row.get("seconds", 0.0))}
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, global_step=row["update"])
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=row["update"])
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# -----------------------------------------------------------------------------
+# Progress on a long wait: a bar on a terminal, a line now and then in a log
+
+class Progress:
+    """`Progress(total, what)`; `update(n=1)`; `close()`. On a terminal, tqdm's bar with the
+    time left; otherwise a plain line (`what: 1200/3000 (40%), 31 s, about 47 s left`) at most
+    every `every` seconds, and one at the end. `enabled=False` (a rank other than 0) is silent."""
+
+    def __init__(self, total: int, what: str, *, every: float = 30.0, enabled: bool = True):
+        self.total, self.what, self.every, self.done, self.bar = total, what, every, 0, None
+        self.enabled, self.t0, self.last = enabled, time.monotonic(), time.monotonic()
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=what, leave=False, dynamic_ncols=True)
+
+    def update(self, n: int = 1):
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.enabled and time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            print(self.line(), flush=True)
+
+    def line(self) -> str:
+        spent = time.monotonic() - self.t0
+        left = spent / self.done * (self.total - self.done) if self.done else float("nan")
+        return (f"{self.what}: {self.done}/{self.total} ({100 * self.done / max(self.total, 1):.0f}%), {spent:.0f} s"
+                + (f", about {left:.0f} s left" if self.done < self.total and math.isfinite(left) else ""))
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled and time.monotonic() - self.t0 >= self.every:
+            print(self.line(), flush=True)
 
 
 # -----------------------------------------------------------------------------

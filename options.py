@@ -121,6 +121,9 @@ def parse(argv, presets: dict) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="build the preset on the meta device, print the sharding plan and memory estimate, exit")
     p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object with the byte estimates")
+    p.add_argument("--wandb", default=None, metavar="PROJECT",
+                   help="also log every row to this W&B project (pip install wandb; WANDB_MODE=offline without a "
+                        "network); TensorBoard scalars are written whenever tensorboard is installed")
     p.add_argument("--nodes", type=int, default=None,
                    help="with --dry-run: plan this many nodes (a run takes its layout from torchrun's --nnodes)")
     for key, typ, text, choices in OPTIONS:
@@ -179,7 +182,7 @@ def engine_gpus(cfg: dict):
 
 
 def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=None, machine: bool = True,
-             preset_device: str = "cpu", preset_engine_gpus=None):
+             preset_device: str = "cpu", preset_engine_gpus=None, wandb=None):
     """Everything that the command line and torchrun's WORLD_SIZE (`world`) decide, in the
     order of the module docstring: the same verdict on every rank. `machine`: check this
     machine and how the run was started (--dry-run plans the paper's layout anywhere);
@@ -205,6 +208,8 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
                           f"slowest engine starts, or is given up and restarted")
     if keep < 1:
         raise OptionError(f"--keep {keep} must be >= 1: the newest checkpoint is always kept")
+    if wandb and importlib.util.find_spec("wandb") is None:
+        raise OptionError(f"--wandb {wandb} needs wandb: pip install -e '.[watch]' (or leave --wandb out)")
     if resume_from is not None and (not resume or not CHECKPOINT_NAME.fullmatch(resume_from)):
         raise OptionError(f"--resume-from {resume_from}: give a checkpoint-N folder of the run, with --resume RUN_DIR")
     if cfg["task"] == "arithmetic" and cfg["eval_problems"] > Arithmetic.PROBLEMS // 2:

@@ -310,11 +310,12 @@ class Arithmetic:
         return text[start + len("\\boxed{"):-1] == str(self.answer(problem))
 
 
-def warmup(model, task: Arithmetic, *, steps: int, batch: int, lr: float, unboxed: float, seed: int):
+def warmup(model, task: Arithmetic, *, steps: int, batch: int, lr: float, unboxed: float, seed: int, progress=None):
     """Supervised warm-up on correct answers, in place: AdamW (no weight decay) with a cosine
     learning rate from `lr` to 0 over `steps` batches of `batch` training problems drawn from
     negative indices (never the ones RL draws). A share `unboxed` of the answers lacks the box
-    the grader requires (the module docstring says why). Leaves the model in eval mode."""
+    the grader requires (the module docstring says why). Leaves the model in eval mode.
+    `progress()`, if given, is called after every step."""
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
@@ -336,4 +337,6 @@ def warmup(model, task: Arithmetic, *, steps: int, batch: int, lr: float, unboxe
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if progress is not None:
+            progress()
     model.eval()

@@ -235,6 +235,8 @@ def main(argv=None):
         log(f"{'resumed' if args.resume else 'continued'} {run_dir} at update {start} ({os.path.basename(resume)}, "
             f"verified{'; ' + moved if moved else ''}){'' if args.resume else ' (another --run-dir starts anew)'}")
     saved = start if resume else None  # the update of the newest checkpoint
+    record = metrics.Log(run_dir, start=start, config=cfg, wandb_project=args.wandb) if rank == 0 else None
+    atexit.register(record.close) if record else None  # TensorBoard's and W&B's files complete, however it ends
 
     def save(done):  # every rank writes its shards (checkpoint.py)
         checkpoint.save(run_dir, run_state(model, opt, logra, baseline, mismatch, done), done, rank=rank, world=world,
@@ -250,7 +252,7 @@ def main(argv=None):
         log(f"step 0 | base policy | pass@1 {first_pass:.3f} | pass@{cfg['eval_samples']} {first_passk:.3f} "
             f"on {len(task.heldout)} held-out problems")
         if rank == 0:
-            metrics.append(metrics_path, {"update": 0, "pass1": first_pass, "passk": first_passk}, first=True)
+            record.append({"update": 0, "pass1": first_pass, "passk": first_passk}, first=True)
 
     for update in range(start, cfg["updates"]):
         if device.type == "cuda":
@@ -322,9 +324,8 @@ def main(argv=None):
         log(metrics.step_line(row))
         events = engine.take_events()  # engine restarts (heal.py), with their cause and cost
         if rank == 0:
-            metrics.append(metrics_path, row)
-            for event in events:
-                metrics.append(metrics_path, {"update": done, **event})
+            for r in (row, *({"update": done, **event} for event in events)):
+                record.append(r)
         if cfg["save_every"] and (done % cfg["save_every"] == 0 or done == cfg["updates"]):
             save(done)
             saved = done
@@ -333,7 +334,8 @@ def main(argv=None):
 
     # --- summary ---------------------------------------------------------------------------
     if rank == 0:
-        summarise(metrics_path, os.path.join(run_dir, "curves.png"), len(task.heldout), cfg["engine"])
+        metrics.summarise(metrics_path, os.path.join(run_dir, "curves.png"), heldout=len(task.heldout),
+                          engine=cfg["engine"])
     engine.close()
     if dist.is_initialized():
         dist.barrier()  # every rank done (rank 0's summary too) before any tears the group down
@@ -353,15 +355,6 @@ def preempted(preemption, update, saved, save, engine, log):
         dist.barrier()
         dist.destroy_process_group()
     sys.exit(launch.REQUEUE_EXIT)
-
-
-def summarise(metrics_path, curves, heldout, engine):
-    """The run's closing lines (metrics.summary) and its curves.png."""
-    rows = metrics.read(metrics_path)
-    for line in metrics.summary(rows, heldout=heldout, engine=engine):
-        print(line)
-    print(f"curves: {curves}" if metrics.plot(rows, curves) else
-          "no plot: install matplotlib (pip install -e '.[plot]') to get curves.png")
 
 
 def logra_step(model, opt, layers, ro, budget, cfg, lap) -> dict:
@@ -429,7 +422,7 @@ def configure(argv=None):
     cfg = options.resolve(args, PRESETS)
     preset = PRESETS[cfg["preset"]]
     checks = dict(keep=args.keep, resume=args.resume, resume_from=args.resume_from, preset_device=preset["device"],
-                  preset_engine_gpus=preset.get("engine_gpus"))
+                  preset_engine_gpus=preset.get("engine_gpus"), wandb=args.wandb)
     if args.nodes is not None and (not args.dry_run or args.nodes < 1):
         raise OptionError(f"--nodes {args.nodes}: a number >= 1, with --dry-run (a run takes its layout from "
                           f"torchrun's --nnodes)")
@@ -547,8 +540,10 @@ def base_policy(model, task, cfg, path, log):
         log(f"base policy: loaded {path}")
         return
     t0 = time.time()
+    bar = metrics.Progress(cfg["warmup_steps"], "base policy: warm-up steps")
     tasks.warmup(model, task, steps=cfg["warmup_steps"], batch=cfg["warmup_batch"], lr=cfg["warmup_lr"],
-                 unboxed=cfg["warmup_unboxed"], seed=cfg["seed"])
+                 unboxed=cfg["warmup_unboxed"], seed=cfg["seed"], progress=bar.update)
+    bar.close()
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     checkpoint.write_atomic(path, buffer.getvalue())
@@ -644,7 +639,9 @@ def start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, eos, pa
         device=device, log_path=os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log"),
         timeout=cfg["engine_timeout"], gpu_memory_utilization=cfg.get("gpu_memory_utilization"),
         reserve_bytes=plan["engine_reserve_bytes"], residual_on_host=plan["engine_residual_on_host"],
-        eos=eos, pad=pad, stop_ids=stop_ids), restarts=cfg["engine_restarts"], log=log)
+        eos=eos, pad=pad, stop_ids=stop_ids, progress=metrics.Progress(
+            int(cfg["engine_timeout"]), "engine: seconds of vLLM's start, of at most", enabled=rank == 0)),
+        restarts=cfg["engine_restarts"], log=log)
     log(f"engine: vLLM on the CPU, one per rank (logs: {run_dir}/engine-<rank>.log)" if gpu is None else
         f"engine: vLLM on GPUs {cfg['engine_gpus']} of each node, one per rank (logs: {run_dir}/engine-<rank>.log)")
     return engine
@@ -777,11 +774,14 @@ def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
     problem, and whether any of them is correct; sums and counts reduced over ranks."""
     problems = task.heldout[rank::world]
     right = torch.zeros(len(problems), cfg["eval_samples"])
+    bar = metrics.Progress(cfg["eval_samples"] * len(task.heldout), "evaluation: samples", enabled=rank == 0)
     for s in range(cfg["eval_samples"]):
         seeds = [stable_seed("eval", cfg["seed"], i * world + rank, s) for i in range(len(problems))]
         ro = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["eval_temperature"],
                              top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"])
         right[:, s] = torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)], dtype=torch.float32)
+        bar.update(len(task.heldout))
+    bar.close()
     (correct, any_correct, samples, count), _ = metrics.global_sums(
         [right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems)], device=device)
     return correct / samples, any_correct / count

@@ -1,6 +1,7 @@
 """What a run writes down (metrics.py): the log's rows back as written, the line per update,
 the run summary from rows written out here, and curves.png."""
 
+import json
 import math
 import os
 
@@ -41,3 +42,33 @@ def test_plot(tmp_path):
     path = str(tmp_path / "curves.png")
     assert metrics.plot([{"update": 0, "pass1": 0.25}, ROW, dict(ROW, update=4, kl_real=math.nan)], path)
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 1000
+
+
+def test_rows_are_strict_json_and_each_method_shows_its_own_quantities(tmp_path):
+    path = str(tmp_path / "m.jsonl")
+    adam = {"update": 1, "reward": 0.5, "kl_pred": math.nan, "kl_real": math.nan, "alpha": math.nan, "lr": 1e-4,
+            "budget": math.inf, "mismatch": 1e-3, "mem_gib": 0.5, "time_s": 0.02}
+    metrics.append(path, adam, first=True)
+
+    def refuse(token):
+        raise ValueError(f"not strict JSON: {token}")
+
+    row = json.loads(open(path).read(), parse_constant=refuse)  # NaN, Infinity: refused
+    assert row["kl_pred"] is None and row["budget"] is None and row["lr"] == 1e-4
+    assert metrics.step_line(row) == "step 1 | reward 0.500 | lr 1.00e-04 | mismatch 1.0e-03 | mem 0.50 GiB | 20 ms"
+    logra = dict(adam, kl_pred=1.9e-4, kl_real=2.0e-4, alpha=0.8, budget=2e-4, lr=None)
+    assert "| kl 1.90e-04 (real 2.00e-04) | alpha 0.80 | budget 2.00e-04 |" in metrics.step_line(logra)
+
+
+def test_progress_in_a_log_file_is_a_plain_line_now_and_then(capsys):
+    bar = metrics.Progress(4, "warm-up steps", every=0.0)  # pytest's stderr is no terminal
+    for _ in range(4):
+        bar.update()
+    bar.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("warm-up steps: 1/4 (25%), ") and "s left" in lines[0]
+    assert lines[3].startswith("warm-up steps: 4/4 (100%), ") and "left" not in lines[3]
+    quiet = metrics.Progress(4, "other ranks", every=0.0, enabled=False)
+    quiet.update(4)
+    quiet.close()
+    assert capsys.readouterr().out == ""

@@ -124,6 +124,42 @@ def test_sigterm_saves_and_the_same_command_continues_bitwise(runs):
     assert [json.loads(r)["update"] for r in open(stopped / "metrics.jsonl")] == list(range(9))
 
 
+def test_tensorboard_and_wandb_follow_a_killed_and_continued_run(runs):
+    """Every metrics row is a TensorBoard scalar and a W&B row. Killed after update 6 (rows up
+    to 6 written, checkpoint-4 saved) and continued from checkpoint-4, the run's event data,
+    read back with tensorboard's own reader, holds every update once with the values of the
+    final metrics.jsonl, and W&B (offline) wrote one run, resumed, under the same id."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    d = runs / "watched"
+    args = [*SMALL, "--updates", "12", "--save-every", "4", "--run-dir", str(d), "--wandb", "logra-tests"]
+    watched = env(WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env=watched,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_rows(d / "metrics.jsonl", 7)  # base row + 6 updates
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    logged = [json.loads(r)["update"] for r in open(d / "metrics.jsonl")]
+    saved = read_checkpoint(d)["run"]["update"]
+    assert saved < max(logged) < 12, (saved, logged)  # rows beyond the checkpoint: TensorBoard must drop them
+    out = run(args, env=watched)
+    assert f"continued {d} at update {saved}" in out.stdout
+    rows = [json.loads(r) for r in open(d / "metrics.jsonl")]
+    assert [r["update"] for r in rows] == list(range(13))
+    acc = EventAccumulator(str(d / "tensorboard"))
+    acc.Reload()
+    for key in ("reward", "kl_pred", "alpha", "mismatch", "time_s"):
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == list(range(1, 13)), (key, [e.step for e in events])
+        want = [float(torch.tensor(r[key], dtype=torch.float32)) for r in rows[1:]]
+        assert [e.value for e in events] == want, key
+    assert [e.step for e in acc.Scalars("pass1")] == [0]
+    run_id = open(d / "wandb-id").read().strip()
+    offline = sorted(p.name for p in (d / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(run_id) for name in offline), offline
+    assert all(list((d / "wandb" / name).glob("*.wandb")) for name in offline)
+
+
 def test_a_second_sigint_stops_at_once(tmp_path):
     """The first SIGINT only asks for a stop at the next update; during the base policy's
     warm-up (seconds long: a seed with no cached base policy) a second one stops the run at
