@@ -159,16 +159,14 @@ def _commit(run_dir, name, update, world, layout, everyone):
 def _save_failed(run_dir, name, rank, what) -> "CheckpointError":
     """The error of a save that could not be written, after rank 0 removed what it left (the
     previous checkpoint and `latest` were never touched): one line, with the free space."""
-    pointer = os.path.join(run_dir, "latest")
-    named = os.path.exists(pointer) and open(pointer, "rb").read().decode(errors="replace").strip() == name
-    if rank == 0 and not named:  # (a failure after both renames leaves it in charge: it stays)
+    previous = read_pointer(run_dir, checkpoints(run_dir))[0] if os.path.exists(os.path.join(run_dir, "latest")) \
+        else None
+    if rank == 0 and previous != name:  # (a failure after both renames leaves it in charge: it stays)
         remove(os.path.join(run_dir, name))
     try:
         free = f"{shutil.disk_usage(run_dir).free / 2**20:.1f} MiB free"
     except OSError:
         free = "free space unknown"
-    previous = read_pointer(run_dir, checkpoints(run_dir))[0] if os.path.exists(os.path.join(run_dir, "latest")) \
-        else None
     kept = f"{previous} and latest are as they were" if previous else "no earlier checkpoint exists"
     error = CheckpointError(f"saving {name} failed ({what}); {free} on the file system of {run_dir}; {kept}: free "
                             f"some space, then run the same command again to continue")

@@ -363,27 +363,21 @@ def kill_stale(port_file: str):
             pass
 
 
-def group_members(group: int) -> dict:
-    """{pid: name} of the live processes of a process group."""
-    members = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                name, fields = f.read().split(" (", 1)[1].rsplit(")", 1)
-        except OSError:
-            continue
-        fields = fields.split()
-        if fields[0] != "Z" and int(fields[2]) == group:  # state, ppid, pgrp
-            members[int(pid)] = name
-    return members
-
-
-def _alive(pid: int) -> bool:
+def _stat(pid) -> tuple:
+    """(name, process group) of a live process; None for one gone or a zombie (it has died)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has died
+            name, fields = f.read().split(" (", 1)[1].rsplit(")", 1)
     except OSError:
-        return False
+        return None
+    state, _, group = fields.split()[:3]  # state, ppid, pgrp
+    return None if state == "Z" else (name, int(group))
+
+
+def group_members(group: int) -> dict:
+    """{pid: name} of the live processes of a process group."""
+    stats = {int(pid): _stat(pid) for pid in filter(str.isdigit, os.listdir("/proc"))}
+    return {pid: st[0] for pid, st in stats.items() if st is not None and st[1] == group}
 
 
 def wait_group_gone(group: int, timeout: float = 30.0):
@@ -447,7 +441,7 @@ class EngineProcess:
             self.gone(what)
         if self.members and time.monotonic() >= self._next_scan:
             self._next_scan = time.monotonic() + 0.2
-            dead = [(pid, name) for pid, name in self.members.items() if not _alive(pid)]
+            dead = [(pid, name) for pid, name in self.members.items() if _stat(pid) is None]
             if dead:
                 self.kill()
                 raise EngineLost(f"engine on {self.where} lost its process {dead[0][0]} ({dead[0][1]}) while waiting "
