@@ -158,6 +158,8 @@ def test_one_ranks_lost_engine_mid_sync_keeps_both_ranks_in_step(tmp_path):
     run_gloo(_two_ranks, 2, str(tmp_path / "r"))
     zero, one = (json.load(open(tmp_path / f"r.{i}")) for i in range(2))
     assert zero["made"] == 1 and one["made"] == 2  # only rank 1 restarted its engine
-    assert zero["events"] == one["events"]  # every rank knows whose engine was restarted, and when
+    # Every rank knows whose engine was restarted, during what and why (the cost each its own clock's).
+    without_cost = [[{k: v for k, v in e.items() if k != "seconds"} for e in r["events"]] for r in (zero, one)]
+    assert without_cost[0] == without_cost[1] and all(e["seconds"] >= 0 for e in zero["events"] + one["events"])
     assert [e["ranks"] for e in one["events"]] == [[1]] and one["events"][0]["during"] == "a sync"
     assert zero["weights"] == one["weights"] == {"l0": 3, "l1": 3}
