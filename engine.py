@@ -30,7 +30,8 @@ The device-specific parts, small and named
 - `_refresh_cpu_kernels`: vLLM's CPU backend packs every linear weight into its own GEMM
   layout after loading and drops `.weight` (`dispatch_cpu_unquantized_gemm(remove_weight=
   True)`), so an in-place write to `.weight` would change nothing. On CPUs the extension puts
-  a bf16 weight back and re-packs after every merge; on GPUs `.weight` is what runs.
+  a bf16 weight back and, after each payload, re-packs the layers it changed; on GPUs `.weight`
+  is what runs.
 - `engine_env`: the engine's GPU, translated through the parent's `CUDA_VISIBLE_DEVICES`.
 
 Failure
@@ -751,14 +752,22 @@ class WorkerExtension:
 
     def logra_apply(self) -> int:
         """Receive one delta payload from the trainer and merge it; returns the engine's update count."""
-        self.logra_weights.apply(sync.decode(self.logra_channel.recv()))
-        _refresh_cpu_kernels(self.logra_cpu_layers)
+        payload = sync.decode(self.logra_channel.recv())
+        self.logra_weights.apply(payload)
+        self._logra_repack(payload)
         return self.logra_weights.update
 
     def logra_load_full(self) -> int:
-        self.logra_weights.load_full(sync.decode(self.logra_channel.recv()))
-        _refresh_cpu_kernels(self.logra_cpu_layers)
+        payload = sync.decode(self.logra_channel.recv())
+        self.logra_weights.load_full(payload)
+        self._logra_repack(payload)
         return self.logra_weights.update
+
+    def _logra_repack(self, payload) -> None:
+        """On CPUs, re-pack the GEMMs of the layers this payload changed (one decoder layer's,
+        for a streamed sync), not every layer's after every payload."""
+        changed = {id(self.logra_weights.slots[name].param) for name in payload.factors}
+        _refresh_cpu_kernels([m for m in self.logra_cpu_layers if id(m.weight) in changed])
 
     def logra_fingerprint(self) -> dict:
         return self.logra_weights.fingerprint()

@@ -69,12 +69,25 @@ Departures, numbered
 5. `solve_alpha` with KL1 = 0 (a direction that moves no scored logit) returns 1.0 capped at
    `alpha_max`, where the authors return 1.0 even when `alpha_max` < 1: `alpha_max` is the
    user's bound on every step, and it holds here without exception.
+6. The probe forms the tangent of every target layer and of the output head itself,
+   dY = dX W^T (- (X A^T) U^T at the targets): PyTorch's own tangent of a linear layer whose
+   weight has none also multiplies X by a zero weight tangent, one matmul more per layer, the
+   head's (M, h) x (h, V) included. The same numbers (X 0 = 0 exactly).
+7. Elementwise + - * / with one dual and one constant operand (a norm's weight, RoPE's cos,
+   a scalar) get their tangents formed directly (`_ConstantOperands`): PyTorch's zero-tensor
+   path runs Python meta kernels, ~0.1 ms an op on a CPU. Bit for bit PyTorch's numbers
+   (tests/test_kl_control.py compares every case). With 6, and the realised KL's "before"
+   taken from the probe's own forward instead of one more forward, the tiny preset's probe
+   phase went from 24-25 ms to 14 ms (median over 40 updates on a 2-core CPU).
 """
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 
@@ -83,6 +96,9 @@ import torch.distributed as dist
 # vocabulary of 152k a chunk is 31 positions. Sized in bytes, not positions (departure 1).
 HEAD_CHUNK_BYTES = 256 * 2**20
 BYTES_PER_VOCAB_ENTRY = 56
+# Positions per block of the realised KL's float64 work (two log-softmaxes, a product: about
+# 32 V bytes a position, 311 MiB at a vocabulary of 152k).
+KL_CHUNK_POSITIONS = 64
 
 
 # -----------------------------------------------------------------------------
@@ -107,7 +123,8 @@ def token_kl(logits, tangent, temperature=1.0):
 
 @contextmanager
 def probe_mode(model):
-    """Eval mode and eager attention (SDPA's fused kernels have no forward AD); restored on exit."""
+    """Eval mode and eager attention (SDPA's fused kernels have no forward AD); restored on exit.
+    The realised KL's forwards run in it too, so that they see the probe's own logits."""
     was_training = model.training
     attn = model.config._attn_implementation
     model.eval()
@@ -123,132 +140,224 @@ def probe_mode(model):
 
 @contextmanager
 def injected_tangents(layers, directions):
-    """Each target layer's output gets the extra tangent -(X A^T) U^T (alpha = 1). `directions`
+    """Each target layer's output gets the tangent of Y = X (W - alpha U A)^T + b at alpha = 0,
+
+        dY = dX W^T - (X A^T) U^T
+
+    formed here (departure 6): a pre-hook hands the layer its primal input only, so that its
+    forward is the plain one, and keeps the incoming tangent dX; the hook forms dY. `directions`
     are whole (d, r) or, for layers attached with a group, this process's rows of U."""
 
-    def hook_for(layer, u):
-        def hook(module, args, out):
-            x = fwAD.unpack_dual(args[0]).primal  # (..., k)
-            y, y_t = fwAD.unpack_dual(out)  # (..., d), upstream tangent or None
-            # dY = -(X A^T) U^T. Shapes: (N, k) @ (k, r) -> (N, r); (N, r) @ (r, d) -> (N, d)
+    def hooks_for(layer, u):
+        incoming = []  # dX, from the pre-hook to the hook of the same call
+
+        def strip(module, args):
+            x, dx = fwAD.unpack_dual(args[0])
+            incoming.append(dx)
+            return (x, *args[1:])
+
+        def inject(module, args, y):
+            dx, x = incoming.pop(), args[0]  # (..., k) each; dx is None before the first target
+            # -(X A^T) U^T. Shapes: (N, k) @ (k, r) -> (N, r); (N, r) @ (r, d) -> (N, d)
             p = x.reshape(-1, x.shape[-1]) @ layer.projection.to(x.dtype).t()
             # Row-sharded U (rowadam.py departure 6): this layer's whole U, gathered for this
             # forward only, as FSDP gathers the weight.
             u_all = layer.all_rows(u)  # (d, r)
-            dy = -(p @ u_all.to(x.dtype).t()).reshape(y.shape)
-            return fwAD.make_dual(y, dy if y_t is None else y_t + dy)
-        return hook
+            dy = (p @ -u_all.to(x.dtype).t()).reshape(y.shape)  # the sign on U: no (N, d) negation
+            if dx is not None:
+                dy = F.linear(dx, module.weight).add_(dy)  # dX W^T (the bias has no tangent), + dy
+            return fwAD.make_dual(y, dy)
+
+        return strip, inject
 
     if len(layers) != len(directions):
         raise ValueError(f"{len(layers)} layers but {len(directions)} directions")
-    handles = [l.module.register_forward_hook(hook_for(l, u)) for l, u in zip(layers, directions)]
+    handles = []
     try:
+        for layer, u in zip(layers, directions):
+            strip, inject = hooks_for(layer, u)
+            handles += [layer.module.register_forward_pre_hook(strip), layer.module.register_forward_hook(inject)]
         yield
     finally:
         for h in handles:
             h.remove()
 
 
-def _decoder_and_head(model):
-    return model.get_decoder(), model.get_output_embeddings()
+class _ConstantOperands(TorchFunctionMode):
+    """Tangents of `dual op constant` for + - * / formed directly (departure 7).
+
+    Where one operand of an elementwise op carries a tangent and the other does not (a norm's
+    weight, RoPE's cos and sin, the attention mask, a Python scalar), PyTorch's forward AD gives
+    the constant a zero tangent, and arithmetic with zero tensors runs through Python meta
+    kernels: about 0.1 ms an op on a CPU, a third of the tiny preset's probe. Those ops' tangents
+    are linear in the dual operand's and formed here instead; every other call, and every call
+    with two dual operands or none, is PyTorch's own. The same numbers bit for bit: x + 0 = x and
+    the products are the same products.
+    """
+
+    FAST = {torch.Tensor.mul, torch.mul, torch.Tensor.add, torch.add, torch.Tensor.sub, torch.sub,
+            torch.Tensor.div, torch.div}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs or len(args) != 2 or func not in self.FAST:
+            return func(*args, **(kwargs or {}))
+        (a, da), (b, db) = (_split(x) for x in args)
+        if (da is None) == (db is None) or (db is not None and func in (torch.Tensor.div, torch.div)):
+            return func(*args)  # two dual operands, none, or constant / dual: PyTorch's own rule
+        out = func(a, b)
+        if func in (torch.Tensor.mul, torch.mul):
+            tangent = da * b if db is None else a * db
+        elif func in (torch.Tensor.div, torch.div):
+            tangent = da / b
+        else:  # + and -: the dual operand's tangent, broadcast to the result
+            tangent = da if db is None else (db if func in (torch.Tensor.add, torch.add) else -db)
+            tangent = tangent.to(out.dtype).expand(out.shape)
+        return fwAD.make_dual(out, tangent)
+
+
+def _split(x):
+    """(primal, tangent or None) of a tensor; (x, None) of anything else."""
+    return tuple(fwAD.unpack_dual(x)) if isinstance(x, torch.Tensor) else (x, None)
+
+
+@contextmanager
+def _root_gathered(model):
+    """Under FSDP2 the root module owns the embedding, final norm and output head; calling the
+    decoder and head directly bypasses its hooks, so its parameters are gathered explicitly."""
+    fsdp_root = hasattr(model, "unshard") and hasattr(model, "reshard")
+    if fsdp_root:
+        model.unshard()
+    try:
+        yield
+    finally:
+        if fsdp_root:
+            model.reshard()
+
+
+def _head_chunks(model, hidden, tangent=None):
+    """The output head on the scored rows (M, h), a chunk of positions at a time (departure 1):
+    yields (logits, logit tangent or None), (c, V) each. The head's tangent is dH W_head^T
+    (departure 6); Gemma 2's cap tanh(z / cap) cap, which its forward applies after the head,
+    is applied here too, with its derivative 1 - tanh^2(z / cap)."""
+    head = model.get_output_embeddings()
+    chunk = max(1, HEAD_CHUNK_BYTES // (BYTES_PER_VOCAB_ENTRY * head.weight.shape[0]))  # positions
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    for start in range(0, hidden.shape[0], chunk):
+        z = head(hidden[start:start + chunk])  # (c, V)
+        u = None if tangent is None else F.linear(tangent[start:start + chunk], head.weight)  # (c, V)
+        if cap:
+            t = torch.tanh(z / cap)
+            z = t * cap
+            u = None if u is None else u * (1 - t * t)
+        yield z, u
+
+
+def _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask):
+    """The probed part of the batch: (ids (B', T'), scored positions (B', T' - 1), attention mask):
+    the first `max_responses` responses, each cut to its first `max_tokens` tokens; position t
+    is scored when token t + 1 was generated."""
+    if input_ids.shape != response_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and response_mask "
+                         f"{tuple(response_mask.shape)} differ in shape")
+    ids = input_ids[:max_responses, :max_tokens]
+    scored = response_mask[:max_responses, :max_tokens].bool()[:, 1:]
+    am = None if attention_mask is None else attention_mask[:max_responses, :max_tokens]
+    return ids, scored, am
 
 
 @torch.no_grad()
 def probe_logits(model, layers, directions, input_ids, attention_mask=None):
-    """(logits, logit tangent) (B, T, V) of the whole batch, for small inputs.
-
-    Used by the tests as the raw logit tangent (the JVP that `predict_kl` reduces to KL1 without
-    returning it), checked against finite differences; train.py does not call it.
+    """(logits, logit tangent) (B, T, V) of the whole batch through the model's own forward, for
+    small inputs. Used by the tests as the raw logit tangent (the JVP that `predict_kl` reduces
+    to KL1 without returning it), checked against finite differences; train.py does not call it.
     """
     with probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level():
-        out = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         logits, tangent = fwAD.unpack_dual(out)
         if tangent is None:
             raise RuntimeError("the tangent was lost on the way to the logits")
         return logits.clone(), tangent.clone()
 
 
+@dataclass
+class Probe:
+    """What one probe gives: KL1 (reduced over processes) and, when asked for, the policy's
+    logits at its first scored positions, for `realised_kl` after the merge."""
+    kl1: float
+    logits: torch.Tensor | None  # (M', V), this process's
+
+
 @torch.no_grad()
-def predict_kl(model, layers, directions, input_ids, response_mask, *, temperature=1.0,
-               max_responses=2, max_tokens=4096, attention_mask=None, group=None) -> float:
-    """KL1: mean second-order KL per generated token for the direction alpha = 1.
+def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=2,
+          max_tokens=4096, attention_mask=None, keep_positions=0, group=None) -> Probe:
+    """KL1, the mean second-order KL per generated token for the direction alpha = 1, from one
+    forward pass with tangents over the first `max_responses` responses of this process.
 
     `response_mask` (B, T) marks generated tokens; the token at t is scored on the logits at
-    t - 1. Weights are not touched. Every trainer process must call this (FSDP all-gathers
-    inside).
+    t - 1. Weights are not touched. With `keep_positions`, the logits (the forward's primal) at
+    the first `keep_positions` scored positions are kept: the "before" of the realised KL, at no
+    extra forward. Every trainer process must call this (FSDP all-gathers inside).
     """
-    if input_ids.shape != response_mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} differ in shape")
-    ids = input_ids[:max_responses, :max_tokens]  # (B', T')
-    mask = response_mask[:max_responses, :max_tokens].bool()  # (B', T')
-    am = None if attention_mask is None else attention_mask[:max_responses, :max_tokens]
-    decoder, head = _decoder_and_head(model)
+    ids, scored, am = _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask)
+    decoder = model.get_decoder()
     total = torch.zeros(2, dtype=torch.float64, device=ids.device)  # (sum kl1, count)
-    # Under FSDP2 the root module owns the embedding, final norm and output head; calling the
-    # decoder and head directly bypasses its hooks, so gather its parameters explicitly.
-    fsdp_root = hasattr(model, "unshard") and hasattr(model, "reshard")
-    if fsdp_root:
-        model.unshard()
-    try:
-        _probe_sums(model, decoder, head, layers, directions, ids, mask, am, temperature, total)
-    finally:
-        if fsdp_root:
-            model.reshard()
+    kept = []
+    with _root_gathered(model), probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level(), \
+            _ConstantOperands():
+        hidden, tangent = fwAD.unpack_dual(decoder(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state)
+        if tangent is None:
+            raise RuntimeError("the tangent was lost in the decoder (an op without forward AD?)")
+        # (M, h) each: the positions that sampled a generated token
+        hidden, tangent = hidden[:, :-1][scored], tangent[:, :-1][scored]
+        for z, u in _head_chunks(model, hidden, tangent):
+            kl = token_kl(z, u, temperature)  # (c,)
+            total[0] += kl.sum()
+            total[1] += kl.numel()
+            need = keep_positions - sum(len(k) for k in kept)
+            if need > 0:  # a part of a chunk is copied, so that the chunk itself is freed
+                kept.append(z[:need].clone() if need < len(z) else z)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total, group=group)
     kl_sum, count = total.tolist()
     if count == 0:
         raise ValueError("no generated token to score: response_mask has no position after the first")
-    return kl_sum / count
+    return Probe(kl_sum / count, torch.cat(kept) if kept else None)
 
 
-def _probe_sums(model, decoder, head, layers, directions, ids, mask, am, temperature, total):
-    with probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level():
-        hidden = decoder(input_ids=ids, attention_mask=am).last_hidden_state  # (B', T', h), dual
-        if fwAD.unpack_dual(hidden).tangent is None:
-            raise RuntimeError("the tangent was lost in the decoder (an op without forward AD?)")
-        scored = hidden[:, :-1][mask[:, 1:]]  # (M, h): the positions that sampled a generated token
-        chunk = max(1, HEAD_CHUNK_BYTES // (BYTES_PER_VOCAB_ENTRY * head.weight.shape[0]))  # positions
-        cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2: logits = cap tanh(z / cap)
-        for start in range(0, scored.shape[0], chunk):
-            out = head(scored[start:start + chunk])  # (c, V), dual
-            if cap:  # the model's forward applies it after the head; the probe calls the head itself
-                out = torch.tanh(out / cap) * cap
-            z, u = fwAD.unpack_dual(out)  # (c, V) each
-            if u is None:
-                raise RuntimeError("the tangent was lost in the output head")
-            kl = token_kl(z, u, temperature)  # (c,)
-            total[0] += kl.sum()
-            total[1] += kl.numel()
+def predict_kl(model, layers, directions, input_ids, response_mask, **kwargs) -> float:
+    """KL1 alone: `probe(...).kl1`."""
+    return probe(model, layers, directions, input_ids, response_mask, **kwargs).kl1
 
 
 @torch.no_grad()
-def scored_logprobs(model, input_ids, response_mask, *, temperature=1.0, max_responses=2, max_positions=512):
-    """log softmax(z / T) (M, V) at the positions the probe scores (the logits at t - 1 of each
-    generated token t of the first `max_responses` responses), at most `max_positions` of them,
-    in float64 (a step's KL is far below fp32's resolution of a log-prob): taken before a
-    merge, they let `realised_kl` measure the step after it."""
-    ids = input_ids[:max_responses]  # (B', T)
-    mask = response_mask[:max_responses].bool()  # (B', T)
-    logits = model(input_ids=ids).logits[:, :-1][mask[:, 1:]][:max_positions]  # (M, V)
-    return torch.log_softmax(logits.double() / temperature, dim=-1)
+def scored_logits(model, input_ids, response_mask, *, max_responses=2, max_positions=512, max_tokens=4096,
+                  attention_mask=None) -> torch.Tensor:
+    """The policy's logits (M', V) at the probe's first `max_positions` scored positions, by the
+    probe's path without tangents (eager attention, the decoder, the head on those rows): the
+    same numbers as the probe's own primal for the same weights, bit for bit."""
+    ids, scored, am = _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask)
+    with _root_gathered(model), probe_mode(model):
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state
+        return torch.cat([z for z, _ in _head_chunks(model, hidden[:, :-1][scored][:max_positions])])
 
 
 @torch.no_grad()
-def realised_kl(old_logprobs, model, input_ids, response_mask, *, temperature=1.0, max_responses=2,
-                max_positions=512, group=None) -> float:
-    """Exact KL(pi_old || pi_new) per scored token, averaged over the same positions as
-    `old_logprobs` (from `scored_logprobs` before the merge), full vocabulary, float64;
-    sums and counts reduced across processes. What the prediction alpha^2 KL1 stands for."""
-    new = scored_logprobs(model, input_ids, response_mask, temperature=temperature, max_responses=max_responses,
-                          max_positions=max_positions)  # (M, V)
-    total = torch.zeros(2, dtype=torch.float64, device=new.device)
-    for start in range(0, new.shape[0], 256):
-        old_c, new_c = old_logprobs[start:start + 256], new[start:start + 256]  # (c, V) float64
+def realised_kl(old_logits, model, input_ids, response_mask, *, temperature=1.0, max_responses=2,
+                max_tokens=4096, attention_mask=None, group=None) -> float:
+    """Exact KL(pi_old || pi_new) per scored token, full vocabulary, in float64 (a step's KL is
+    far below fp32's resolution of a log-prob), averaged over the positions of `old_logits`
+    (the probe's kept logits, before the merge) and reduced across processes: what the
+    prediction alpha^2 KL1 stands for."""
+    new_logits = scored_logits(model, input_ids, response_mask, max_responses=max_responses,
+                               max_positions=old_logits.shape[0], max_tokens=max_tokens, attention_mask=attention_mask)
+    total = torch.zeros(2, dtype=torch.float64, device=new_logits.device)
+    for start in range(0, new_logits.shape[0], KL_CHUNK_POSITIONS):
+        stop = start + KL_CHUNK_POSITIONS
+        old = torch.log_softmax(old_logits[start:stop].double() / temperature, dim=-1)  # (c, V)
+        new = torch.log_softmax(new_logits[start:stop].double() / temperature, dim=-1)
         # KL = sum_v p_old (log p_old - log p_new)
-        total[0] += (old_c.exp() * (old_c - new_c)).sum()
-        total[1] += old_c.shape[0]
+        total[0] += (old.exp() * (old - new)).sum()
+        total[1] += old.shape[0]
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total, group=group)
     kl_sum, count = total.tolist()

@@ -102,9 +102,13 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     # one decoder layer's gathered F, then its encoded payload or the checksum's int64 work
     words = min(sync.CHECK_WORDS, d_max * r)
     factor_sync_bytes = 2 * layer_rows * r + max(2 * layer_rows * r, 24 * words) + 8 * words
-    kl_real = 8 * kl_real_positions * vocab  # the policy's float64 log-probs, kept from before the merge
-    phases = {"prepare": prepare, "probe": probe, "merge": factors + merge, "sync": factor_sync_bytes}
-    logra_transient = max(prepare, probe, kl_real + factors + max(merge, factor_sync_bytes))
+    # The realised KL: the probe keeps the policy's logits at its first positions (compute
+    # dtype) until after the merge; then the same positions' new logits and one block of
+    # float64 work (kl_control.KL_CHUNK_POSITIONS positions of two log-softmaxes and a product).
+    kl_real = compute_bytes * kl_real_positions * vocab
+    kl_real_work = kl_real + 32 * min(kl_real_positions, kl_control.KL_CHUNK_POSITIONS) * vocab if kl_real else 0
+    phases = {"prepare": prepare, "probe": probe + kl_real, "merge": factors + merge, "sync": factor_sync_bytes}
+    logra_transient = max(prepare, probe + kl_real, kl_real + factors + max(merge, factor_sync_bytes, kl_real_work))
     tokens = micro_batch * context
     activations = (2 * tokens * h * layers  # bf16 layer inputs kept by activation checkpointing
                    + 2 * tokens * (4 * h + 2 * kv + 4 * inter)  # one decoder layer recomputed in backward

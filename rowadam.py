@@ -184,12 +184,13 @@ def local_rows(weight):
 
 
 @torch.no_grad()
-def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_ROWS):
+def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_ROWS, avoid_ties=True):
     """W[o:o+n] -= F[o:o+n] @ A for this process's rows, in row chunks (never a whole (n, k) delta).
 
     F @ A is computed in float64 and rounded once to W's dtype (departure 4), so the result
     does not depend on the chunking or the device: FSDP row shards and the engines' merges
-    (sync.py) give the same bits as an unsharded merge.
+    (sync.py) give the same bits as an unsharded merge. `avoid_ties=False` leaves bf16 ties
+    (departure 5) to the caller: the engines move them as they split the result.
     """
     n = rows.shape[0]
     a = projection.to(torch.float64)  # (r, k)
@@ -198,7 +199,7 @@ def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_RO
         f = factor[row_offset + start:row_offset + stop].to(torch.float64)  # (c, r)
         # Shapes: (c, r) @ (r, k) -> (c, k)
         rows[start:stop].sub_((f @ a).to(rows.dtype))
-        if rows.dtype == torch.float32:
+        if avoid_ties and rows.dtype == torch.float32:
             avoid_bf16_ties_(rows[start:stop])  # departure 5
 
 

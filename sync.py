@@ -220,7 +220,7 @@ def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     fp32 bit patterns of one sign are ordered like integers, so the residual is a plain
     integer difference of raw words, also across binade boundaries.
     """
-    return (hi.to(torch.float32).view(torch.int32) + lo.to(hi.device, torch.int32)).view(torch.float32)
+    return hi.to(torch.float32).view(torch.int32).add_(lo.to(hi.device)).view(torch.float32)
 
 
 def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,6 +228,22 @@ def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = w.to(torch.bfloat16)  # round to nearest even
     lo = w.view(torch.int32) - hi.to(torch.float32).view(torch.int32)  # in [-32767, 32767]
     return hi, lo.to(torch.int16)
+
+
+def store_master(master: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
+    """Write an fp32 master (c, k) as its bf16 `weight` and int16 `residual` in place, a value
+    on a bf16 tie first moved one ulp toward zero (rowadam.avoid_bf16_ties_, the same rule), so
+    that weight + residual is exactly the tie-free master. `master` is consumed.
+
+    In integer arithmetic on the fp32 words, which for either sign round the magnitude:
+    hi = (bits + 0x7FFF) with the low 16 bits cleared is the nearest bf16, a tie toward zero;
+    bits - hi lies in [-32767, 32768], and 32768 (a tie) becomes 32767: the ulp moved.
+    Six passes over the chunk where the tie rule, a rounding and a subtraction took ten.
+    """
+    bits = master.view(torch.int32)
+    hi = bits.add(0x7FFF).bitwise_and_(-0x10000)  # bf16 values as fp32 words
+    weight.copy_(hi.view(torch.float32))  # exact: every value is a bf16
+    residual.copy_(bits.sub_(hi).clamp_max_(0x7FFF))  # int32 -> int16, in range
 
 
 def bf16_ties(w: torch.Tensor) -> int:
@@ -350,10 +366,8 @@ class EngineWeights:
             for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
                 stop = min(start + MERGE_CHUNK_ROWS, slot.rows)
                 master = join_master(w[start:stop], slot.residual[start:stop])  # (c, k) fp32
-                merge_rows(master, f, a, row_offset=start)  # W -= F A, ties avoided
-                hi, lo = split_master(master)
-                w[start:stop].copy_(hi)
-                slot.residual[start:stop].copy_(lo)
+                merge_rows(master, f, a, row_offset=start, avoid_ties=False)  # W -= F A
+                store_master(master, w[start:stop], slot.residual[start:stop])  # ties avoided here
             self._merged.add(name)
         if len(self._merged) == len(self.slots):
             self.update, self._merged = self.update + 1, set()
@@ -372,6 +386,11 @@ class EngineWeights:
                              f"{next(iter(self._loading.values()))} is incomplete")
         for name, w in payload.factors.items():
             slot = self.slots[name]
+            if w.dtype == torch.bfloat16:  # the master is the bf16 weight itself: residual 0
+                slot.weight.copy_(w)
+                slot.residual.zero_()
+                self._loading[name] = payload.update
+                continue
             for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
                 chunk = w[start:start + MERGE_CHUNK_ROWS].to(slot.param.device, torch.float32)  # (c, k)
                 hi, lo = split_master(chunk)

@@ -281,7 +281,7 @@ def main(argv=None):
         watch = {}
         for s in range(0, per_rank, cfg["micro_batch"]):
             rows = slice(s, s + cfg["micro_batch"])
-            logits = model(input_ids=ro.ids[rows]).logits  # (b, T, V)
+            logits = model(input_ids=ro.ids[rows], use_cache=False).logits  # (b, T, V)
             logp = ppo.response_logprobs(logits, ro.ids[rows], cfg["temperature"])  # (b, T)
             loss, watch = ppo.policy_loss(logp, advantages[rows], ro.mask[rows],
                                           rollout_logprobs=ro.logprobs[rows], num_tokens=num_tokens)
@@ -366,13 +366,11 @@ def logra_step(model, opt, layers, ro, budget, cfg, lap) -> dict:
     sketch_norm = opt.prepare()
     # --- KL probe --------------------------------------------------------------------------
     probed = kl_control.probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])  # departure 4
-    try:
-        kl1 = kl_control.predict_kl(model, layers, opt.directions, ro.ids, ro.mask, temperature=temperature,
-                                    max_responses=probed)
+    try:  # KL1, and the policy's logits at the first scored positions (the realised KL's "before")
+        probe = kl_control.probe(model, layers, opt.directions, ro.ids, ro.mask, temperature=temperature,
+                                 max_responses=probed, keep_positions=cfg["kl_real_positions"])
+        kl1 = probe.kl1
         alpha = kl_control.solve_alpha(kl1, budget=budget, alpha_max=cfg["alpha_max"])
-        if cfg["kl_real_positions"]:  # the policy on the probe's tokens, before the merge
-            old_logp = kl_control.scored_logprobs(model, ro.ids, ro.mask, temperature=temperature,
-                                                  max_responses=probed, max_positions=cfg["kl_real_positions"])
     except Exception:
         opt.discard()  # nothing is merged: weights and optimizer state stay as they were
         raise
@@ -383,10 +381,9 @@ def logra_step(model, opt, layers, ro, budget, cfg, lap) -> dict:
     # The realised KL of the merged step on the same tokens: the paper calls the prediction
     # "an estimate used for control, not a guarantee", so every step's is measured and logged.
     kl_real = math.nan
-    if cfg["kl_real_positions"]:
-        kl_real = kl_control.realised_kl(old_logp, model, ro.ids, ro.mask, temperature=temperature,
-                                         max_responses=probed, max_positions=cfg["kl_real_positions"])
-        del old_logp
+    if probe.logits is not None:
+        kl_real = kl_control.realised_kl(probe.logits, model, ro.ids, ro.mask, temperature=temperature,
+                                         max_responses=probed)
         lap("kl_real")
     return dict(kl1=kl1, alpha=alpha, budget=budget, sketch_norm=sketch_norm, kl_real=kl_real, probed=probed,
                 factors=factors)

@@ -133,7 +133,6 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
             rewards = ppo.outcome_reward(torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)]))
             advantages = rewards - rewards.mean()
             probed = kl_control.probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])
-            scored = dict(temperature=cfg["temperature"], max_responses=probed, max_positions=cfg["kl_real_positions"])
             for budget in budgets:
                 model = copy.deepcopy(base)  # every budget from the same policy and the same sketches
                 layers = sketch.attach(model, rank=cfg["sketch_rank"], seed=seed)
@@ -143,13 +142,13 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
                                           num_tokens=ppo.global_token_count(ro.mask))
                 loss.backward()
                 opt.prepare()
-                kl1 = kl_control.predict_kl(model, layers, opt.directions, ro.ids, ro.mask,
-                                            temperature=cfg["temperature"], max_responses=probed)
+                probe = kl_control.probe(model, layers, opt.directions, ro.ids, ro.mask, temperature=cfg["temperature"],
+                                         max_responses=probed, keep_positions=cfg["kl_real_positions"])
+                kl1 = probe.kl1
                 alpha = kl_control.solve_alpha(kl1, budget=budget, alpha_max=float("inf"))
-                with torch.no_grad():
-                    old = kl_control.scored_logprobs(model, ro.ids, ro.mask, **scored)
-                    opt.merge(alpha)
-                real = kl_control.realised_kl(old, model, ro.ids, ro.mask, **scored)
+                opt.merge(alpha)
+                real = kl_control.realised_kl(probe.logits, model, ro.ids, ro.mask, temperature=cfg["temperature"],
+                                              max_responses=probed)
                 ratios[budget].append(real / (alpha**2 * kl1))
                 alphas[budget].append(alpha)
                 preds[budget].append(alpha**2 * kl1)

@@ -131,6 +131,92 @@ def test_jvp_matches_central_difference():
     assert rel < 1e-5, rel
 
 
+def pytorch_kl1(model, layers, directions, ids, mask):
+    """KL1 by PyTorch's own forward AD through the whole model (its own linear-layer, head and
+    elementwise tangents), with -(X A^T) U^T added to each target layer's output tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    def hook_for(layer, u):
+        def hook(module, args, out):
+            x = fwAD.unpack_dual(args[0]).primal
+            y, y_t = fwAD.unpack_dual(out)
+            dy = -(x @ layer.projection.to(x.dtype).t() @ u.to(x.dtype).t())
+            return fwAD.make_dual(y, dy if y_t is None else y_t + dy)
+        return hook
+
+    handles = [l.module.register_forward_hook(hook_for(l, u)) for l, u in zip(layers, directions)]
+    try:
+        with torch.no_grad(), kl_control.probe_mode(model), fwAD.dual_level():
+            z, u = fwAD.unpack_dual(model(input_ids=ids, use_cache=False).logits)
+    finally:
+        for h in handles:
+            h.remove()
+    scored = mask[:, 1:].bool()
+    return kl_control.token_kl(z[:, :-1][scored], u[:, :-1][scored]).mean().item()
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_the_probe_equals_pytorch_forward_ad(dtype):
+    """The probe's own tangents (dX W^T at the target layers and the head, departure 6; the
+    constant-operand ops, departure 7) give PyTorch's KL1 through the whole model."""
+    model, layers, opt, ids, mask = prepared(dtype)
+    got = kl_control.predict_kl(model, layers, opt.directions, ids, mask, max_responses=3)
+    ref = pytorch_kl1(model, layers, opt.directions, ids, mask)
+    assert math.isclose(got, ref, rel_tol=1e-12 if dtype == F64 else 1e-5), (got, ref)
+
+
+def test_constant_operand_tangents_are_pytorch_own():
+    """Departure 7, op by op: primal and tangent bit for bit as PyTorch's forward AD gives them,
+    broadcasting and dtype promotion included; two dual operands stay PyTorch's."""
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(0)
+    x, dx = torch.randn(4, 3, 5, generator=g), torch.randn(4, 3, 5, generator=g)
+    c, row, col = torch.randn(4, 3, 5, generator=g), torch.randn(5, generator=g), torch.randn(4, 1, 1, generator=g)
+    x16, dx16 = x.bfloat16(), dx.bfloat16()
+    cases = [lambda d: d * row, lambda d: col * d, lambda d: d * 0.5, lambda d: d + c, lambda d: row + d,
+             lambda d: torch.add(d, 1.0), lambda d: torch.mul(2.0, d), lambda d: d - col, lambda d: c - d,
+             lambda d: d / row, lambda d: row / d, lambda d: d * d + d, lambda d: torch.sub(d, c)]
+    for i, op in enumerate(cases + ["bf16 + fp32"]):
+        results = []
+        for mode in (False, True):
+            with torch.no_grad(), fwAD.dual_level():
+                if op == "bf16 + fp32":
+                    d = fwAD.make_dual(x16, dx16)
+                    f = lambda d: d + c  # noqa: E731
+                else:
+                    d, f = fwAD.make_dual(x, dx), op
+                if mode:
+                    with kl_control._ConstantOperands():
+                        out = f(d)
+                else:
+                    out = f(d)
+                primal, tangent = fwAD.unpack_dual(out)
+                results.append((primal.clone(), tangent.clone()))
+        (p0, t0), (p1, t1) = results
+        assert p0.dtype == p1.dtype and t0.dtype == t1.dtype and p0.shape == p1.shape, i
+        assert torch.equal(p0, p1) and torch.equal(t0, t1), f"case {i}"
+
+
+def test_the_kept_logits_are_the_realised_kls_before():
+    """The probe keeps its own logits at the first scored positions; scored_logits gives the
+    same bits for the same weights, so a step of alpha = 0 realises a KL of exactly 0."""
+    model, layers, opt, ids, mask = prepared(torch.float32)
+    scored = int(mask[:3, 1:].sum())
+    for keep in (0, 4, scored, scored + 50):
+        probe = kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=keep)
+        if keep == 0:
+            assert probe.logits is None
+            continue
+        assert probe.logits.shape[0] == min(keep, scored)
+        again = kl_control.scored_logits(model, ids, mask, max_responses=3, max_positions=keep)
+        assert torch.equal(probe.logits, again)
+        assert kl_control.realised_kl(probe.logits, model, ids, mask, max_responses=3) == 0.0
+    with torch.no_grad():  # the model's own forward gives the same logits (to rounding)
+        whole = model(input_ids=ids[:3]).logits[:, :-1][mask[:3, 1:].bool()]
+    torch.testing.assert_close(probe.logits, whole, rtol=1e-5, atol=1e-5)
+
+
 def realised_vs_predicted(budget, seed=4):
     model, layers, opt, ids, mask = prepared(update_ratio=5e-2, seed=seed)
     float64_norms(model)  # the exact KL at budget 1e-6 needs more than fp32 norms
@@ -252,11 +338,11 @@ def test_realised_kl_against_a_direct_computation():
     the prediction alpha^2 KL1 for a small step."""
     model, layers, opt, ids, mask = prepared()
     before = copy.deepcopy(model)
-    kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask, max_responses=3)
+    probe = kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=100)
+    kl1 = probe.kl1
     alpha = kl_control.solve_alpha(kl1, budget=1e-4)
-    old = kl_control.scored_logprobs(model, ids, mask, max_responses=3, max_positions=100)
     opt.merge(alpha)
-    got = kl_control.realised_kl(old, model, ids, mask, max_responses=3, max_positions=100)
+    got = kl_control.realised_kl(probe.logits, model, ids, mask, max_responses=3)
     with torch.no_grad():
         scored = mask[:, 1:].bool()
         p_old = torch.log_softmax(before(input_ids=ids).logits[:, :-1][scored].double(), -1)

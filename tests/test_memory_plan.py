@@ -49,3 +49,24 @@ def test_memory_estimate_matches_measured_tensors():
         assert abs(got / want - 1) <= 0.05, (label, got, want)
         assert got == other or "persistent" not in label  # both ranks hold the same (d divisible by 2)
     assert probe[0] > 0
+
+
+def test_update_cost_runs_at_tiny_widths():
+    """bench/update_cost.py, the prepared one-GPU script, at the tiny width on this CPU: both
+    methods run every phase of an update in their own process, LoGRA's payload is the smaller,
+    its realised KL and probe are measured, its state is the smaller, and the table names the
+    scaled train phase. (On a GPU the same code runs with --device cuda.)"""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "update_cost.py"), "--widths", "tiny",
+                          "--reps", "1", "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = {r["method"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    logra, adam = results["logra"], results["adam"]
+    assert {"probe", "realised KL", "prepare", "merge", "engine's merge"} <= set(logra["times"])
+    assert {"step", "engine's load"} <= set(adam["times"])
+    assert all(t > 0 for r in (logra, adam) for t in r["times"].values())
+    assert logra["payload"] < adam["payload"] and logra["state"] < adam["state"]
+    assert logra["params"] == adam["params"] > 0
+    assert "x16" in out.stdout and "LoGRA / AdamW" in out.stdout

@@ -289,6 +289,25 @@ def test_compact_state_is_the_masters_bits_over_1000_updates():
         assert e.state_bytes() == 2 * sum(m.weight.numel() for m in modules.values())
 
 
+def test_store_master_is_the_tie_rule_then_the_split():
+    """sync.store_master (the engine's six-pass split) gives the bits of
+    rowadam.avoid_bf16_ties_ followed by split_master, on values of both signs over 11 decades,
+    a third of them forced onto bf16 ties, signed zeros and the largest finite values."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 300, generator=g) * torch.logspace(-8, 3, 300)
+    bits = w.view(torch.int32)
+    tie = torch.rand(w.shape, generator=g) < 0.3
+    bits[tie] = (bits[tie] & -0x10000) | 0x8000
+    w[0, :6] = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.38e38, -3.38e38])
+    ref = rowadam.avoid_bf16_ties_(w.clone())
+    hi, lo = sync.split_master(ref)
+    weight, residual = torch.empty(w.shape, dtype=torch.bfloat16), torch.empty(w.shape, dtype=torch.int16)
+    sync.store_master(w.clone(), weight, residual)
+    assert sync.bf16_ties(w) > 40000
+    assert torch.equal(weight.view(torch.int16), hi.view(torch.int16)) and torch.equal(residual, lo)
+    assert torch.equal(sync.join_master(weight, residual).view(torch.int32), ref.view(torch.int32))
+
+
 def test_streamed_full_sync_equals_one_payload():
     model, layers, opt, engine_model = trainer()
     one = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
