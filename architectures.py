@@ -104,3 +104,13 @@ def check_layers(model: nn.Module) -> Architecture:
         raise ArchitectureError(f"{model.config.model_type}: layers named {', '.join(others)} would be sketched "
                                 f"too; they are not in its row of architectures.py")
     return arch
+
+
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer (transformers 5 name first)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()  # Hugging Face checkpoints only in train mode (Qwen2 has no dropout)

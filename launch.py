@@ -122,6 +122,15 @@ class Layout:
         return text
 
 
+def layout_change(manifest, layout: Layout) -> str:
+    """The layout a checkpoint's manifest records, beside this run's; "" when they are the same."""
+    saved = (manifest or {}).get("layout")
+    if saved is None or saved == layout.record():
+        return ""
+    return (f"written by {Layout(saved['nodes'], saved['ranks_per_node'], tuple(saved['engine_gpus'])).describe()},"
+            f" now {layout.describe()}")
+
+
 def parse_gpus(text) -> tuple:
     """`--engine-gpus 4,5,6,7` as (4, 5, 6, 7); None or "" as ()."""
     items = [g.strip() for g in (text or "").split(",") if g.strip()]

@@ -32,6 +32,7 @@ import sketch
 import sync
 
 GPU_BYTES = 80 * 10**9  # the paper's H100 80GB (assumption 1)
+TABLE2 = {"1.5b": (13.21, 7.18)}  # the paper's Table 2: average GiB per GPU, LoRA and LoGRA at rank 256
 ENGINE_OVERHEAD = 5 * 2**30  # vLLM's own besides weights and KV cache (assumption 1)
 ENGINE_MARGIN = 2**30  # kept free on an engine GPU beyond what the plan counts
 MIN_KV_CACHE = 16 * 2**30  # residuals go to host memory below this KV cache (assumption 2)
@@ -80,6 +81,12 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     chunk = rowadam.MERGE_CHUNK_ROWS
 
     adam_state = 4 * target_rows + 8 * target_rows  # grad + exp_avg + exp_avg_sq
+    # LoRA (lora.py): A (r, k) and B (d, r) per target, row-sharded like every weight; each
+    # adapter entry holds its fp32 value, gradient and two moments. Its step's transient: one
+    # fp32 temporary per adapter entry, or the streamed sync of merged weights (AdamW's, plus
+    # one target's gathered A and B).
+    lora_rows = sum(ceil(r) * k + ceil(d) * r for d, k in shapes)
+    lora_state = 16 * lora_rows
     # one decoder layer gathered in fp32, cast to bf16 and encoded, and full_tensor's all-gather
     # buffer and copy of the largest weight
     full_sync_bytes = 8 * layer_targets + 8 * max(d * k for d, k in shapes)
@@ -115,6 +122,7 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
                    + 2 * 2 * (layer_targets + 2 * h)  # two unsharded bf16 decoder layers (FSDP2 prefetch)
                    + 2 * tokens * vocab + 4 * micro_batch * min(context, 1024) * vocab * 2)  # logits, fp32 chunk
     sketch_activations = 2 * tokens * r * 7  # LoGRA's P = X A^T per target of the recomputed layer
+    lora_transient = max(4 * lora_rows, full_sync_bytes + 4 * r * (d_max + k_max))  # LoRA's X A^T: as P
 
     engine_weights = 2 * total
     residual = 2 * targets
@@ -132,6 +140,9 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
         "trainer_logra_phases": phases,
         "trainer_logra_bytes": weights + logra_state + logra_transient,
         "trainer_logra_persistent_bytes": weights + logra_state, "trainer_logra_transient_bytes": logra_transient,
+        "lora_adapters": 4 * lora_rows, "lora_grads": 4 * lora_rows, "lora_moments": 8 * lora_rows,
+        "trainer_lora_bytes": weights + lora_state + lora_transient,
+        "trainer_lora_persistent_bytes": weights + lora_state, "trainer_lora_transient_bytes": lora_transient,
         "trainer_activation_bytes": activations, "trainer_logra_activation_extra_bytes": sketch_activations,
         "trainer_probe_activation_bytes": probe_activations,
         "engine_gpu_bytes": engine_gpu, "engine_weight_bytes": engine_weights, "engine_residual_bytes": residual,
@@ -168,7 +179,10 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
         f"| {(plan['logra_sketches'] + plan['logra_directions']) / gib:.2f} GiB | {g('logra_projections')} "
         f"(int8 signs) | {g('trainer_logra_persistent_bytes')} | {g('trainer_logra_transient_bytes')} "
         f"| {g('trainer_logra_bytes')} ({plan['trainer_logra_bytes'] / plan['trainer_adam_bytes']:.2f}x) |",
-        f"activations (both): {g('trainer_activation_bytes')}; LoGRA's P = X A^T adds "
+        f"| LoRA | {g('weights')} | {g('lora_grads')} | {g('lora_moments')} | {g('lora_adapters')} (adapters A, B) "
+        f"| - | {g('trainer_lora_persistent_bytes')} | {g('trainer_lora_transient_bytes')} "
+        f"| {g('trainer_lora_bytes')} ({plan['trainer_lora_bytes'] / plan['trainer_adam_bytes']:.2f}x) |",
+        f"activations (all): {g('trainer_activation_bytes')}; LoGRA's P = X A^T (and LoRA's X A^T) adds "
         f"{plan['trainer_logra_activation_extra_bytes'] / gib:.3f} GiB, its KL probe's forward with tangents "
         f"{g('trainer_probe_activation_bytes')} (after backward)",
         f"engine GPU ({plan['gpu_bytes'] / 1e9:.0f} GB): bf16 weights {g('engine_weight_bytes')}, exact-merge "
@@ -177,6 +191,11 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
         f"{g('engine_transfer_bytes')}, vLLM overhead {ENGINE_OVERHEAD / gib:.0f} GiB (assumed) -> KV cache "
         f"{g('engine_kv_cache_bytes')}; host {g('engine_host_bytes')}",
     ]
+    if preset in TABLE2:
+        lora, logra = TABLE2[preset]
+        lines.append(f"the paper's Table 2 ({preset}, rank 256, whole-run averages per GPU with activations): LoRA "
+                     f"{lora:.2f} GiB, LoGRA {logra:.2f} GiB; estimated here before activations: LoRA "
+                     f"{g('trainer_lora_bytes')}, LoGRA {g('trainer_logra_bytes')}")
     if layout:
         lines.append(f"layout: {layout}")
     return lines

@@ -63,6 +63,8 @@ OPTIONS = (
     ("probe_tokens", int, "the probe scores more responses until they hold this many generated tokens", None),
     ("kl_real_positions", int, "positions at which the realised KL of each step is measured (0: off)", None),
     ("adam_lr", float, "AdamW's learning rate before annealing (--optimizer adam)", None),
+    ("lora_lr", float, "LoRA's learning rate before annealing (--optimizer lora; lora.py)", None),
+    ("lora_alpha", float, "LoRA's alpha: the adapters' product is scaled by alpha / r (--optimizer lora)", None),
     ("max_new_tokens", int, "tokens a response may have (rollouts and evaluation)", None),
     ("context", int, "tokens of prompt + response the engines and the trainer hold per sequence", None),
     ("eval_temperature", float, "sampling temperature of the held-out evaluation", None),
@@ -87,7 +89,7 @@ FLAGS = {"sketch_rank": "--rank"}  # keys whose flag is not made from the key
 LEAST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
          "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
          "save_every": 0, "seed": 0, "max_new_tokens": 1, "context": 2, "engine_restarts": 0}
-POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "eval_temperature", "engine_timeout", "dist_timeout")
+POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "lora_lr", "lora_alpha", "eval_temperature", "engine_timeout", "dist_timeout")
 # The widths a local checkpoint's config.json gives (the rank limit, the memory plan).
 MODEL_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
@@ -107,7 +109,8 @@ def parse(argv, presets: dict) -> argparse.Namespace:
     """The command line: the run's own flags, then every preset value it may override (OPTIONS)."""
     p = argparse.ArgumentParser(prog="train.py", description="LoGRA RL training (see train.py's docstring)")
     p.add_argument("--model", default="tiny", choices=sorted(presets), help="preset name")
-    p.add_argument("--optimizer", default="logra", choices=["logra", "adam"])
+    p.add_argument("--optimizer", default="logra", choices=["logra", "adam", "lora"],
+                   help="LoGRA, the dense AdamW baseline (Table 1), or LoRA adapters at the same rank (Table 2)")
     p.add_argument("--run-dir", default=None, help="default: runs/<model>-<optimizer>")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
     p.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
@@ -267,7 +270,7 @@ def check_model(cfg: dict):
     shapes = cfg["model"]
     head_dim = shapes.get("head_dim") or shapes["hidden_size"] // shapes["num_attention_heads"]
     widths = (shapes["hidden_size"], shapes["intermediate_size"], shapes["num_attention_heads"] * head_dim)
-    if cfg["optimizer"] == "logra" and cfg["sketch_rank"] > min(widths):
+    if cfg["optimizer"] in ("logra", "lora") and cfg["sketch_rank"] > min(widths):
         raise OptionError(f"--rank {cfg['sketch_rank']} must be in 1..{min(widths)}, the smallest target in_features "
                           f"of '{cfg['preset']}'")
     positions = shapes.get("max_position_embeddings")

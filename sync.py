@@ -407,17 +407,21 @@ class EngineWeights:
 # -----------------------------------------------------------------------------
 # Trainer-side fingerprint and comparison
 
-def fingerprint(layers_or_model, dtype=torch.bfloat16, group=None) -> dict:
+def fingerprint(layers_or_model, dtype=torch.bfloat16, group=None, weight=None) -> dict:
     """Checksums of bf16(W) per target, from a model or from sketch.attach's layers.
 
     Under FSDP2 each trainer process sums its row shard (at its global row offset) and one
     all_reduce adds the shards, so every process returns the whole model's fingerprint.
+    `weight(module)`: the whole weight the engines should hold instead (LoRA's merged one,
+    formed on every process, one target at a time).
     """
     if isinstance(layers_or_model, torch.nn.Module):
         mods = target_modules(layers_or_model)
     else:
         mods = {l.name: l.module for l in layers_or_model}
     names = sorted(mods)
+    if weight is not None:
+        return {n: checksum(weight(mods[n]).detach().to(dtype)) for n in names}
     device = local_rows(mods[names[0]].weight)[0].device
     sums = torch.zeros(len(names), 2, dtype=torch.int64, device=device)  # on the device: NCCL reduces it
     for i, name in enumerate(names):

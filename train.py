@@ -25,7 +25,8 @@ One update, in the order the paper runs it (the loop in `main`):
               fingerprints confirm both hold the same weights                   (sync.py, engine.py)
 
 The dense baseline (--optimizer adam) runs the same loop with backward into .grad, one
-AdamW step in place of RowAdam, the probe and the merge, and full bf16 weights as its sync.
+AdamW step in place of RowAdam, the probe and the merge, and full bf16 weights as its sync;
+LoRA (--optimizer lora, the paper's Table 2) the same with adapters as its weights (lora.py).
 
 The presets: `tiny` (two-digit additions, a 2-layer Qwen2 and its base policy made here:
 tasks.py), `tiny-math` (the paper's path at toy scale with vLLM's CPU build), `smoke-0.5b`
@@ -73,6 +74,7 @@ import checkpoint
 import heal
 import kl_control
 import launch
+import lora
 import memory_plan
 import metrics
 import options
@@ -85,6 +87,7 @@ from architectures import ArchitectureError
 from checkpoint import CheckpointError
 from engine import EngineError, HFEngine, VLLMEngine
 from launch import LaunchError
+from lora import LoraError
 from options import OptionError
 from tasks import TaskError
 
@@ -98,7 +101,8 @@ from tasks import TaskError
 PAPER = dict(
     task="math", sync="factors", sketch_rank=256, batch=128, micro_batch=2, updates=200, temperature=1.0,
     max_new_tokens=3072, context=4096, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0,
-    probe_responses=2, probe_tokens=0, kl_real_positions=256, adam_lr=1e-6, warmup_steps=0, eval_every=10,
+    probe_responses=2, probe_tokens=0, kl_real_positions=256, adam_lr=1e-6, lora_lr=1e-5, lora_alpha=32.0,
+    warmup_steps=0, eval_every=10,
     eval_problems=500, eval_samples=4,
     eval_temperature=0.7, eval_top_p=0.7, checkpointing=True, save_every=20, seed=0, device="cuda",
     engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800, dist_timeout=3600, engine_restarts=3,
@@ -116,7 +120,8 @@ PRESETS = {
         sketch_rank=32, batch=64, micro_batch=64, updates=150, temperature=1.0, max_new_tokens=8,
         update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, alpha_max=3.0, probe_responses=2,
         probe_tokens=512, kl_real_positions=1024,
-        adam_lr=1e-4, warmup_steps=3000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7,
+        adam_lr=1e-4, lora_lr=1e-3, lora_alpha=32.0, warmup_steps=3000, warmup_batch=128, warmup_lr=3e-3,
+        warmup_unboxed=0.7,
         eval_every=25, eval_problems=256, eval_samples=2, eval_temperature=1.0, eval_top_p=1.0,
         checkpointing=False, save_every=10, seed=0, device="cpu", engine="hf",
         context=32, gpu_memory_utilization=0.1, engine_timeout=300, dist_timeout=1800, engine_restarts=3,
@@ -132,7 +137,8 @@ PRESETS = {
         sketch_rank=256, batch=32, micro_batch=8, updates=4, temperature=1.0, max_new_tokens=8,
         update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0, probe_responses=2,
         probe_tokens=0, kl_real_positions=256,
-        adam_lr=1e-6, warmup_steps=300, warmup_batch=128, warmup_lr=3e-4, warmup_unboxed=0.0,
+        adam_lr=1e-6, lora_lr=1e-5, lora_alpha=32.0, warmup_steps=300, warmup_batch=128, warmup_lr=3e-4,
+        warmup_unboxed=0.0,
         eval_every=0, eval_problems=32, eval_samples=1, eval_temperature=1.0, eval_top_p=1.0,
         checkpointing=True, save_every=0, seed=0, device="cuda", engine="hf", context=32, engine_timeout=600,
         dist_timeout=1800, engine_restarts=3,
@@ -185,7 +191,7 @@ def refusals_exit(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (OptionError, CheckpointError, TaskError, LaunchError, ArchitectureError) as e:
+        except (OptionError, CheckpointError, TaskError, LaunchError, ArchitectureError, LoraError) as e:
             # An error every rank raised (launch.agree) is printed once per node.
             fail(str(e), quiet=getattr(e, "agreed", False) and os.environ.get("LOCAL_RANK", "0") != "0")
     return wrapper
@@ -231,7 +237,7 @@ def main(argv=None):
         start = launch.agreed(load_run_state, resume, model, opt, logra, baseline, mismatch, layout)
         if rank == 0:
             checkpoint.truncate_rows(metrics_path, start)
-        moved = resumed_layout(resume, layout)
+        moved = launch.layout_change(checkpoint.read_manifest(resume)[0], layout)
         log(f"{'resumed' if args.resume else 'continued'} {run_dir} at update {start} ({os.path.basename(resume)}, "
             f"verified{'; ' + moved if moved else ''}){'' if args.resume else ' (another --run-dir starts anew)'}")
     saved = start if resume else None  # the update of the newest checkpoint
@@ -296,8 +302,8 @@ def main(argv=None):
         if logra:
             step = logra_step(model, opt, layers, ro, mismatch.adjust(budget), cfg, lap)
         else:
-            for group in opt.param_groups:  # lr_t = adam_lr sqrt(budget_t / budget_0) (departure 3)
-                group["lr"] = cfg["adam_lr"] * math.sqrt(budget / cfg["kl_start"])
+            for group in opt.param_groups:  # lr_t = lr sqrt(budget_t / budget_0) (departure 3; LoRA: lora.py)
+                group["lr"] = opt.defaults["lr"] * math.sqrt(budget / cfg["kl_start"])
             opt.step()
             opt.zero_grad(set_to_none=True)
             step = dict(kl1=math.nan, alpha=math.nan, budget=math.nan, sketch_norm=math.nan, kl_real=math.nan,
@@ -309,7 +315,7 @@ def main(argv=None):
             sync_bytes = factor_sync(engine, layers, step["factors"], update=update, cfg=cfg)
         else:  # AdamW, or the paper's control: full bf16 target weights, one layer at a time
             sync_bytes = full_sync(engine, modules, update=update + 1, cfg=cfg, dtype=torch.bfloat16)
-        sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
+        sync.check_fingerprints(fingerprint(model, cfg), engine.fingerprint())
         lap("sync")
 
         # --- log, evaluate, checkpoint ------------------------------------------------------
@@ -494,7 +500,7 @@ def setup(cfg, layout, rank, device, run_dir, log):
     else:
         engine = HFEngine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"], rank=cfg["sketch_rank"],
                           eos=task.eos, pad=task.pad)
-    freeze_for(model, cfg["optimizer"])
+    freeze_for(model, cfg)
     shard(model, world, cfg["optimizer"], device)
     if engine is None:
         engine = start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, task.eos, task.pad, log)
@@ -572,7 +578,7 @@ def load_pretrained_sharded(cfg, device, world, rank):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     architectures.check_layers(model)  # every decoder layer has its family's targets (on every rank alike)
-    freeze_for(model, cfg["optimizer"])
+    freeze_for(model, cfg)
     shard(model, world, cfg["optimizer"], device)
     model.to_empty(device=device)
     for module in model.modules():  # non-persistent buffers (rotary inv_freq) are not in checkpoints
@@ -580,6 +586,8 @@ def load_pretrained_sharded(cfg, device, world, rank):
             fresh = type(module)(module.config)
             for name, buf in fresh.named_buffers():
                 getattr(module, name).copy_(buf)
+    if cfg["optimizer"] == "lora" and full:  # the targets' weights under base_layer, the adapters' start added
+        full = lora.checkpoint_state(full, model, cfg["seed"])
     if dist.is_initialized():
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:  # one process on a CPU: no process group to broadcast over
@@ -589,14 +597,17 @@ def load_pretrained_sharded(cfg, device, world, rank):
     return model.eval()
 
 
-def freeze_for(model, optimizer):
+def freeze_for(model, cfg):
     """LoGRA: every parameter frozen (sketch.attach also does). AdamW: only the targets train
-    (departure 2). Done before FSDP2 wraps the parameters."""
+    (departure 2). LoRA: adapters put into the targets, only they train (lora.py). Done before
+    FSDP2 wraps the parameters."""
     for p in model.parameters():
         p.requires_grad_(False)
-    if optimizer == "adam":
+    if cfg["optimizer"] == "adam":
         for module in sketch.target_modules(model).values():
             module.weight.requires_grad_(True)
+    elif cfg["optimizer"] == "lora":
+        lora.attach(model, rank=cfg["sketch_rank"], alpha=cfg["lora_alpha"], seed=cfg["seed"])
 
 
 def shard(model, world, optimizer, device):
@@ -614,7 +625,7 @@ def shard(model, world, optimizer, device):
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    if optimizer == "adam":
+    if optimizer != "logra":
         # Each rank's loss is already divided by the global token count: sum, do not average.
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
@@ -652,24 +663,17 @@ def make_optimizer(model, cfg):
     its rows of every sketch, direction and moment, the rows it holds of the weight (sketch.py
     and rowadam.py, their departures on sharding). AdamW: the seven targets' weights (layers None)."""
     if cfg["checkpointing"]:
-        enable_checkpointing(model)
+        architectures.enable_checkpointing(model)
     if cfg["optimizer"] == "logra":
         sharded = any(hasattr(module.weight, "to_local") for module in sketch.target_modules(model).values())
         layers = sketch.attach(model, rank=cfg["sketch_rank"], seed=cfg["seed"],
                                group=dist.group.WORLD if sharded else None)
         return rowadam.RowAdam(layers, base_seed=cfg["seed"], update_ratio=cfg["update_ratio"]), layers
-    targets = [module.weight for module in sketch.target_modules(model).values()]
-    return torch.optim.AdamW(targets, lr=cfg["adam_lr"], betas=(0.9, 0.95), weight_decay=0.0), None
-
-
-def enable_checkpointing(model):
-    """Non-reentrant activation checkpointing of every decoder layer (transformers 5 name first)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(kwargs)
+    if cfg["optimizer"] == "lora":  # its adapters, at its own learning rate (lora.py)
+        trained, lr = [p for p in model.parameters() if p.requires_grad], cfg["lora_lr"]
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.train()  # Hugging Face checkpoints only in train mode (Qwen2 has no dropout)
+        trained, lr = [module.weight for module in sketch.target_modules(model).values()], cfg["adam_lr"]
+    return torch.optim.AdamW(trained, lr=lr, betas=(0.9, 0.95), weight_decay=0.0), None
 
 
 def run_state(model, opt, logra, baseline, mismatch, update) -> dict:
@@ -695,7 +699,7 @@ def load_run_state(path, model, opt, logra, baseline, mismatch, layout) -> int:
         checkpoint.load(path, state)
     except Exception as e:  # DCP raises the same on every rank
         words = (str(e).strip().splitlines() or [""])[0]
-        written = resumed_layout(path, layout) or "the layout that wrote it"
+        written = launch.layout_change(checkpoint.read_manifest(path)[0], layout) or "the layout that wrote it"
         raise CheckpointError(f"{path} cannot be loaded by {layout.describe()} ({written}): {type(e).__name__}: "
                               f"{words}") from e
     set_model_state_dict(model, state["model"])
@@ -706,16 +710,6 @@ def load_run_state(path, model, opt, logra, baseline, mismatch, layout) -> int:
     baseline.load_state_dict(json.loads(state["run"]["baseline"]))
     mismatch.load_state_dict(json.loads(state["run"]["mismatch"]))
     return state["run"]["update"]
-
-
-def resumed_layout(path, layout) -> str:
-    """The layout a checkpoint was written with, beside this run's; "" when they are the same."""
-    manifest, _ = checkpoint.read_manifest(path)
-    saved = (manifest or {}).get("layout")
-    if saved is None or saved == layout.record():
-        return ""
-    return (f"written by {launch.Layout(saved['nodes'], saved['ranks_per_node'], tuple(saved['engine_gpus'])).describe()},"
-            f" now {layout.describe()}")
 
 
 def start_engine_weights(engine, model, modules, cfg, update):
@@ -731,9 +725,9 @@ def start_engine_weights(engine, model, modules, cfg, update):
     dtype = torch.float32 if exact else torch.bfloat16
     if isinstance(engine, heal.Supervisor):  # a restarted engine is rebuilt the same way (heal.py)
         engine.attach(resync=lambda target, at: full_sync(target, modules, update=at, cfg=cfg, dtype=dtype),
-                      fingerprint=lambda: sync.fingerprint(model))
+                      fingerprint=lambda: fingerprint(model, cfg))
     full_sync(engine, modules, update=update, cfg=cfg, dtype=dtype)
-    sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
+    sync.check_fingerprints(fingerprint(model, cfg), engine.fingerprint())
 
 
 def full_sync(engine, modules, *, update, cfg, dtype) -> int:
@@ -742,14 +736,22 @@ def full_sync(engine, modules, *, update, cfg, dtype) -> int:
     beyond its state. Returns the bytes sent."""
     sent = 0
     for names in sync.layer_groups(modules):
-        weights = {n: full_weight(modules[n].weight) for n in names}
+        weights = {n: target_weight(modules[n]) for n in names}
         sent += engine.load_full(sync.full_payload(weights, update=update, base_seed=cfg["seed"],
                                                    rank=cfg["sketch_rank"], dtype=dtype))
     return sent
 
 
-def full_weight(w):
-    return w.full_tensor() if hasattr(w, "full_tensor") else w
+def target_weight(module):
+    """A target's whole weight as the engines run it: W (gathered under FSDP2), or LoRA's merged one."""
+    if hasattr(module, "base_layer"):
+        return lora.merged_weight(module)
+    return module.weight.full_tensor() if hasattr(module.weight, "full_tensor") else module.weight
+
+
+def fingerprint(model, cfg):
+    """The trainer's fingerprint of what the engines should hold (sync.fingerprint)."""
+    return sync.fingerprint(model, weight=lora.merged_weight if cfg["optimizer"] == "lora" else None)
 
 
 def factor_sync(engine, layers, factors, *, update, cfg) -> int:

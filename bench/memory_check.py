@@ -84,7 +84,7 @@ def build(model_cfg, optimizer):
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**model_cfg))
-    train.freeze_for(model, optimizer)
+    train.freeze_for(model, {"optimizer": optimizer})
     train.shard(model, WORLD, optimizer, torch.device("cpu"))
     return model
 
@@ -151,7 +151,7 @@ def adam_step(model_cfg, r, rank):
     with LiveBytes(existing) as live:
         opt.step()
         for names in sync.layer_groups(modules):  # train.full_sync, without an engine
-            weights = {n: train.full_weight(modules[n].weight) for n in names}
+            weights = {n: train.target_weight(modules[n]) for n in names}
             sync.encode(sync.full_payload(weights, update=1, base_seed=0, rank=r))
         del weights
     return persistent, live.peak

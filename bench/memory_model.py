@@ -67,7 +67,8 @@ def main():
 
 def dry_run_7b() -> str:
     """The 7B preset's plan as train.py --dry-run prints it, and what it says, in Markdown."""
-    _, cfg, layout, _ = train.configure(["--model", "7b", "--dry-run"])
+    args, cfg, _, _ = train.configure(["--model", "7b", "--dry-run"])
+    layout = train.options.planned_layout(args.nodes, cfg)
     m, big = train.run_plan(cfg, layout.world), train.run_plan(train.PRESETS["27b"], 4)
     lines = train.plan_lines(cfg, m, layout)
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731

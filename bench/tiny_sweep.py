@@ -1,8 +1,8 @@
-"""The default run side by side: LoGRA and the annealed AdamW baseline on the tiny preset, over
-seeds, with the same tuning effort for both (three values of one knob each).
+"""The default run side by side: LoGRA, the annealed AdamW baseline and LoRA at the same rank on
+the tiny preset, over seeds, with the same tuning effort for each (three values of one knob).
 
-LoGRA's knob is the KL budget's start (`--kl-start`; the end stays 5e-3), AdamW's is its
-learning rate (`--adam-lr`); the middle values are the preset's defaults. Every run is the
+LoGRA's knob is the KL budget's start (`--kl-start`; the end stays 5e-3), AdamW's and LoRA's
+their learning rates (`--adam-lr`, `--lora-lr`); the middle values are the preset's defaults. Every run is the
 plain `python train.py` command with those options, in its own run directory; runs of one
 seed share the cached base policy (the warm-up is made once per seed). Printed: held-out
 Pass@1 of the base, the final and the best evaluation, the gain, and the wall time of each
@@ -62,10 +62,11 @@ def main():
     args = report.parse_args(p, "tiny_sweep", "tiny_sweep_summary", "default_run", "tiny_sweep_sweep",
                              which=lambda a: ["tiny_sweep_sweep"] if a.sweep else
                              ["tiny_sweep", "tiny_sweep_summary", "default_run"])
-    settings = [("logra", None, None), ("adam", None, None)]
+    settings = [("logra", None, None), ("adam", None, None), ("lora", None, None)]
     if args.sweep:
         settings = [("logra", "--kl-start", v) for v in (1e-2, 2e-2, 4e-2)] + \
-                   [("adam", "--adam-lr", v) for v in (3e-5, 1e-4, 3e-4)]
+                   [("adam", "--adam-lr", v) for v in (3e-5, 1e-4, 3e-4)] + \
+                   [("lora", "--lora-lr", v) for v in (3e-4, 1e-3, 3e-3)]
     header = ["method", "setting", "seed", "base", "final", "best", "gain (points)", "wall"]
     print(report.table(header, []))  # the rows follow as the runs finish
     runs, summary = [], []

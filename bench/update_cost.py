@@ -24,7 +24,7 @@ paper's 4096-token sequences; a width that does not fit is reported with the pha
 out of memory. The test suite runs `--widths tiny` on the CPU so that the script works the
 first time it meets a GPU.
 
-    python bench/update_cost.py [--widths 25m,100m,7b-2l] [--reps 3] [--markdown]
+    python bench/update_cost.py [--widths 44m,100m,7b-2l] [--reps 3] [--markdown]
     python bench/update_cost.py --device cuda --widths 1.5b,7b    # one GPU, ~8 minutes
 """
 
@@ -56,7 +56,7 @@ QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28
 WIDTHS = {
     "tiny": (dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, vocab_size=512), 32, 16),
-    "25m": (dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+    "44m": (dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=32000), 256, 128),
     "100m": (dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
                   num_key_value_heads=4, vocab_size=32000), 256, 256),
@@ -255,7 +255,7 @@ def main():
     if args.one:
         print(json.dumps(one(*args.one, args.reps, torch.device(args.device))))
         return
-    widths = (args.widths or ("1.5b,7b" if args.device == "cuda" else "25m,100m,7b-2l")).split(",")
+    widths = (args.widths or ("1.5b,7b" if args.device == "cuda" else "44m,100m,7b-2l")).split(",")
     unknown = [w for w in widths if w not in WIDTHS]
     if unknown:
         raise SystemExit(f"unknown widths {unknown}: choose from {', '.join(WIDTHS)}")

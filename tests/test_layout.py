@@ -40,14 +40,14 @@ def closure(name: str) -> set[str]:
 
 def test_no_module_imports_train_and_no_cycle():
     assert {"train", "sketch", "rowadam", "kl_control", "ppo", "sync", "engine", "tasks", "checkpoint", "launch",
-            "architectures", "options", "memory_plan", "metrics", "heal"} <= set(MODULES)
+            "architectures", "options", "memory_plan", "metrics", "heal", "lora"} <= set(MODULES)
     for name in MODULES:
         assert "train" not in closure(name) or name == "train", name
         assert name not in closure(name), f"{name} imports itself through {sorted(closure(name))}"
     # The algorithm files copy alone: torch, the standard library and at most sketch.py.
     for name in ("sketch", "rowadam", "kl_control", "ppo"):
         assert closure(name) <= {"sketch"}, (name, closure(name))
-    for name in ("tasks", "checkpoint", "launch", "architectures", "metrics"):  # leaves
+    for name in ("tasks", "checkpoint", "launch", "architectures", "metrics", "lora"):  # leaves
         assert closure(name) == set(), (name, closure(name))
 
 
@@ -72,6 +72,10 @@ CALLS = {
              "        if E.n == 1: raise EngineLost('gone')\n        return x\n"
              "    def close(self): pass\n"
              "s = heal.Supervisor(E, restarts=1, log=print); assert s.generate(7) == 7 and s.restarts == 1"),
+    "lora": ("from transformers import Qwen2Config, Qwen2ForCausalLM; m = Qwen2ForCausalLM(Qwen2Config("
+             "hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, "
+             "vocab_size=16)); p = lora.attach(m, rank=4, alpha=8.0, seed=0); "
+             "assert len(p) == 14 and len(lora.layers(m)) == 7"),
     "metrics": ("assert metrics.summary([{'update': 0, 'pass1': 0.25}, {'update': 1, 'pass1': 0.5}], heldout=4, "
                 "engine='hf')[0].endswith('+25.0 points, 4 problems)')"),
 }

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import architectures
 import sketch
-import train
 from tiny import tiny_batch, tiny_qwen2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +130,7 @@ def test_tiny_qwen2_sketches_equal_dense(checkpointing):
     assert len(layers) == 2 * 7
     if checkpointing:
         for m in (model, dense):
-            train.enable_checkpointing(m)  # non-reentrant, under either transformers 5 name
+            architectures.enable_checkpointing(m)  # non-reentrant, under either transformers 5 name
     ids = tiny_batch()
     lm_loss(model, ids).backward()
     lm_loss(dense, ids).backward()
