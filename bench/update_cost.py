@@ -235,8 +235,8 @@ def tables(results, device, reps):
                          size(r["state"])])
             if method == "logra":
                 phases.append(f"{width}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items()))
-    where = "one GPU, fp32 weights, bf16 autocast, activation checkpointing" if device == "cuda" else \
-        f"this CPU ({torch.get_num_threads()} threads), fp32"
+    where = "One GPU, fp32 weights, bf16 autocast, activation checkpointing" if device == "cuda" else \
+        f"This CPU ({torch.get_num_threads()} threads), fp32"
     caption = (f"One rank's update, rollout excluded, at the paper's proportions: {RESPONSES} responses per rank "
                f"in micro-batches of {MICRO}, the probe and the realised KL on {PROBED} of them ({KL_POSITIONS} "
                f"positions kept); the forward and backward of one micro-batch is timed and multiplied by "
