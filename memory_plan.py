@@ -50,7 +50,9 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     Trainer, transient in the optimizer step: AdamW's one fp32 temporary per target (foreach)
     and a streamed full sync (one decoder layer gathered in fp32, cast, encoded); LoGRA's
     factors F (n, r) plus the largest of prepare's per-layer float64 work, the probe's
-    gathered U and head chunk, the merge's float64 chunk and the streamed factor sync.
+    gathered U and head chunk, the merge's float64 chunk and the streamed factor sync. LoRA
+    (lora.py): the adapters A, B with their gradients and moments, AdamW's temporary or the
+    streamed sync of merged weights.
     Activations (micro-batch x context, activation checkpointing): layer inputs kept, one
     layer recomputed, the bf16 weights of two layers in flight, the logits. Engine (one per
     GPU): bf16 weights, the int16 residuals of the exact merge (on the GPU when the KV cache

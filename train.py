@@ -210,7 +210,7 @@ def main(argv=None):
     args, cfg, world, run_dir = configure(argv)
     if args.dry_run:
         return dry_run(cfg, options.planned_layout(args.nodes, cfg), as_json=args.json)
-    logra = cfg["optimizer"] == "logra"  # else the dense AdamW baseline
+    logra = cfg["optimizer"] == "logra"  # else the dense AdamW baseline or LoRA
     device, rank = launch.start_processes(cuda=cfg["device"] == "cuda", world=world, timeout=cfg["dist_timeout"])
     log = print if rank == 0 else (lambda *a, **k: None)
     # The layout, what each node has (its GPUs, vLLM, the checkpoint), the shared run directory
@@ -313,7 +313,7 @@ def main(argv=None):
         # --- sync ----------------------------------------------------------------------------
         if logra and cfg["sync"] == "factors":
             sync_bytes = factor_sync(engine, layers, step["factors"], update=update, cfg=cfg)
-        else:  # AdamW, or the paper's control: full bf16 target weights, one layer at a time
+        else:  # AdamW, LoRA (merged), or the paper's control: full bf16 target weights, one layer at a time
             sync_bytes = full_sync(engine, modules, update=update + 1, cfg=cfg, dtype=torch.bfloat16)
         sync.check_fingerprints(fingerprint(model, cfg), engine.fingerprint())
         lap("sync")
@@ -661,7 +661,8 @@ def start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, eos, pa
 def make_optimizer(model, cfg):
     """(opt, layers). LoGRA: the sketched target layers and RowAdam; under FSDP2 each rank keeps
     its rows of every sketch, direction and moment, the rows it holds of the weight (sketch.py
-    and rowadam.py, their departures on sharding). AdamW: the seven targets' weights (layers None)."""
+    and rowadam.py, their departures on sharding). AdamW: the seven targets' weights; LoRA: its
+    adapters (layers None)."""
     if cfg["checkpointing"]:
         architectures.enable_checkpointing(model)
     if cfg["optimizer"] == "logra":
