@@ -45,7 +45,9 @@ import math
 
 import torch
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Every model family's target names (sketch.TARGETS, architectures.py's rows): Phi-3's fused
+# qkv_proj and gate_up_proj too; architectures.check_layers lets a model hold only its own row's.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 ADAPTER = "default"
 
 

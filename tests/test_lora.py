@@ -97,3 +97,16 @@ def test_bad_input_is_refused():
     with pytest.raises(lora.LoraError, match="no module named"):
         lora.attach(model, rank=RANK, alpha=ALPHA, seed=SEED, targets=("nothing",))
     assert not lora.layers(model)  # nothing was put in
+
+
+def test_every_family_gets_adapters_on_its_own_targets():
+    """Each model family's row of architectures.py names the targets, Phi-3's fused ones
+    included: the adapters go exactly there."""
+    import architectures
+    import tiny_families
+
+    for model_type in sorted(architectures.ARCHITECTURES):
+        model = tiny_families.model(model_type)
+        lora.attach(model, rank=4, alpha=ALPHA, seed=SEED)
+        adapted = {n.rsplit(".", 1)[-1] for n in lora.layers(model)}
+        assert adapted == set(architectures.lookup(model_type).targets), model_type
