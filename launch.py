@@ -69,7 +69,9 @@ import time
 
 import torch.distributed as dist
 
-PROBE_WAIT_S = 10  # how long a rank looks for the others' probe files before it calls the folder unshared
+# How long a rank looks for the others' probe files before it calls the folder unshared; a
+# shared file system slower than that to show another node's file sets LOGRA_PROBE_WAIT_S.
+PROBE_WAIT_S = float(os.environ.get("LOGRA_PROBE_WAIT_S", "10"))
 REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint saved; run the same command again
 
 

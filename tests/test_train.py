@@ -407,7 +407,9 @@ def test_a_run_dir_the_nodes_do_not_share_is_refused_on_every_node(runs, tmp_pat
                        (29576, ["--resume", str(mounted / "old"), "--resume-from", "checkpoint-2"])):
         before = files(mounted)
         t0 = time.monotonic()
-        results = two_nodes([*RANKS, *args], port, tmp_path, own_mount=mounted, timeout=240)
+        # The nodes look for each other's probe files for 2 s, not 10: this machine's are at once.
+        results = two_nodes([*RANKS, *args], port, tmp_path, own_mount=mounted, timeout=240,
+                            environ=env(LOGRA_PROBE_WAIT_S="2"))
         elapsed = time.monotonic() - t0
         for code, out, err in results:
             lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
