@@ -389,13 +389,12 @@ class EngineWeights:
             if w.dtype == torch.bfloat16:  # the master is the bf16 weight itself: residual 0
                 slot.weight.copy_(w)
                 slot.residual.zero_()
-                self._loading[name] = payload.update
-                continue
-            for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
-                chunk = w[start:start + MERGE_CHUNK_ROWS].to(slot.param.device, torch.float32)  # (c, k)
-                hi, lo = split_master(chunk)
-                slot.weight[start:start + chunk.shape[0]].copy_(hi)
-                slot.residual[start:start + chunk.shape[0]].copy_(lo)
+            else:
+                for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
+                    chunk = w[start:start + MERGE_CHUNK_ROWS].to(slot.param.device, torch.float32)  # (c, k)
+                    hi, lo = split_master(chunk)
+                    slot.weight[start:start + chunk.shape[0]].copy_(hi)
+                    slot.residual[start:start + chunk.shape[0]].copy_(lo)
             self._loading[name] = payload.update
         if len(self._loading) == len(self.slots):
             self.update, self._loading = payload.update, {}

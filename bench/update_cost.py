@@ -180,7 +180,7 @@ def one(width, method, reps, device):
         # The engine's side, on a bf16 copy made once the trainer is gone (it has its own GPU).
         update = opt.update - 1 if method == "logra" else 0
         del model, opt, state, modules
-        layers = targets = None
+        layers = targets = None  # the last references to the trainer's tensors
         if device.type == "cuda":
             torch.cuda.empty_cache()
         phase = "engine"
