@@ -114,3 +114,14 @@ def enable_checkpointing(model) -> None:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()  # Hugging Face checkpoints only in train mode (Qwen2 has no dropout)
+
+
+def reset_buffers(model) -> None:
+    """A model made on the meta device and moved with to_empty() holds garbage in its
+    non-persistent buffers, which checkpoints do not store: every rotary embedding's inv_freq
+    (and its scaling) is computed again, as its module's constructor computes it."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq"):
+            fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers():
+                getattr(module, name).copy_(buf)

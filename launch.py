@@ -202,6 +202,14 @@ def start_processes(*, cuda: bool, world: int, timeout: float):
     return device, dist.get_rank() if dist.is_initialized() else 0
 
 
+def stop_processes():
+    """The process group's end, once every rank is done with it: a barrier (no rank tears the
+    group down while another still uses it), then destroy_process_group."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def agree(error=None):
     """Raise on every rank the error of the lowest rank that has one, if any has. Without a
     process group, raise `error` if there is one. Every rank must call it at the same point."""

@@ -42,7 +42,7 @@ import torch
 import architectures
 import launch
 from checkpoint import CHECKPOINT_NAME
-from tasks import Arithmetic
+from tasks import CHAT_TASKS, Arithmetic, TaskError, gym_mixture
 
 
 class OptionError(Exception):
@@ -80,15 +80,21 @@ OPTIONS = (
     ("engine_restarts", int, "engines that may be restarted in a run after dying or going silent (heal.py)", None),
     ("dist_timeout", float, "seconds a rank waits for the others in a collective (torch.distributed's timeout; "
      "longer than --engine-timeout)", None),
+    ("task", str, "a chat checkpoint's task: the paper's math, or Reasoning Gym (its 27B long run)",
+     CHAT_TASKS),
+    ("gym_tasks", str, "with --task reasoning-gym: a mixture (hard: tasks.GYM_HARD) or NAME[:WEIGHT],... of its "
+     "tasks", None),
+    ("gym_level", int, "with --task reasoning-gym: the level of every task's curriculum (0: the easiest)", None),
     ("train_data", str, "DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id",
      None),
     ("eval_data", str, "MATH-500-format evaluation data: a local .parquet/.jsonl file or folder, or a hub id", None),
 )
+TASK_OPTIONS = {"math": ("train_data", "eval_data"), "reasoning-gym": ("gym_tasks", "gym_level")}
 FLAGS = {"sketch_rank": "--rank"}  # keys whose flag is not made from the key
 # The least value of each count and size (an int option); the float options must be finite and > 0.
 LEAST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
          "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
-         "save_every": 0, "seed": 0, "max_new_tokens": 1, "context": 2, "engine_restarts": 0}
+         "save_every": 0, "seed": 0, "max_new_tokens": 1, "context": 2, "engine_restarts": 0, "gym_level": 0}
 POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "lora_lr", "lora_alpha", "eval_temperature", "engine_timeout", "dist_timeout")
 # The widths a local checkpoint's config.json gives (the rank limit, the memory plan).
 MODEL_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -141,7 +147,7 @@ def resolve(args: argparse.Namespace, presets: dict) -> dict:
     cfg["preset"] = args.model
     cfg["optimizer"] = args.optimizer
     cfg["sync"] = args.sync
-    if cfg["task"] == "math":
+    if cfg["task"] in CHAT_TASKS:
         cfg["model_path"] = args.model_path or cfg.pop("hf_id")
         cfg.pop("hf_id", None)
         cfg["engine_gpus"] = args.engine_gpus or cfg["engine_gpus"]
@@ -151,6 +157,12 @@ def resolve(args: argparse.Namespace, presets: dict) -> dict:
         value = getattr(args, key)
         if value is not None:
             cfg[key] = value
+    # A chat task's own options are kept where they apply, and where the command line gave them
+    # (validate refuses those): a math run's configuration holds no gym_*, a gym run's no data.
+    for task, keys in TASK_OPTIONS.items():
+        for key in keys if cfg["task"] != task else ():
+            if getattr(args, key) is None:
+                cfg.pop(key, None)
     cfg["micro_batch"] = min(cfg["micro_batch"], cfg["batch"])
     return cfg
 
@@ -159,7 +171,7 @@ def read_model_config(cfg: dict) -> dict:
     """The widths of the run's model: a local checkpoint's own (its config.json), or the
     preset's when --model-path names no folder (a hub id). Reads this node's files: a run
     calls it on every rank and agrees on the verdict (launch.agreed)."""
-    if cfg["task"] != "math":
+    if cfg["task"] not in CHAT_TASKS:
         return cfg["model"]
     config_json = os.path.join(cfg["model_path"], "config.json")
     if not os.path.isfile(config_json):
@@ -185,14 +197,16 @@ def engine_gpus(cfg: dict):
 
 
 def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=None, machine: bool = True,
-             preset_device: str = "cpu", preset_engine_gpus=None, wandb=None):
+             preset_device: str = "cpu", preset_engine_gpus=None, preset_task=None, wandb=None):
     """Everything that the command line and torchrun's WORLD_SIZE (`world`) decide, in the
     order of the module docstring: the same verdict on every rank. `machine`: check this
     machine and how the run was started (--dry-run plans the paper's layout anywhere);
-    `preset_device`, `preset_engine_gpus`: the preset's own values, for the advice."""
+    `preset_device`, `preset_engine_gpus`, `preset_task`: the preset's own values."""
     engines = launch.parse_gpus(engine_gpus(cfg))
     # --- the numbers -------------------------------------------------------------------------
     for key, *_ in OPTIONS:  # in the order of --help
+        if key not in cfg:  # an option of another task (--gym-level with the math task: below)
+            continue
         if key in LEAST and cfg[key] < LEAST[key]:
             raise OptionError(f"{flag(key)} {cfg[key]} must be >= {LEAST[key]}")
         if key in POSITIVE and not (math.isfinite(cfg[key]) and cfg[key] > 0):
@@ -219,17 +233,35 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
         raise OptionError(f"--eval-problems {cfg['eval_problems']} must be <= {Arithmetic.PROBLEMS // 2}: the tiny "
                           f"task has {Arithmetic.PROBLEMS} problems and keeps at least half of them for training")
 
-    # --- what the preset needs ----------------------------------------------------------------
-    if cfg["task"] == "math":
-        missing = [o for o, k in (("--model-path DIR", "model_path"), ("--train-data PATH", "train_data"),
-                                  ("--eval-data PATH", "eval_data")) if not cfg.get(k)]
+    # --- what the preset and its task need ------------------------------------------------------
+    if preset_task is not None and (preset_task in CHAT_TASKS) != (cfg["task"] in CHAT_TASKS):
+        raise OptionError(f"--task {cfg['task']}: preset '{cfg['preset']}' runs the tiny arithmetic task on a model "
+                          f"built from its config; the chat tasks need a chat checkpoint's preset (tiny-math, 1.5b, "
+                          f"7b, 27b, smollm2-135m)")
+    for task, keys in TASK_OPTIONS.items():
+        given = [flag(k) for k in keys if k in cfg and cfg["task"] != task]
+        if given:
+            raise OptionError(f"{', '.join(given)}: an option of --task {task}, not of this run's task ({cfg['task']})")
+    if cfg["task"] == "reasoning-gym":
+        try:
+            gym_mixture(cfg["gym_tasks"])
+        except TaskError as e:
+            raise OptionError(str(e)) from e
+        if importlib.util.find_spec("reasoning_gym") is None:
+            raise OptionError("--task reasoning-gym needs the reasoning-gym package: pip install -e '.[gym]'")
+    if cfg["task"] in CHAT_TASKS:
+        needs = (("--model-path DIR", "model_path"), *((("--train-data PATH", "train_data"),
+                 ("--eval-data PATH", "eval_data")) if cfg["task"] == "math" else ()))
+        missing = [o for o, k in needs if not cfg.get(k)]
         if missing:
+            data = "; DAPO-Math-17k- and MATH-500-format data" if cfg["task"] == "math" else ""
             raise OptionError(f"preset '{cfg['preset']}' needs {', '.join(missing)} (a local Hugging Face "
-                              f"checkpoint of a family in architectures.py; DAPO-Math-17k- and MATH-500-format data; python "
-                              f"tests/tiny_math.py DIR makes small ones)")
+                              f"checkpoint of a family in architectures.py{data}; python tests/tiny_math.py DIR makes "
+                              f"small ones)")
         if cfg["engine"] != "vllm":
-            raise OptionError("the math task's rollouts need --engine vllm (the HF engine takes prompts of one length)")
-    if cfg["task"] != "math":  # the preset's own widths (a checkpoint's are checked once read: check_model)
+            raise OptionError(f"the {cfg['task']} task's rollouts need --engine vllm (the HF engine takes prompts of "
+                              f"one length)")
+    else:  # the preset's own widths (a checkpoint's are checked once read: check_model)
         check_model(cfg)
     if cfg["engine"] == "vllm" and cfg["device"] == "cuda" and not engines:
         raise OptionError("--engine vllm on GPUs needs --engine-gpus, one GPU per training rank of a node "
@@ -321,8 +353,10 @@ def launch_commands(cfg: dict, layout: launch.Layout, preset_engine_gpus=None) -
     node, and the same under Slurm): torchrun with one process per training rank, and the model
     and data it was given."""
     args = f"--model {cfg['preset']}"
-    if cfg["task"] == "math":
-        args += f" --model-path {cfg['model_path']} --train-data {cfg['train_data']} --eval-data {cfg['eval_data']}"
+    if cfg["task"] in CHAT_TASKS:
+        args += f" --model-path {cfg['model_path']}"
+        args += f" --train-data {cfg['train_data']} --eval-data {cfg['eval_data']}" if cfg["task"] == "math" else \
+            f" --task reasoning-gym --gym-tasks {cfg['gym_tasks']} --gym-level {cfg['gym_level']}"
         if cfg["engine_gpus"] != preset_engine_gpus:
             args += f" --engine-gpus {cfg['engine_gpus']}"
     return launch.commands(args, layout)

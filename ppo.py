@@ -13,6 +13,7 @@ algorithm would add.
 The math
 --------
     reward     r = 1 if the final answer is correct else failure_reward (-0.01)
+               (a verifier's partial score s in (0, 1), Reasoning Gym's: r = s)
     baseline   b <- (1 - w) b + w mean(global batch rewards)       w = 0.1
     advantage  A = r - b       b from before this batch (first batch: its own mean)
     TIS        w_t = min(exp(logp_old_t - logp_rollout_t), tis_cap)  detached, tis_cap = 2
@@ -52,11 +53,14 @@ def _distributed():
 # -----------------------------------------------------------------------------
 # Reward and baseline
 
-def outcome_reward(correct, *, failure_reward=-0.01):
-    """1.0 for a correct final answer, `failure_reward` otherwise; a bool or a bool tensor."""
-    if isinstance(correct, torch.Tensor):
-        return torch.where(correct.bool(), 1.0, failure_reward).to(torch.float32)  # same device
-    return 1.0 if correct else float(failure_reward)
+def outcome_reward(score, *, failure_reward=-0.01):
+    """1.0 for a correct final answer, `failure_reward` otherwise: `score` a bool, or a
+    verifier's score in [0, 1] (Reasoning Gym's, tasks.GymTask: partial credit is its own
+    reward, a score of 0 the failure reward); a number or a tensor."""
+    if isinstance(score, torch.Tensor):
+        score = score.to(torch.float32)
+        return torch.where(score > 0, score, failure_reward)  # same device
+    return float(score) if score > 0 else float(failure_reward)
 
 
 class RunningBaseline:

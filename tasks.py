@@ -3,15 +3,21 @@ tasks.py: what the policy is asked and how its answers are graded.
 
 What it is
 ----------
-Two tasks with one interface: `train_problem(index)` (a pure function of the run's seed and
+Three tasks with one interface: `train_problem(index)` (a pure function of the run's seed and
 the index, so every rank and every resume draws the same problems), `prompt_ids(problems)`,
-`correct(problem, response_ids)`, `heldout` (the evaluation problems), `eos` and `pad`.
+`correct(problem, response_ids)` (True/False, or a score in [0, 1]), `heldout` (the evaluation
+problems), `eos` and `pad`.
 
 - `MathTask`: the paper's task (Table 1's setup, arXiv:2610.06647): DAPO-Math-17k problems for
   training and MATH-500 for evaluation, the Qwen-Math system prompt "Please reason step by
-  step, and put your final answer within \\boxed{}." through the tokenizer's chat template,
-  graded with math-verify (`grade`). `load_math_data` reads both data sets from local files
-  or the local Hugging Face cache (`read_rows`); nothing is downloaded here.
+  step, and put your final answer within \\boxed{}." through the tokenizer's chat template
+  (`ChatTask`), graded with math-verify (`grade`). `load_math_data` reads both data sets from
+  local files or the local Hugging Face cache (`read_rows`); nothing is downloaded here.
+- `GymTask`: the task of the paper's 27B long run, a Reasoning Gym "Hard" mixture (the paper
+  does not list its own; `GYM_HARD` says how this one is chosen): problems made by the
+  `reasoning-gym` package's generators (`gym_mixture`; each task at a level of its curriculum,
+  `gym_dataset`), scored by their own verifiers, through the same chat template with the
+  package's system prompt.
 - `Arithmetic`: two-digit additions ("37+45=" -> "\\boxed{82}"), a character tokenizer made
   here, graded exactly; the tiny CPU task. `warmup` trains a model on it by supervised
   learning to make a base policy that is sometimes right, as the paper starts RL from a
@@ -28,9 +34,12 @@ Departures, numbered
 2. DAPO-Math-17k repeats each problem many times and wraps it in its own answer-format lines
    ('Answer: ...'); the problems are deduplicated and those lines dropped, since the prompt
    asks for \\boxed{} as the paper's evaluation does.
+3. A Reasoning Gym scorer that raises on a malformed answer (prime_factorization's on words)
+   scores it 0, as a wrong answer, rather than stopping the run.
 """
 
 import glob
+import hashlib
 import json
 import math
 import os
@@ -43,6 +52,9 @@ class TaskError(Exception):
     """Missing or malformed task data; the message is one line that says what to do."""
 
 
+CHAT_TASKS = ("math", "reasoning-gym")  # the tasks of a chat checkpoint (the tiny one: "arithmetic")
+
+
 # -----------------------------------------------------------------------------
 # The paper's task: DAPO-Math-17k, MATH-500, math-verify
 
@@ -51,18 +63,19 @@ DAPO_PREFIX = "Solve the following math problem step by step."
 DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
 
 
-class MathTask:
-    """Chat prompts (the system prompt, then the problem); a response is right when math-verify
-    accepts its final answer.
+class ChatTask:
+    """Prompts through the checkpoint's own chat template: a system prompt, then the problem.
 
-    The chat template is the checkpoint's own. One without a system role (Gemma's refuses it)
-    gets the system prompt folded into the user turn, before the problem; a tokenizer without
-    a chat template is refused (a base model's plain-text format is not guessed). `stop_ids`:
-    the token ids that end a response (generation_stop_ids: the checkpoint's generation
-    config, where Llama 3 lists several)."""
+    A template without a system role (Gemma's refuses it) gets the system prompt folded into
+    the user turn, before the problem; a tokenizer without a chat template is refused (a base
+    model's plain-text format is not guessed). `stop_ids`: the token ids that end a response
+    (generation_stop_ids: the checkpoint's generation config, where Llama 3 lists several).
+    A subclass gives `system`, `train_problem`, `question(problem)` and `correct`."""
 
-    def __init__(self, tokenizer, train, heldout, seed, stop_ids=None):
-        self.tokenizer, self.train, self.heldout, self.seed = tokenizer, train, heldout, seed
+    system = ""
+
+    def __init__(self, tokenizer, stop_ids=None):
+        self.tokenizer = tokenizer
         self.pad, self.eos = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.stop_ids = stop_ids if stop_ids is not None else [tokenizer.eos_token_id]
         if not getattr(tokenizer, "chat_template", None):
@@ -74,7 +87,7 @@ class MathTask:
         # without it (some Phi-3 revisions): either way the instruction goes into the user turn.
         self.system_role = True
         try:
-            kept = SYSTEM_PROMPT in self._template("What is $1+1$?", tokenize=False)
+            kept = self.system in self._template("What is $1+1$?", tokenize=False)
         except TemplateError:
             kept = False
         if not kept:
@@ -87,13 +100,29 @@ class MathTask:
 
     def messages(self, problem: str) -> list[dict]:
         if self.system_role:
-            return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}]
-        return [{"role": "user", "content": f"{SYSTEM_PROMPT}\n\n{problem}"}]
+            return [{"role": "system", "content": self.system}, {"role": "user", "content": problem}]
+        return [{"role": "user", "content": f"{self.system}\n\n{problem}"}]
 
     def _template(self, problem: str, tokenize=True):
         out = self.tokenizer.apply_chat_template(self.messages(problem), add_generation_prompt=True,
                                                  tokenize=tokenize, return_dict=False)
         return [int(i) for i in out] if tokenize else out
+
+    def prompt_ids(self, problems) -> list[list[int]]:
+        """Token ids of the chat prompt. `return_dict=False`: since transformers 5,
+        `tokenize=True` alone returns a BatchEncoding (a dict), not the list of ids."""
+        return [self._template(self.question(p)) for p in problems]
+
+
+class MathTask(ChatTask):
+    """The paper's prompts (its system prompt, then the problem); a response is right when
+    math-verify accepts its final answer. Problems are (problem, gold) pairs."""
+
+    system = SYSTEM_PROMPT
+
+    def __init__(self, tokenizer, train, heldout, seed, stop_ids=None):
+        super().__init__(tokenizer, stop_ids)
+        self.train, self.heldout, self.seed = train, heldout, seed
 
     def train_problem(self, index: int):
         """An epoch-wise shuffle of the deduplicated training set, a pure function of the index."""
@@ -102,10 +131,9 @@ class MathTask:
         random.Random(f"math:{self.seed}:{epoch}").shuffle(order)
         return self.train[order[i]]
 
-    def prompt_ids(self, problems) -> list[list[int]]:
-        """Token ids of the chat prompt. `return_dict=False`: since transformers 5,
-        `tokenize=True` alone returns a BatchEncoding (a dict), not the list of ids."""
-        return [self._template(p) for p, _ in problems]
+    @staticmethod
+    def question(problem) -> str:
+        return problem[0]
 
     def correct(self, problem, response_ids) -> bool:
         return grade(self.tokenizer.decode(response_ids, skip_special_tokens=True), problem[1])
@@ -232,6 +260,139 @@ def dapo_problem(content: str) -> str:
     if text.endswith(DAPO_SUFFIX):
         text = text[: -len(DAPO_SUFFIX)]
     return text.strip()
+
+
+# -----------------------------------------------------------------------------
+# The 27B long run's task: Reasoning Gym's generators and verifiers
+
+# The paper does not list its Reasoning-Gym "Hard" mixture. This one draws on the package's
+# categories (its folders) at level 2 of the package's own curricula (0 is the easiest; most
+# tasks define 4 or 5 levels), keeping the tasks that have a curriculum, whose gold answers
+# their own scorer accepts (tests/test_tasks.py checks it), whose level-2 questions stay under
+# 2,000 characters (a prompt well inside the paper's 4096-token context, 3072 of them for the
+# response) and whose generators never took more than 0.4 s over 1,000 problems at random
+# training indices (the slowest: puzzle24, polynomial_equations, ~0.3 s). Left out on those
+# grounds, e.g.: propositional_logic and graph_color (their answer field is not an answer their
+# scorer accepts), countdown and zebra_puzzles (0.2 s a problem on average), maze and
+# circuit_logic (questions of 9,000-25,000 characters), and every cognition task:
+# number_sequence's generator ran for minutes on one problem (in one call that a signal could
+# not interrupt), the others' questions are longer or their answers do not score 1.
+GYM_HARD = ("basic_arithmetic", "chain_sum", "leg_counting", "prime_factorization", "decimal_arithmetic",  # arithmetic
+            "simple_equations", "complex_arithmetic", "polynomial_equations",  # algebra
+            "letter_counting", "spell_backward", "cryptarithm", "base_conversion",  # algorithmic
+            "knights_knaves", "syllogism", "self_reference", "aiw",  # logic
+            "mini_sudoku", "puzzle24",  # games
+            "family_relationships", "quantum_lock",  # graphs
+            "advanced_geometry", "arc_1d")  # geometry, arc
+GYM_MIXTURES = {"hard": GYM_HARD}
+GYM_INDICES = 2**31  # each generator's problems: indices 0.. (its own seed + index seeds a problem)
+GYM_EVAL_INDICES = 2**20  # held-out problems are drawn below, training problems above
+
+
+def gym_mixture(spec: str) -> tuple:
+    """((task, weight), ...) of `--gym-tasks`: a mixture's name (GYM_MIXTURES) or
+    NAME[:WEIGHT],... (weight 1 when left out). Read without the package: the names are
+    checked against its registry when the task is made (GymTask)."""
+    if spec in GYM_MIXTURES:
+        return tuple((name, 1.0) for name in GYM_MIXTURES[spec])
+    mixture = []
+    for part in spec.split(","):
+        name, _, weight = part.strip().partition(":")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            w = float("nan")
+        if not name or not (w > 0 and w != float("inf")) or name in dict(mixture):
+            raise TaskError(f"--gym-tasks {spec}: give {' or '.join(GYM_MIXTURES)}, or distinct Reasoning Gym task "
+                            f"names, each with an optional :WEIGHT > 0 (e.g. chain_sum,knights_knaves:2)")
+        mixture.append((name, w))
+    return tuple(mixture)
+
+
+def gym_dataset(name: str, level: int, seed: int):
+    """One Reasoning Gym generator: its curriculum at `level` (every attribute's level, clipped
+    at the attribute's highest), or its defaults if it has no curriculum; seeded by (seed, name)."""
+    try:
+        from reasoning_gym.factory import CURRICULA, DATASETS, create_curriculum
+    except ImportError as e:
+        raise TaskError("--task reasoning-gym needs the reasoning-gym package: pip install -e '.[gym]'") from e
+    if name not in DATASETS:
+        raise TaskError(f"--gym-tasks: {name!r} is not a Reasoning Gym task (its {len(DATASETS)} tasks: "
+                        f"reasoning_gym.factory.DATASETS; e.g. {', '.join(sorted(DATASETS)[:4])})")
+    dataset_cls, config_cls = DATASETS[name]
+    task_seed = int.from_bytes(hashlib.sha256(f"gym:{seed}:{name}".encode()).digest()[:4], "little")
+    if name in CURRICULA:
+        curriculum = create_curriculum(name)
+        curriculum.set_global_level(level)
+        config = curriculum.generate_configuration({"seed": task_seed, "size": GYM_INDICES})
+    else:
+        config = config_cls(seed=task_seed, size=GYM_INDICES)
+    return dataset_cls(config)
+
+
+class GymTask(ChatTask):
+    """Reasoning Gym (the `reasoning-gym` package): procedural problems from a mixture of its
+    generators, each response scored by its generator's own verifier. Nothing is downloaded.
+
+    The prompt is the package's default system prompt (reasoning_gym.utils.SYSTEM_PROMPTS,
+    which asks for the answer in <answer></answer> tags), then the question; the answer is
+    read with the package's extract_answer (the last <answer>...</answer>) and scored by the
+    generator's score_answer, a number in [0, 1] (1 for a right answer; some tasks give partial
+    credit or a format score), which is the reward (ppo.outcome_reward). Problems are
+    (task name, entry) pairs, entry the generator's dict (question, answer, metadata).
+
+    Every draw is a pure function of (seed, index): the task from the mixture's weights, then
+    one of its generator's problems. Held-out problem k is drawn from the generators' indices
+    below GYM_EVAL_INDICES, training problems from the indices above, and a training problem
+    whose question is a held-out one's is drawn again, so the two never overlap. A problem
+    whose prompt is longer than `max_prompt_tokens` (the context less the response's tokens)
+    is drawn again too: a long run never stops on one long problem, and a mixture that cannot
+    fit is refused (TaskError)."""
+
+    DRAWS = 1000  # draws of one problem before a mixture is refused as not fitting
+
+    def __init__(self, tokenizer, mixture, *, level: int, seed: int, heldout: int, max_prompt_tokens=None,
+                 stop_ids=None):
+        from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
+
+        self.system, self.extract_answer = SYSTEM_PROMPTS["default"], extract_answer
+        super().__init__(tokenizer, stop_ids)
+        self.names, self.weights = zip(*mixture)
+        self.seed, self.level, self.max_prompt_tokens = seed, level, max_prompt_tokens
+        self.datasets = {name: gym_dataset(name, level, seed) for name in self.names}
+        self._heldout_questions = set()
+        self.heldout = [self._draw(f"gym-eval:{seed}:{k}", 0, GYM_EVAL_INDICES) for k in range(heldout)]
+        self._heldout_questions = {entry["question"] for _, entry in self.heldout}
+
+    def _draw(self, key: str, low: int, high: int):
+        rng = random.Random(key)
+        for _ in range(self.DRAWS):
+            name = rng.choices(self.names, weights=self.weights)[0]
+            entry = self.datasets[name][rng.randrange(low, high)]
+            if entry["question"] in self._heldout_questions:
+                continue
+            if self.max_prompt_tokens is None or len(self._template(entry["question"])) <= self.max_prompt_tokens:
+                return name, entry
+        raise TaskError(f"--gym-tasks {','.join(self.names)} at --gym-level {self.level}: {self.DRAWS} problems drawn "
+                        f"and none has a prompt of at most {self.max_prompt_tokens} tokens (--context less "
+                        f"--max-new-tokens): raise --context, or give shorter tasks or a lower level")
+
+    def train_problem(self, index: int):
+        """The index-th training problem: a pure function of (seed, index)."""
+        return self._draw(f"gym-train:{self.seed}:{index}", GYM_EVAL_INDICES, GYM_INDICES)
+
+    @staticmethod
+    def question(problem) -> str:
+        return problem[1]["question"]
+
+    def correct(self, problem, response_ids) -> float:
+        name, entry = problem
+        answer = self.extract_answer(self.tokenizer.decode(response_ids, skip_special_tokens=True))
+        try:
+            score = float(self.datasets[name].score_answer(answer, entry))
+        except Exception:  # a scorer that fails on a malformed answer: a wrong answer, not a crash (departure 3)
+            return 0.0
+        return min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
 
 
 # -----------------------------------------------------------------------------

@@ -30,11 +30,12 @@ LoRA (--optimizer lora, the paper's Table 2) the same with adapters as its weigh
 
 The presets: `tiny` (two-digit additions, a 2-layer Qwen2 and its base policy made here:
 tasks.py), `tiny-math` (the paper's path at toy scale with vLLM's CPU build), `smoke-0.5b`
-(bench/gpu_smoke.py), and the paper's `1.5b`, `7b`, `27b`, which train Qwen checkpoints on
-DAPO-Math-17k with vLLM engines and evaluate on MATH-500. The infrastructure lives in files
-named for it: options.py (the command line and its checks), launch.py (nodes, ranks and
-engines; refusals and stops every rank agrees on), tasks.py, checkpoint.py, memory_plan.py
-(--dry-run), metrics.py, engine.py, heal.py (an engine that dies is restarted and resynced).
+(bench/gpu_smoke.py), the paper's `1.5b`, `7b`, `27b` (Qwen checkpoints, vLLM engines,
+DAPO-Math-17k and MATH-500; `--task reasoning-gym`: Reasoning Gym's problems and verifiers,
+the 27B long run's task). The rest lives in files named for it: options.py (the command
+line and its checks), launch.py (nodes, ranks and engines; refusals and stops every rank
+agrees on), tasks.py, checkpoint.py, memory_plan.py (--dry-run), metrics.py, engine.py,
+heal.py (an engine that dies is restarted and resynced).
 
 Shape legend: B responses of this rank (b of a micro-batch), T tokens of a padded response
 with its prompt, V vocabulary.
@@ -58,6 +59,7 @@ Departures, numbered
 import atexit
 import copy
 import functools
+import gc
 import hashlib
 import io
 import json
@@ -103,7 +105,7 @@ PAPER = dict(
     max_new_tokens=3072, context=4096, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0,
     probe_responses=2, probe_tokens=0, kl_real_positions=256, adam_lr=1e-6, lora_lr=1e-5, lora_alpha=32.0,
     warmup_steps=0, eval_every=10,
-    eval_problems=500, eval_samples=4,
+    eval_problems=500, eval_samples=4, gym_tasks="hard", gym_level=2,
     eval_temperature=0.7, eval_top_p=0.7, checkpointing=True, save_every=20, seed=0, device="cuda",
     engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800, dist_timeout=3600, engine_restarts=3,
     train_data="BytedTsinghua-SIA/DAPO-Math-17k", eval_data="HuggingFaceH4/MATH-500",
@@ -343,9 +345,9 @@ def main(argv=None):
         metrics.summarise(metrics_path, os.path.join(run_dir, "curves.png"), heldout=len(task.heldout),
                           engine=cfg["engine"])
     engine.close()
-    if dist.is_initialized():
-        dist.barrier()  # every rank done (rank 0's summary too) before any tears the group down
-        dist.destroy_process_group()
+    for close in (engine.close, record.close if record else None):  # nothing of the run outlives main (__main__)
+        atexit.unregister(close)
+    launch.stop_processes()  # every rank done (rank 0's summary too) before any tears the group down
 
 
 def preempted(preemption, update, saved, save, engine, log):
@@ -357,9 +359,7 @@ def preempted(preemption, update, saved, save, engine, log):
     log(f"stopped on {preemption.received} at update {update}: checkpoint-{update} saved; run the same command "
         f"again to continue (exit {launch.REQUEUE_EXIT})")
     engine.close()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    launch.stop_processes()
     sys.exit(launch.REQUEUE_EXIT)
 
 
@@ -425,13 +425,13 @@ def configure(argv=None):
     cfg = options.resolve(args, PRESETS)
     preset = PRESETS[cfg["preset"]]
     checks = dict(keep=args.keep, resume=args.resume, resume_from=args.resume_from, preset_device=preset["device"],
-                  preset_engine_gpus=preset.get("engine_gpus"), wandb=args.wandb)
+                  preset_engine_gpus=preset.get("engine_gpus"), preset_task=preset["task"], wandb=args.wandb)
     if args.nodes is not None and (not args.dry_run or args.nodes < 1):
         raise OptionError(f"--nodes {args.nodes}: a number >= 1, with --dry-run (a run takes its layout from "
                           f"torchrun's --nnodes)")
     if args.dry_run:
         layout = options.planned_layout(args.nodes, cfg)
-        if cfg["task"] == "math" and not cfg["model_path"]:
+        if cfg["task"] in tasks.CHAT_TASKS and not cfg["model_path"]:
             cfg["model_path"] = "(--model-path)"
         options.validate(cfg, layout.world, machine=False, **checks)
         cfg["model"] = options.read_model_config(cfg)
@@ -477,8 +477,8 @@ def setup(cfg, layout, rank, device, run_dir, log):
     cached warm-up, the in-process HF engine (or vLLM's CPU build, which loads a copy saved to
     the run directory and is then resynced)."""
     world = layout.world
-    if cfg["task"] == "math":
-        task = launch.agreed(math_task, cfg)
+    if cfg["task"] in tasks.CHAT_TASKS:
+        task = launch.agreed(chat_task, cfg)
         model = load_pretrained_sharded(cfg, device, world, rank)
         # the engine reads the checkpoint and its tokenizer
         return task, model, start_vllm_engines(cfg, layout, rank, device, run_dir, cfg["model_path"], None, None, log,
@@ -507,12 +507,15 @@ def setup(cfg, layout, rank, device, run_dir, log):
     return task, model, engine
 
 
-def math_task(cfg):
-    """The paper's task from this node's copies of the tokenizer and the data."""
+def chat_task(cfg):
+    """The math task from this node's tokenizer and data, or Reasoning Gym's problems made from the seed."""
     tokenizer = tasks.load_tokenizer(cfg["model_path"])
+    kw = dict(seed=cfg["seed"], stop_ids=tasks.generation_stop_ids(cfg["model_path"], tokenizer))
+    if cfg["task"] == "reasoning-gym":
+        return tasks.GymTask(tokenizer, tasks.gym_mixture(cfg["gym_tasks"]), level=cfg["gym_level"], **kw,
+                             heldout=cfg["eval_problems"], max_prompt_tokens=cfg["context"] - cfg["max_new_tokens"])
     train_set, heldout = tasks.load_math_data(cfg["train_data"], cfg["eval_data"])
-    return tasks.MathTask(tokenizer, train_set, heldout[:cfg["eval_problems"]], cfg["seed"],
-                          stop_ids=tasks.generation_stop_ids(cfg["model_path"], tokenizer))
+    return tasks.MathTask(tokenizer, train_set, heldout[:cfg["eval_problems"]], **kw)
 
 
 def build_model(cfg, vocab_size):
@@ -581,11 +584,7 @@ def load_pretrained_sharded(cfg, device, world, rank):
     freeze_for(model, cfg)
     shard(model, world, cfg["optimizer"], device)
     model.to_empty(device=device)
-    for module in model.modules():  # non-persistent buffers (rotary inv_freq) are not in checkpoints
-        if hasattr(module, "inv_freq"):
-            fresh = type(module)(module.config)
-            for name, buf in fresh.named_buffers():
-                getattr(module, name).copy_(buf)
+    architectures.reset_buffers(model)  # rotary inv_freq: not in checkpoints
     if cfg["optimizer"] == "lora" and full:  # the targets' weights under base_layer, the adapters' start added
         full = lora.checkpoint_state(full, model, cfg["seed"])
     if dist.is_initialized():
@@ -611,11 +610,9 @@ def freeze_for(model, cfg):
 
 
 def shard(model, world, optimizer, device):
-    """FSDP2: one unit per decoder layer, then the root (its embedding, norm and head).
-
-    On GPUs always (also with one rank): fp32 master weights at rest, bf16 compute, fp32
-    gradient reduction. On the CPU only with several ranks, in fp32.
-    """
+    """FSDP2: one unit per decoder layer, then the root (its embedding, norm and head). On GPUs
+    always (also one rank): fp32 master weights at rest, bf16 compute, fp32 gradient reduction;
+    on the CPU only with several ranks, in fp32."""
     if device.type == "cpu" and world == 1:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -770,8 +767,8 @@ def factor_sync(engine, layers, factors, *, update, cfg) -> int:
 # Evaluation and per-update measures
 
 def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
-    """Held-out (Pass@1, Pass@k), k = eval_samples: the mean correctness of the k samples of a
-    problem, and whether any of them is correct; sums and counts reduced over ranks."""
+    """Held-out (Pass@1, Pass@k), k = eval_samples: the mean score of the k samples of a problem
+    (1 right, 0 wrong; Reasoning Gym's in [0, 1]) and their best; sums and counts over ranks."""
     problems = task.heldout[rank::world]
     right = torch.zeros(len(problems), cfg["eval_samples"])
     bar = metrics.Progress(cfg["eval_samples"] * len(task.heldout), "evaluation: samples", enabled=rank == 0)
@@ -797,3 +794,6 @@ if __name__ == "__main__":
     except EngineError as e:  # a dead, silent or failing engine: its message says which and why
         print(f"train.py: engine error: {e}", file=sys.stderr)
         sys.exit(1)
+    # Free the run's objects while the interpreter is whole: FSDP2's modules (in reference cycles) hold
+    # the process group, and gloo's threads torn down in its finalization can abort a finished run.
+    gc.collect()

@@ -84,3 +84,40 @@ def test_context_beyond_the_models_positions_is_refused(capsys):
         code = stop.code
     assert code == 2 and "--context 33 exceeds the model's max_position_embeddings 32" in capsys.readouterr().err
     train.configure(["--run-dir", NEVER, "--context", "32"])
+
+
+def configure(argv, capsys):
+    """(exit code, stderr) of train.configure(argv) on this machine (no torchrun)."""
+    with mock.patch.dict(os.environ):
+        os.environ.pop("WORLD_SIZE", None)
+        try:
+            train.configure(argv)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+    return code, capsys.readouterr().err
+
+
+def test_the_task_options_belong_to_their_task(capsys):
+    """--task reasoning-gym: a chat checkpoint's preset, its own options (a mixture's name or
+    tasks with weights, a level), none of the math task's data; each refusal one line."""
+    gym = ["--model", "tiny-math", "--model-path", NEVER, "--run-dir", NEVER, "--task", "reasoning-gym"]
+    for argv, words in [
+        (["--model", "tiny", "--task", "reasoning-gym"], "the chat tasks need a chat checkpoint's preset"),
+        (["--model", "tiny", "--task", "math"], "the chat tasks need a chat checkpoint's preset"),
+        (["--model", "7b", "--gym-level", "3"], "--gym-level: an option of --task reasoning-gym"),
+        ([*gym, "--train-data", "d.jsonl"], "--train-data: an option of --task math"),
+        ([*gym, "--gym-tasks", "chain_sum:0"], "--gym-tasks chain_sum:0: give hard, or distinct"),
+        ([*gym, "--gym-level", "-1"], "--gym-level -1 must be >= 0"),
+        (["--model", "tiny-math", "--run-dir", NEVER, "--task", "reasoning-gym"], "needs --model-path DIR (a local"),
+    ]:
+        code, err = configure([*argv, "--run-dir", NEVER], capsys)
+        assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
+    cfg = train.configure(["--model", "27b", "--task", "reasoning-gym", "--model-path", "/ckpt", "--dry-run"])[1]
+    assert (cfg["task"], cfg["gym_tasks"], cfg["gym_level"]) == ("reasoning-gym", "hard", 2)
+    assert "train_data" not in cfg and "eval_data" not in cfg
+    math_cfg = train.configure(["--model", "27b", "--model-path", "/ckpt", "--dry-run"])[1]
+    assert "gym_tasks" not in math_cfg and "gym_level" not in math_cfg  # a math run's configuration is unchanged
+    layout = options.planned_layout(None, cfg)
+    line = options.launch_commands(cfg, layout, train.PRESETS["27b"]["engine_gpus"])[0]
+    assert "--model 27b --model-path /ckpt --task reasoning-gym --gym-tasks hard --gym-level 2" in line, line

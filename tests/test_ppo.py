@@ -108,6 +108,9 @@ def test_outcome_reward():
     assert ppo.outcome_reward(True) == 1.0 and ppo.outcome_reward(False) == -0.01
     assert ppo.outcome_reward(False, failure_reward=0.0) == 0.0
     assert torch.equal(ppo.outcome_reward(torch.tensor([True, False])), torch.tensor([1.0, -0.01]))
+    # A verifier's partial score (Reasoning Gym's) is its own reward; 0 is a failure.
+    assert torch.equal(ppo.outcome_reward(torch.tensor([1.0, 0.25, 0.0])), torch.tensor([1.0, 0.25, -0.01]))
+    assert ppo.outcome_reward(0.5) == 0.5 and ppo.outcome_reward(0.0) == -0.01
 
 
 def test_baseline_worked_example():

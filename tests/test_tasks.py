@@ -78,3 +78,119 @@ def test_warmup_teaches_the_sums():
     assert heldout_loss(models[0]) < 0.7 * before
     assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))
     assert not models[0].training
+
+
+# -----------------------------------------------------------------------------
+# Reasoning Gym (--task reasoning-gym)
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """The tiny-math checkpoint's byte-level tokenizer and Qwen chat template (no model)."""
+    import tiny_math
+
+    return tiny_math.make_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def hard(chat_tokenizer):
+    return tasks.GymTask(chat_tokenizer, tasks.gym_mixture("hard"), level=2, seed=0, heldout=64)
+
+
+def test_gym_prompts_are_the_chat_template_of_the_packages_system_prompt(chat_tokenizer, hard):
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    problems = [hard.train_problem(i) for i in range(8)]
+    for problem, ids in zip(problems, hard.prompt_ids(problems)):
+        expected = chat_tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM_PROMPTS["default"]},
+             {"role": "user", "content": problem[1]["question"]}],
+            add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert isinstance(ids, list) and all(type(i) is int for i in ids) and ids == list(expected)
+
+
+def test_gym_reward_is_the_packages_own_score(chat_tokenizer, hard):
+    """For every task of the Hard mixture: a right answer (after some reasoning, tagged as the
+    package asks), a wrong one, and malformed ones (no tags, an unclosed tag, an empty answer)
+    score as the package's documented API scores them: reasoning_gym.create_dataset(name) and
+    its score_answer(answer=extract_answer(text), entry=...). Its gold answers score 1."""
+    import reasoning_gym
+    from reasoning_gym.utils import extract_answer
+
+    seen = {}
+    for i in range(4000):
+        name, entry = hard.train_problem(i)
+        seen.setdefault(name, entry)
+        if len(seen) == len(tasks.GYM_HARD):
+            break
+    assert sorted(seen) == sorted(tasks.GYM_HARD)  # every task is drawn
+    for name, entry in seen.items():
+        reference = reasoning_gym.create_dataset(name, seed=1, size=1)  # another config: the scorer alone
+        gold = str(entry["answer"])
+        texts = [f"Let me think.\n<answer>{gold}</answer>", "<answer>certainly wrong</answer>", gold,
+                 f"<answer>{gold}", "<answer></answer>"]
+        for text in texts:
+            ids = chat_tokenizer.encode(text, add_special_tokens=False) + [chat_tokenizer.eos_token_id]
+            try:
+                expected = reference.score_answer(answer=extract_answer(text), entry=entry)
+            except ValueError:  # prime_factorization's scorer raises on words: 0 (tasks.py, departure 3)
+                expected = 0.0
+            assert hard.correct((name, entry), ids) == pytest.approx(expected, abs=1e-12), (name, text)
+        assert hard.correct((name, entry), chat_tokenizer.encode(texts[0])) == 1.0, name
+        assert hard.correct((name, entry), chat_tokenizer.encode(texts[1])) < 1.0, name
+
+
+def test_gym_eval_split_never_overlaps_training_and_draws_are_pure(chat_tokenizer):
+    """A small problem space (chain sums of 2-3 one-digit terms) where raw draws do repeat the
+    held-out questions: training never draws one; every draw is a pure function of (seed,
+    index), the same in a new task object whatever the global random state."""
+    import random
+
+    def make(seed):
+        return tasks.GymTask(chat_tokenizer, (("chain_sum", 1.0),), level=0, seed=seed, heldout=200)
+
+    task = make(0)
+    heldout = {entry["question"] for _, entry in task.heldout}
+    assert len(task.heldout) == 200
+    raw = [task.datasets["chain_sum"][200 + i]["question"] for i in range(2000)]
+    assert sum(q in heldout for q in raw) > 0  # without the check, training would see held-out problems
+    drawn = [task.train_problem(i) for i in range(2000)]
+    assert not any(entry["question"] in heldout for _, entry in drawn)
+    random.seed(12345)
+    again = make(0)
+    assert [again.train_problem(i) for i in (0, 7, 1999)] == [drawn[0], drawn[7], drawn[1999]]
+    assert again.heldout == task.heldout
+    assert [e["question"] for _, e in make(1).heldout] != [e["question"] for _, e in task.heldout]
+
+
+def test_gym_level_sets_every_tasks_curriculum(chat_tokenizer):
+    easy = tasks.gym_dataset("chain_sum", 0, seed=0)
+    harder = tasks.gym_dataset("chain_sum", 3, seed=0)
+    assert easy.config.max_terms < harder.config.max_terms and easy.config.max_digits < harder.config.max_digits
+    top = tasks.gym_dataset("chain_sum", 99, seed=0)  # beyond the highest level: the highest
+    assert (top.config.max_terms, top.config.max_digits) >= (harder.config.max_terms, harder.config.max_digits)
+
+
+def test_gym_mixtures_and_their_refusals(chat_tokenizer):
+    assert tasks.gym_mixture("hard") == tuple((n, 1.0) for n in tasks.GYM_HARD)
+    assert tasks.gym_mixture("chain_sum, knights_knaves:2.5") == (("chain_sum", 1.0), ("knights_knaves", 2.5))
+    for bad in ("", "chain_sum:0", "chain_sum:x", "chain_sum,chain_sum", "a:inf"):
+        with pytest.raises(tasks.TaskError, match="--gym-tasks"):
+            tasks.gym_mixture(bad)
+    with pytest.raises(tasks.TaskError, match="'no_such_task' is not a Reasoning Gym task"):
+        tasks.GymTask(chat_tokenizer, (("no_such_task", 1.0),), level=0, seed=0, heldout=4)
+
+
+def test_gym_problems_longer_than_the_prompt_budget_are_drawn_again(chat_tokenizer):
+    """knights_knaves' questions are long, chain_sum's short: with a budget between them every
+    drawn prompt fits (held-out and training alike); a budget no prompt fits is refused."""
+    mixture = (("chain_sum", 1.0), ("knights_knaves", 1.0))
+    free = tasks.GymTask(chat_tokenizer, mixture, level=2, seed=0, heldout=8)
+    lengths = [len(ids) for ids in free.prompt_ids([free.train_problem(i) for i in range(40)])]
+    budget = sorted(lengths)[len(lengths) // 2]
+    assert max(lengths) > budget  # some problems are too long for it
+    task = tasks.GymTask(chat_tokenizer, mixture, level=2, seed=0, heldout=8, max_prompt_tokens=budget)
+    problems = task.heldout + [task.train_problem(i) for i in range(40)]
+    assert all(len(ids) <= budget for ids in task.prompt_ids(problems))
+    assert {name for name, _ in problems} >= {"chain_sum"}
+    with pytest.raises(tasks.TaskError, match="none has a prompt of at most 100 tokens"):
+        tasks.GymTask(chat_tokenizer, mixture, level=2, seed=0, heldout=8, max_prompt_tokens=100)

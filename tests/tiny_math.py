@@ -77,7 +77,7 @@ def make_model(tokenizer, *, seed: int, steps: int, train):
 
     torch.manual_seed(seed)  # Hugging Face initialises from the global generator
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                          tie_word_embeddings=False, rms_norm_eps=1e-6,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.pad_token_id)
