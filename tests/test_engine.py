@@ -463,6 +463,10 @@ def test_chat_templates_without_a_system_role_or_without_any(tiny_math):
     text = tok.decode(task.prompt_ids([("What is $2+3$?", "5")])[0])
     assert text.startswith("<start_of_turn>user\nPlease reason step by step") and "What is $2+3$?" in text
     assert text.endswith("<start_of_turn>model\n") and "system" not in text
+    gym = tasks.GymTask(tok, (("chain_sum", 1.0),), level=0, seed=0, heldout=1)  # the same path, its own prompt
+    text = tok.decode(gym.prompt_ids(gym.heldout)[0])
+    assert not gym.system_role and text.startswith("<start_of_turn>user\nGiven a problem, your task is to answer")
+    assert text.endswith(f"{gym.heldout[0][1]['question']}<end_of_turn>\n<start_of_turn>model\n")
     # A template that drops the system turn without a word (as some Phi-3 revisions do).
     tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}<start_of_turn>{{ m['role'] }}\n"
                          "{{ m['content'] }}<end_of_turn>\n{% endif %}{% endfor %}"
