@@ -42,7 +42,7 @@ import torch
 import architectures
 import launch
 from checkpoint import CHECKPOINT_NAME
-from tasks import CHAT_TASKS, Arithmetic, TaskError, gym_mixture
+from tasks import CHAT_TASKS, Arithmetic, TaskError, check_gym_tasks, gym_mixture
 
 
 class OptionError(Exception):
@@ -242,13 +242,11 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
         given = [flag(k) for k in keys if k in cfg and cfg["task"] != task]
         if given:
             raise OptionError(f"{', '.join(given)}: an option of --task {task}, not of this run's task ({cfg['task']})")
-    if cfg["task"] == "reasoning-gym":
+    if cfg["task"] == "reasoning-gym":  # the mixture's form, then its names in the installed package
         try:
-            gym_mixture(cfg["gym_tasks"])
+            check_gym_tasks(name for name, _ in gym_mixture(cfg["gym_tasks"]))
         except TaskError as e:
             raise OptionError(str(e)) from e
-        if importlib.util.find_spec("reasoning_gym") is None:
-            raise OptionError("--task reasoning-gym needs the reasoning-gym package: pip install -e '.[gym]'")
     if cfg["task"] in CHAT_TASKS:
         needs = (("--model-path DIR", "model_path"), *((("--train-data PATH", "train_data"),
                  ("--eval-data PATH", "eval_data")) if cfg["task"] == "math" else ()))

@@ -309,16 +309,24 @@ def gym_mixture(spec: str) -> tuple:
     return tuple(mixture)
 
 
+def check_gym_tasks(names) -> None:
+    """Every name is one of the installed package's tasks (TaskError names the first that is not)."""
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError as e:
+        raise TaskError("--task reasoning-gym needs the reasoning-gym package: pip install -e '.[gym]'") from e
+    for name in names:
+        if name not in DATASETS:
+            raise TaskError(f"--gym-tasks: {name!r} is not a Reasoning Gym task (its {len(DATASETS)} tasks: "
+                            f"reasoning_gym.factory.DATASETS; e.g. {', '.join(sorted(DATASETS)[:4])})")
+
+
 def gym_dataset(name: str, level: int, seed: int):
     """One Reasoning Gym generator: its curriculum at `level` (every attribute's level, clipped
     at the attribute's highest), or its defaults if it has no curriculum; seeded by (seed, name)."""
-    try:
-        from reasoning_gym.factory import CURRICULA, DATASETS, create_curriculum
-    except ImportError as e:
-        raise TaskError("--task reasoning-gym needs the reasoning-gym package: pip install -e '.[gym]'") from e
-    if name not in DATASETS:
-        raise TaskError(f"--gym-tasks: {name!r} is not a Reasoning Gym task (its {len(DATASETS)} tasks: "
-                        f"reasoning_gym.factory.DATASETS; e.g. {', '.join(sorted(DATASETS)[:4])})")
+    check_gym_tasks([name])
+    from reasoning_gym.factory import CURRICULA, DATASETS, create_curriculum
+
     dataset_cls, config_cls = DATASETS[name]
     task_seed = int.from_bytes(hashlib.sha256(f"gym:{seed}:{name}".encode()).digest()[:4], "little")
     if name in CURRICULA:

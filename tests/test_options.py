@@ -109,6 +109,7 @@ def test_the_task_options_belong_to_their_task(capsys):
         ([*gym, "--train-data", "d.jsonl"], "--train-data: an option of --task math"),
         ([*gym, "--gym-tasks", "chain_sum:0"], "--gym-tasks chain_sum:0: give hard, or distinct"),
         ([*gym, "--gym-level", "-1"], "--gym-level -1 must be >= 0"),
+        ([*gym, "--gym-tasks", "chain_sum,no_such_task"], "'no_such_task' is not a Reasoning Gym task"),
         (["--model", "tiny-math", "--run-dir", NEVER, "--task", "reasoning-gym"], "needs --model-path DIR (a local"),
     ]:
         code, err = configure([*argv, "--run-dir", NEVER], capsys)
