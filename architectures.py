@@ -118,8 +118,8 @@ def enable_checkpointing(model) -> None:
 
 def reset_buffers(model) -> None:
     """A model made on the meta device and moved with to_empty() holds garbage in its
-    non-persistent buffers, which checkpoints do not store: every rotary embedding's inv_freq
-    (and its scaling) is computed again, as its module's constructor computes it."""
+    non-persistent buffers, which checkpoints do not store: the buffers of every module with an
+    inv_freq (the rotary embeddings) are computed again, as the module's constructor does."""
     for module in model.modules():
         if hasattr(module, "inv_freq"):
             fresh = type(module)(module.config)

@@ -345,7 +345,7 @@ def main(argv=None):
         metrics.summarise(metrics_path, os.path.join(run_dir, "curves.png"), heldout=len(task.heldout),
                           engine=cfg["engine"])
     engine.close()
-    for close in (engine.close, record.close if record else None):  # nothing of the run outlives main (__main__)
+    for close in (engine.close, record.close if record else None):  # nothing of the run outlives main: see __main__
         atexit.unregister(close)
     launch.stop_processes()  # every rank done (rank 0's summary too) before any tears the group down
 
