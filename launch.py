@@ -210,6 +210,19 @@ def stop_processes():
         dist.destroy_process_group()
 
 
+def release(passes: int = 8) -> None:
+    """Free what a finished run left (call it after main() returns), while the interpreter is
+    whole: FSDP2's modules, in reference cycles, hold the process group's backends, and gloo's
+    threads torn down in the interpreter's finalization can abort a process whose run succeeded.
+    A pass can free what the previous pass's finalizers held (rank 0's plotting leaves such
+    objects), so collect until a pass finds nothing."""
+    import gc
+
+    for _ in range(passes):
+        if not gc.collect():
+            return
+
+
 def agree(error=None):
     """Raise on every rank the error of the lowest rank that has one, if any has. Without a
     process group, raise `error` if there is one. Every rank must call it at the same point."""

@@ -59,7 +59,6 @@ Departures, numbered
 import atexit
 import copy
 import functools
-import gc
 import hashlib
 import io
 import json
@@ -794,6 +793,4 @@ if __name__ == "__main__":
     except EngineError as e:  # a dead, silent or failing engine: its message says which and why
         print(f"train.py: engine error: {e}", file=sys.stderr)
         sys.exit(1)
-    # Free the run's objects while the interpreter is whole: FSDP2's modules (in reference cycles) hold
-    # the process group, and gloo's threads torn down in its finalization can abort a finished run.
-    gc.collect()
+    launch.release()  # the run's objects freed now, not in the interpreter's finalization
