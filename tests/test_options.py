@@ -33,6 +33,22 @@ float_values = st.one_of(st.sampled_from(["nan", "inf", "-inf", "0", "-0.0", "1e
                          st.floats().map(repr))
 
 
+def configure(argv, world=None):
+    """(exit code, stdout, stderr) of train.configure(argv) as train.py runs it: WORLD_SIZE as
+    torchrun would set it for `world` ranks, or unset (a process started without torchrun)."""
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        os.environ.pop("WORLD_SIZE", None)
+        if world:
+            os.environ["WORLD_SIZE"] = world
+        try:
+            train.configure(argv)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
+
+
 def clearly_wrong(preset, values) -> bool:
     """Values that no run can take: train.py must refuse these (it may refuse more)."""
     cfg = dict(train.PRESETS[preset], **{k: float(v) if k in FLOATS else v for k, v in values.items()})
@@ -54,51 +70,24 @@ def clearly_wrong(preset, values) -> bool:
 def test_every_option_value_is_accepted_or_refused_in_one_line(preset, world, values):
     # --option=value: argparse itself reads "-1e+16" after a space as another option, not a value.
     argv = ["--model", preset, "--run-dir", NEVER] + [f"{options.flag(k)}={v}" for k, v in values.items()]
-    out, err = io.StringIO(), io.StringIO()
-    environ = {"WORLD_SIZE": world} if world else {}
-    with mock.patch.dict(os.environ, environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        if world is None:
-            os.environ.pop("WORLD_SIZE", None)
-        try:
-            train.configure(argv)
-            code = 0
-        except SystemExit as stop:
-            code = stop.code
-    assert not os.path.exists(NEVER) and out.getvalue() == ""
+    code, out, err = configure(argv, world)
+    assert not os.path.exists(NEVER) and out == ""
     if code == 0:
-        assert err.getvalue() == "" and not clearly_wrong(preset, values)
+        assert err == "" and not clearly_wrong(preset, values)
     else:
-        message = err.getvalue()
-        assert code == 2 and message.startswith("train.py: error: ") and message.count("\n") == 1, message
+        assert code == 2 and err.startswith("train.py: error: ") and err.count("\n") == 1, err
     if preset == "7b" and not values and world is None:  # this CPU machine: what to run, and where
-        assert "torchrun --nproc_per_node 4 train.py --model 7b --model-path" in err.getvalue()
+        assert "torchrun --nproc_per_node 4 train.py --model 7b --model-path" in err
 
 
-def test_context_beyond_the_models_positions_is_refused(capsys):
+def test_context_beyond_the_models_positions_is_refused():
     """The tiny preset's Qwen2 has 32 positions: --context 33 cannot run; 32 can."""
-    argv = ["--run-dir", NEVER, "--context", "33"]
-    try:
-        train.configure(argv)
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
-    assert code == 2 and "--context 33 exceeds the model's max_position_embeddings 32" in capsys.readouterr().err
-    train.configure(["--run-dir", NEVER, "--context", "32"])
+    code, _, err = configure(["--run-dir", NEVER, "--context", "33"])
+    assert code == 2 and "--context 33 exceeds the model's max_position_embeddings 32" in err
+    assert configure(["--run-dir", NEVER, "--context", "32"]) == (0, "", "")
 
 
-def configure(argv, capsys):
-    """(exit code, stderr) of train.configure(argv) on this machine (no torchrun)."""
-    with mock.patch.dict(os.environ):
-        os.environ.pop("WORLD_SIZE", None)
-        try:
-            train.configure(argv)
-            code = 0
-        except SystemExit as stop:
-            code = stop.code
-    return code, capsys.readouterr().err
-
-
-def test_the_task_options_belong_to_their_task(capsys):
+def test_the_task_options_belong_to_their_task():
     """--task reasoning-gym: a chat checkpoint's preset, its own options (a mixture's name or
     tasks with weights, a level), none of the math task's data; each refusal one line."""
     gym = ["--model", "tiny-math", "--model-path", NEVER, "--run-dir", NEVER, "--task", "reasoning-gym"]
@@ -112,7 +101,7 @@ def test_the_task_options_belong_to_their_task(capsys):
         ([*gym, "--gym-tasks", "chain_sum,no_such_task"], "'no_such_task' is not a Reasoning Gym task"),
         (["--model", "tiny-math", "--run-dir", NEVER, "--task", "reasoning-gym"], "needs --model-path DIR (a local"),
     ]:
-        code, err = configure([*argv, "--run-dir", NEVER], capsys)
+        code, _, err = configure([*argv, "--run-dir", NEVER])
         assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
     cfg = train.configure(["--model", "27b", "--task", "reasoning-gym", "--model-path", "/ckpt", "--dry-run"])[1]
     assert (cfg["task"], cfg["gym_tasks"], cfg["gym_level"]) == ("reasoning-gym", "hard", 2)
