@@ -160,9 +160,10 @@ def resolve(args: argparse.Namespace, presets: dict) -> dict:
     # A chat task's own options are kept where they apply, and where the command line gave them
     # (validate refuses those): a math run's configuration holds no gym_*, a gym run's no data.
     for task, keys in TASK_OPTIONS.items():
-        for key in keys if cfg["task"] != task else ():
-            if getattr(args, key) is None:
-                cfg.pop(key, None)
+        if cfg["task"] != task:
+            for key in keys:
+                if getattr(args, key) is None:
+                    cfg.pop(key, None)
     cfg["micro_batch"] = min(cfg["micro_batch"], cfg["batch"])
     return cfg
 

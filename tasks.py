@@ -291,8 +291,8 @@ GYM_EVAL_INDICES = 2**20  # held-out problems are drawn below, training problems
 
 def gym_mixture(spec: str) -> tuple:
     """((task, weight), ...) of `--gym-tasks`: a mixture's name (GYM_MIXTURES) or
-    NAME[:WEIGHT],... (weight 1 when left out). Read without the package: the names are
-    checked against its registry when the task is made (GymTask)."""
+    NAME[:WEIGHT],... (weight 1 when left out). Read without the package: check_gym_tasks
+    checks the names against its registry."""
     if spec in GYM_MIXTURES:
         return tuple((name, 1.0) for name in GYM_MIXTURES[spec])
     mixture = []
