@@ -11,6 +11,25 @@ multiplier `alpha` that spends a KL budget (a trust region in the spirit of TRPO
 Sources: the paper, arXiv:2610.06647, and the authors' code (the Molt library),
 https://github.com/skzhang1/labs-molt/tree/logra/examples/scripts/logra.
 
+Use
+---
+One update, in the order train.py's `logra_step` runs it. `layers` are sketch.attach's, `opt`
+a rowadam.RowAdam over them after the loss's backward into the sketches, `ids` (B, T) the
+rollout's tokens, `mask` (B, T) 1 on its generated tokens, `temperature` the sampling
+temperature, and `mismatch` a `Mismatch` that has observed this rollout's log-probs:
+
+    budget = mismatch.adjust(kl_control.kl_budget(update))   # this update's KL budget
+    opt.prepare()                                            # RowAdam's directions U (d, r)
+    probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=temperature,
+                             keep_positions=256)             # KL1, and the logits "before"
+    alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
+    opt.merge(alpha)                                         # W -= alpha U A
+    kl_real = kl_control.realised_kl(probe.logits, model, ids, mask, temperature=temperature)
+
+If `probe` or `solve_alpha` raises, `opt.discard()` leaves weights and optimizer state as they
+were. Every trainer process makes the same calls (FSDP all-gathers inside), with the same
+`max_responses` for `probe` and `realised_kl` (train.py passes `probe_count`'s).
+
 The math
 --------
 The paper's method section on predicted-KL step control predicts how far an update would
@@ -18,12 +37,14 @@ move the token probabilities before applying it, and picks alpha so that the pre
 fits a budget; the prediction grows as alpha^2, and the paper calls it "an estimate used for
 control, not a guarantee" (`realised_kl` measures the KL a merge really caused).
 
-For the direction at alpha = 1, `dW = -U A`, a target layer's output moves to first order by
+For the direction at alpha = 1 every target weight moves by `dW = -U A` (d, k). Forward-mode
+AD pushes these weight tangents through the model at once (weights untouched), so each
+position gets its logits `z` and the logit tangent `u = dz/dalpha`. At a target layer
+`Y = X W^T + b` the output's tangent is
 
-    dY = X dW^T = -(X A^T) U^T                                   (N, d)
+    dY = dX W^T + X dW^T = dX W^T - (X A^T) U^T                  (N, d)
 
-Forward-mode AD pushes all these tangents through the model at once (weights untouched), so
-each position gets its logits `z` and the logit tangent `u = dz/dalpha`. With temperature T,
+With temperature T,
 
     p   = softmax(z / T),   q = u / T
     kl1 = 0.5 * sum_v p_v (q_v - sum_w p_w q_w)^2                (half the variance of q under p)
@@ -35,6 +56,10 @@ process (sums and counts reduced across processes); then
     alpha  = min(alpha_max, sqrt(budget / KL1))        alpha_max = 3.0; KL1 = 0 gives 1.0
     budget = end + (start - end) * 0.5 (1 + cos(pi min(n / (H - 1), 1)))
              start = 2e-4, end = 2e-5, H = 300 updates
+
+`plain_probe` computes KL1 exactly as written here: dW, forward-mode AD through the model's
+own forward, kl1 at every scored position. `probe`, which train.py calls, is the fast path
+(`fast_probe`): the same numbers without the dense dW and without the whole (B, T, V) logits.
 
 Mismatch subtraction (part of the LoGRA recipe in Table 1's setup: RowAdam with mismatch
 subtraction and predicted-KL annealing): the rollout engine and the trainer disagree a little
@@ -48,37 +73,51 @@ ended with EOS,
 so the update only gets what the existing mismatch leaves of the budget. `m` is optimizer
 state and is checkpointed.
 
-Shape legend: B batch, T time, V vocab, N tokens, d out rows, k in columns, r rank, M scored
-positions.
+Shape legend: B batch, T time, V vocab, N tokens, d out rows, k in columns, r rank, h hidden
+width, M scored positions, c positions of one output-head chunk.
 
-Departures, numbered
+Departures from the paper
+-------------------------
+1. The tangent -(X A^T) U^T that `probe` injects at a target layer is formed in the
+   activations' dtype (bf16 on GPUs), as the rest of the forward is. The paper does not say
+   in what precision; the authors' newest probe forms it in fp32 and casts it back. Tried on
+   the tiny Qwen2 against float64, fp32 did not lower KL1's error, which the bf16 forward's
+   own rounding dominates (the matmuls accumulate in fp32 already), while an fp32 (N, d)
+   tangent would double the probe's largest transient per layer. Test:
+   tests/test_kl_control.py::test_kl1_in_bf16_against_float64 (within 0.5% of float64, bf16
+   weights and bf16 autocast).
+2. `solve_alpha` with KL1 = 0 (a direction that moves no scored logit) returns
+   min(1.0, alpha_max). The paper's alpha = min(alpha_max, sqrt(budget / KL1)) divides by
+   zero there; the authors' code returns 1.0, even when `alpha_max` < 1. `alpha_max` is the
+   user's bound on every step, and here it holds without exception. Test:
+   tests/test_kl_control.py::test_solve_alpha.
+
+Implementation notes
 --------------------
-1. The probe runs the decoder once and applies the output head to the scored positions
-   only, in chunks of `HEAD_CHUNK_BYTES` (256 MiB) of work, so the (B, T, V) logits and
-   their tangent are never held at once, whatever the vocabulary.
-2. The cosine schedule is written as the weighted mean `w start + (1 - w) end`, which gives
-   exactly `start` at update 0 and exactly `end` from update H - 1 on.
-3. `max_tokens` (default 4096) truncates each probed sequence, prompt included, to its first
-   `max_tokens` tokens.
-4. The injected tangent -(X A^T) U^T is formed in the activations' dtype (bf16 on GPUs), as
-   the rest of the forward is. The authors' newest probe forms it in fp32 and casts it back;
-   tried on the tiny Qwen2 against float64, that did not lower KL1's error, which the bf16
-   forward's own rounding dominates (the matmuls accumulate in fp32 already), while an fp32
-   (N, d) tangent would double the probe's largest transient per layer.
-   tests/test_kl_control.py bounds the bf16 error (0.5%, bf16 weights and bf16 autocast).
-5. `solve_alpha` with KL1 = 0 (a direction that moves no scored logit) returns 1.0 capped at
-   `alpha_max`, where the authors return 1.0 even when `alpha_max` < 1: `alpha_max` is the
-   user's bound on every step, and it holds here without exception.
-6. The probe forms the tangent of every target layer and of the output head itself,
-   dY = dX W^T (- (X A^T) U^T at the targets): PyTorch's own tangent of a linear layer whose
-   weight has none also multiplies X by a zero weight tangent, one matmul more per layer, the
-   head's (M, h) x (h, V) included. The same numbers (X 0 = 0 exactly).
-7. Elementwise + - * / with one dual and one constant operand (a norm's weight, RoPE's cos,
-   a scalar) get their tangents formed directly (`_ConstantOperands`): PyTorch's zero-tensor
-   path runs Python meta kernels, ~0.1 ms an op on a CPU. Bit for bit PyTorch's numbers
-   (tests/test_kl_control.py compares every case). With 6, and the realised KL's "before"
-   taken from the probe's own forward instead of one more forward, the tiny preset's probe
-   phase went from 24-25 ms to 14 ms (median over 40 updates on a 2-core CPU).
+- The fast path runs the decoder once and applies the output head to the scored positions
+  only, in chunks of `HEAD_CHUNK_BYTES` (256 MiB) of work, so the (B, T, V) logits and their
+  tangent are never held at once, whatever the vocabulary.
+- The fast path forms the tangent of every target layer and of the output head itself,
+  dY = dX W^T (- (X A^T) U^T at the targets): PyTorch's own tangent of a linear layer whose
+  weight has none also multiplies X by a zero weight tangent, one matmul more per layer, the
+  head's (M, h) x (h, V) included. The same numbers (X 0 = 0 exactly).
+- Elementwise + - * / with one dual and one constant operand (a norm's weight, RoPE's cos,
+  a scalar) get their tangents formed directly (`_ConstantOperands`): PyTorch's zero-tensor
+  path runs Python meta kernels, ~0.1 ms an op on a CPU. Bit for bit PyTorch's numbers
+  (tests/test_kl_control.py::test_constant_operand_tangents_are_pytorch_own). With the two
+  notes above, and the realised KL's "before" taken from the probe's own forward instead of
+  one more forward, the tiny preset's probe phase went from 24-25 ms to 14 ms (median over
+  40 updates on a 2-core CPU). tests/test_kl_control.py::test_the_fast_path_is_the_plain_probe
+  checks the fast path against `plain_probe`.
+- The realised KL's "before" is the probe's own logits at its first `keep_positions` scored
+  positions; `scored_logits` gives the same bits for the same weights
+  (tests/test_kl_control.py::test_the_kept_logits_are_the_realised_kls_before).
+- `max_tokens` (default 4096) cuts each probed sequence, prompt included, to its first
+  `max_tokens` tokens: the paper's "at most 4096 tokens" read as the sequence the probe's
+  forward holds. At the paper's context of 4096 tokens (prompt and response) it cuts nothing.
+- The cosine schedule is written as the weighted mean `w start + (1 - w) end`, which gives
+  exactly `start` at update 0 and exactly `end` from update H - 1 on
+  (tests/test_kl_control.py::test_kl_budget_schedule).
 """
 
 import math
@@ -93,7 +132,8 @@ import torch.distributed as dist
 
 # Bytes of output-head work per probe chunk: a scored position holds about 56 V bytes at once
 # (the head's logits and tangent, and token_kl's float64 softmax and products), so at a
-# vocabulary of 152k a chunk is 31 positions. Sized in bytes, not positions (departure 1).
+# vocabulary of 152k a chunk is 31 positions. Sized in bytes, not positions, so that no
+# vocabulary makes a chunk too large (implementation notes: the head in chunks).
 HEAD_CHUNK_BYTES = 256 * 2**20
 BYTES_PER_VOCAB_ENTRY = 56
 # Positions per block of the realised KL's float64 work (two log-softmaxes, a product: about
@@ -119,7 +159,7 @@ def token_kl(logits, tangent, temperature=1.0):
 
 
 # -----------------------------------------------------------------------------
-# The probe: tangents injected at every target layer, pushed through with forward AD
+# The probe as its math reads: dW = -U A pushed through the model by forward-mode AD
 
 @contextmanager
 def probe_mode(model):
@@ -138,15 +178,98 @@ def probe_mode(model):
         model.train(was_training)
 
 
+def _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask):
+    """The probed part of the batch: (ids (B', T'), scored positions (B', T' - 1), attention mask):
+    the first `max_responses` responses, each cut to its first `max_tokens` tokens; position t
+    is scored when token t + 1 was generated."""
+    if input_ids.shape != response_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and response_mask "
+                         f"{tuple(response_mask.shape)} differ in shape")
+    ids = input_ids[:max_responses, :max_tokens]
+    scored = response_mask[:max_responses, :max_tokens].bool()[:, 1:]
+    am = None if attention_mask is None else attention_mask[:max_responses, :max_tokens]
+    return ids, scored, am
+
+
+@dataclass
+class Probe:
+    """What one probe gives: KL1 (reduced over processes) and, when asked for, the policy's
+    logits at its first scored positions, for `realised_kl` after the merge."""
+    kl1: float
+    logits: torch.Tensor | None  # (M', V), this process's
+
+
+@torch.no_grad()
+def probe_logits(model, layers, directions, input_ids, attention_mask=None):
+    """(logits z, logit tangent u = dz/dalpha) (B, T, V) of the model's own forward, with the
+    tangent dW = -U A on every target layer's weight, by `torch.func.jvp`. One process, whole
+    directions (d, r); dense (d, k) tangents: for reading and for tests (the JVP is checked
+    against finite differences). train.py does not call it."""
+    if len(layers) != len(directions):
+        raise ValueError(f"{len(layers)} layers but {len(directions)} directions")
+    if any(layer.group is not None for layer in layers):
+        raise ValueError("the plain probe runs on one process with whole directions; "
+                         "layers attached with a group need probe(...)")
+    names = {module: name for name, module in model.named_modules()}
+    weights, tangents = {}, {}
+    for layer, u in zip(layers, directions):
+        w = layer.module.weight  # (d, k)
+        weights[names[layer.module] + ".weight"] = w
+        # dW = -U A. Shapes: (d, r) @ (r, k) -> (d, k)
+        tangents[names[layer.module] + ".weight"] = -(u.to(w.dtype) @ layer.projection.to(w.dtype))
+
+    def logits(target_weights):  # the model's logits (B, T, V) with these target weights
+        return torch.func.functional_call(model, target_weights, kwargs=dict(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False)).logits
+
+    with probe_mode(model):
+        return torch.func.jvp(logits, (weights,), (tangents,))  # (B, T, V) each
+
+
+@torch.no_grad()
+def plain_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=2,
+                max_tokens=4096, attention_mask=None, keep_positions=0) -> Probe:
+    """`probe` as the module docstring's math reads, on one process: the logits and their
+    tangent at every position (`probe_logits`), then KL1 = the mean of kl1 over the scored
+    positions. `probe`'s arguments (but `group`) and result, to rounding; it holds a dense
+    (d, k) tangent per target layer and the (B, T, V) logits with their tangent, which the fast
+    path avoids."""
+    ids, scored, am = _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask)
+    z, u = probe_logits(model, layers, directions, ids, am)  # (B', T', V) each
+    # (M, V) each: the positions that sampled a generated token
+    z, u = z[:, :-1][scored], u[:, :-1][scored]
+    if z.shape[0] == 0:
+        raise ValueError("no generated token to score: response_mask has no position after the first")
+    # KL1 = mean over the scored positions of kl1 = 0.5 Var_p(u / T)
+    kl1 = token_kl(z, u, temperature).mean().item()
+    return Probe(kl1, z[:keep_positions] if keep_positions > 0 else None)
+
+
+# -----------------------------------------------------------------------------
+# The fast path: `probe`, the same KL1 as `plain_probe` at a fraction of its work
+#
+# It exists because the plain probe does not fit a 7B run: it holds a dense (d, k) tangent for
+# every target layer (a second copy of the targets' weights) and the (B, T, V) logits with
+# their tangent (4.6 GiB in bf16 at a vocabulary of 152k and 2 x 4096 tokens, before token_kl's
+# float64 work on them), and it pushes PyTorch's zero tangents of the norms, RoPE and the mask
+# through Python meta kernels. The fast path is the same forward-mode AD without any of these:
+# hooks form the target layers' and the head's tangents dY = dX W^T - (X A^T) U^T (no dW),
+# `_ConstantOperands` forms constant-operand tangents directly (bit for bit PyTorch's), the
+# decoder runs once and the head only on the scored positions, in chunks. Its KL1 and kept
+# logits are `plain_probe`'s up to the rounding of (X A^T) U^T against X (U A)^T and of the
+# head's matmul on fewer rows (tests/test_kl_control.py::test_the_fast_path_is_the_plain_probe),
+# and it runs under FSDP2.
+
 @contextmanager
 def injected_tangents(layers, directions):
     """Each target layer's output gets the tangent of Y = X (W - alpha U A)^T + b at alpha = 0,
 
         dY = dX W^T - (X A^T) U^T
 
-    formed here (departure 6): a pre-hook hands the layer its primal input only, so that its
-    forward is the plain one, and keeps the incoming tangent dX; the hook forms dY. `directions`
-    are whole (d, r) or, for layers attached with a group, this process's rows of U."""
+    formed here, without PyTorch's X dW^T with a zero dW: a pre-hook hands the layer its primal
+    input only, so that its forward is the plain one, and keeps the incoming tangent dX; the hook
+    forms dY. `directions` are whole (d, r) or, for layers attached with a group, this process's
+    rows of U."""
 
     def hooks_for(layer, u):
         incoming = []  # dX, from the pre-hook to the hook of the same call
@@ -158,9 +281,10 @@ def injected_tangents(layers, directions):
 
         def inject(module, args, y):
             dx, x = incoming.pop(), args[0]  # (..., k) each; dx is None before the first target
-            # -(X A^T) U^T. Shapes: (N, k) @ (k, r) -> (N, r); (N, r) @ (r, d) -> (N, d)
+            # -(X A^T) U^T, in the activations' dtype (departure 1).
+            # Shapes: (N, k) @ (k, r) -> (N, r); (N, r) @ (r, d) -> (N, d)
             p = x.reshape(-1, x.shape[-1]) @ layer.projection.to(x.dtype).t()
-            # Row-sharded U (rowadam.py departure 6): this layer's whole U, gathered for this
+            # Row-sharded U (rowadam.py departure 1): this layer's whole U, gathered for this
             # forward only, as FSDP gathers the weight.
             u_all = layer.all_rows(u)  # (d, r)
             dy = (p @ -u_all.to(x.dtype).t()).reshape(y.shape)  # the sign on U: no (N, d) negation
@@ -184,7 +308,7 @@ def injected_tangents(layers, directions):
 
 
 class _ConstantOperands(TorchFunctionMode):
-    """Tangents of `dual op constant` for + - * / formed directly (departure 7).
+    """Tangents of `dual op constant` for + - * / formed directly.
 
     Where one operand of an elementwise op carries a tangent and the other does not (a norm's
     weight, RoPE's cos and sin, the attention mask, a Python scalar), PyTorch's forward AD gives
@@ -235,10 +359,10 @@ def _root_gathered(model):
 
 
 def _head_chunks(model, hidden, tangent=None):
-    """The output head on the scored rows (M, h), a chunk of positions at a time (departure 1):
-    yields (logits, logit tangent or None), (c, V) each. The head's tangent is dH W_head^T
-    (departure 6); Gemma 2's cap tanh(z / cap) cap, which its forward applies after the head,
-    is applied here too, with its derivative 1 - tanh^2(z / cap)."""
+    """The output head on the scored rows (M, h), a chunk of positions at a time: yields (logits,
+    logit tangent or None), (c, V) each. The head's tangent is dH W_head^T, formed here as the
+    target layers' are. Gemma 2's cap tanh(z / cap) cap, which its forward applies after the
+    head, is applied here too, with its derivative 1 - tanh^2(z / cap)."""
     head = model.get_output_embeddings()
     chunk = max(1, HEAD_CHUNK_BYTES // (BYTES_PER_VOCAB_ENTRY * head.weight.shape[0]))  # positions
     cap = getattr(model.config, "final_logit_softcapping", None)
@@ -252,46 +376,12 @@ def _head_chunks(model, hidden, tangent=None):
         yield z, u
 
 
-def _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask):
-    """The probed part of the batch: (ids (B', T'), scored positions (B', T' - 1), attention mask):
-    the first `max_responses` responses, each cut to its first `max_tokens` tokens; position t
-    is scored when token t + 1 was generated."""
-    if input_ids.shape != response_mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} differ in shape")
-    ids = input_ids[:max_responses, :max_tokens]
-    scored = response_mask[:max_responses, :max_tokens].bool()[:, 1:]
-    am = None if attention_mask is None else attention_mask[:max_responses, :max_tokens]
-    return ids, scored, am
-
-
 @torch.no_grad()
-def probe_logits(model, layers, directions, input_ids, attention_mask=None):
-    """(logits, logit tangent) (B, T, V) of the whole batch through the model's own forward, for
-    small inputs. Used by the tests as the raw logit tangent (the JVP that `predict_kl` reduces
-    to KL1 without returning it), checked against finite differences; train.py does not call it.
-    """
-    with probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        logits, tangent = fwAD.unpack_dual(out)
-        if tangent is None:
-            raise RuntimeError("the tangent was lost on the way to the logits")
-        return logits.clone(), tangent.clone()
-
-
-@dataclass
-class Probe:
-    """What one probe gives: KL1 (reduced over processes) and, when asked for, the policy's
-    logits at its first scored positions, for `realised_kl` after the merge."""
-    kl1: float
-    logits: torch.Tensor | None  # (M', V), this process's
-
-
-@torch.no_grad()
-def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=2,
-          max_tokens=4096, attention_mask=None, keep_positions=0, group=None) -> Probe:
+def fast_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=2,
+               max_tokens=4096, attention_mask=None, keep_positions=0, group=None) -> Probe:
     """KL1, the mean second-order KL per generated token for the direction alpha = 1, from one
-    forward pass with tangents over the first `max_responses` responses of this process.
+    forward pass with tangents over the first `max_responses` responses of this process: the
+    fast path (above), the same numbers as `plain_probe`.
 
     `response_mask` (B, T) marks generated tokens; the token at t is scored on the logits at
     t - 1. Weights are not touched. With `keep_positions`, the logits (the forward's primal) at
@@ -324,10 +414,17 @@ def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.
     return Probe(kl_sum / count, torch.cat(kept) if kept else None)
 
 
+# The probe train.py calls: the fast path.
+probe = fast_probe
+
+
 def predict_kl(model, layers, directions, input_ids, response_mask, **kwargs) -> float:
     """KL1 alone: `probe(...).kl1`."""
     return probe(model, layers, directions, input_ids, response_mask, **kwargs).kl1
 
+
+# -----------------------------------------------------------------------------
+# The realised KL of a merged step
 
 @torch.no_grad()
 def scored_logits(model, input_ids, response_mask, *, max_responses=2, max_positions=512, max_tokens=4096,
@@ -368,7 +465,7 @@ def realised_kl(old_logits, model, input_ids, response_mask, *, temperature=1.0,
 # Step size, budget schedule, mismatch subtraction
 
 def solve_alpha(kl1, *, budget, alpha_max=3.0) -> float:
-    """alpha = min(alpha_max, sqrt(budget / KL1)); KL1 == 0 gives 1.0 capped at alpha_max (departure 5)."""
+    """alpha = min(alpha_max, sqrt(budget / KL1)); KL1 == 0 gives 1.0 capped at alpha_max (departure 2)."""
     kl1 = float(kl1)
     if not math.isfinite(kl1) or kl1 < 0:
         raise ValueError(f"predicted KL must be finite and >= 0, got {kl1}: refusing an uncontrolled update")
@@ -440,7 +537,7 @@ def probe_count(mask, responses: int, tokens: int) -> int:
     """How many of this rank's responses the KL probe scores: the first `responses` (the
     paper's 2), and more until they hold at least `tokens` generated tokens (all if need be).
     The paper's responses run to thousands of tokens; a tiny task's are a few, and KL1 from
-    2 of them would be noise (train.py's departure 4)."""
+    2 of them would be noise (train.py's departure 2)."""
     per_response = mask.sum(dim=1).tolist()  # generated tokens of each response
     count, seen = 0, 0
     for n in per_response:

@@ -24,7 +24,7 @@ The math
 `num_tokens` is the number of response tokens of the whole global batch (all micro-batches,
 all trainer processes), so splitting the batch into micro-batches or across processes sums to
 the same gradient: each process's loss is already a share of the global mean, and the
-processes' sketches are summed (in backward under FSDP2, sketch.py departure 5, else by
+processes' sketches are summed (in backward under FSDP2, sketch.py departure 1, else by
 `RowAdam.prepare`). `global_token_count` computes `num_tokens` with one all_reduce.
 The same advantage is used on every token of a response. The paper runs one step per batch,
 where `logp_old = logp.detach()` and the PPO ratio is 1 (clip disabled).
@@ -35,11 +35,26 @@ different numerics (bf16 kernels), so its log-probs differ from the trainer's; t
 
 Shape legend: B batch (responses), T time (tokens).
 
-Departures, numbered
+Departures from the paper
+-------------------------
+1. The paper's reward is binary: 1 for a correct final answer, -0.01 otherwise. A verifier
+   that grades with a score s in [0, 1] (Reasoning Gym's, infra/tasks.py) gives s > 0 as the
+   reward and a score of 0 the failure reward: its partial credit and format scores are its
+   own grading, which a binary cut would discard, and a verifier that says only right or
+   wrong (math-verify) gives the paper's rewards exactly. Test: tests/test_ppo.py,
+   test_outcome_reward.
+
+Implementation notes
 --------------------
-1. The baseline's global mean is a reduced (sum, count), so processes with different numbers
-   of responses still agree on it (the mean of per-process means would not).
-2. `policy_loss` returns its watch metrics as means over this process's response tokens.
+- The baseline's global mean is a reduced (sum, count) in float64, so processes with
+  different numbers of responses still agree on it (the mean of per-process means would
+  not). Test: tests/test_ppo.py, test_two_process_baseline_matches_concatenation.
+- `policy_loss` reads nothing back to the host (no `.item()`, no boolean indexing, no test of
+  a tensor's value), so a micro-batch never waits for the GPU: its watch metrics are 0-dim
+  tensors, means over this process's response tokens, and its inputs are checked for
+  non-finite values once per update by `check_finite`, which reads one flag vector. Tests:
+  tests/test_ppo.py, test_policy_loss_reads_nothing_back (on the meta device, where any read
+  raises) and test_check_finite_names_the_first_bad_input_with_one_read.
 """
 
 import torch
@@ -79,7 +94,8 @@ class RunningBaseline:
             raise ValueError(f"rewards must be (B,), got {tuple(rewards.shape)}")
         if not torch.isfinite(rewards).all():
             raise ValueError("rewards must be finite")
-        # Global mean as a reduced (sum, count) (departure 1).
+        # Global mean as a reduced (sum, count): a mean of per-process means would weight
+        # a process with few responses as much as one with many.
         totals = torch.tensor([rewards.double().sum().item(), float(rewards.numel())], dtype=torch.float64,
                               device=rewards.device)
         if _distributed():
@@ -119,7 +135,12 @@ def policy_loss(logprobs, advantages, mask, *, rollout_logprobs=None, old_logpro
     """REINFORCE (or PPO-clip) with truncated importance sampling; returns (loss, metrics).
 
     logprobs (B, T) carry the gradient; advantages (B,) or (B, T); mask (B, T) marks the
-    response tokens; rollout/old log-probs (B, T) are treated as constants.
+    response tokens; rollout/old log-probs (B, T) are treated as constants; `num_tokens` is a
+    Python number (`global_token_count`). Padded positions may hold anything, -inf included.
+
+    Nothing is read back to the host, so a micro-batch never waits for the device: the
+    metrics are 0-dim tensors (float() them once per update), and non-finite inputs are not
+    detected here but by one `check_finite` call per update.
     """
     if mask.shape != logprobs.shape:
         raise ValueError(f"mask {tuple(mask.shape)} and logprobs {tuple(logprobs.shape)} differ in shape")
@@ -134,14 +155,8 @@ def policy_loss(logprobs, advantages, mask, *, rollout_logprobs=None, old_logpro
         raise ValueError(f"clip_eps must be positive, got {clip_eps}")
     if not tis_cap > 0:
         raise ValueError(f"tis_cap must be positive, got {tis_cap}")
-    valid = mask.bool()  # (B, T)
-    for name, t in (("logprobs", logprobs), ("rollout_logprobs", rollout_logprobs),
-                    ("old_logprobs", old_logprobs)):
-        if t is not None and not torch.isfinite(t[valid]).all():
-            raise ValueError(f"{name} has non-finite values on response tokens")
-    if not torch.isfinite(advantages).all():
-        raise ValueError("advantages must be finite")
 
+    valid = mask.bool()  # (B, T)
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logprobs)  # (B, T)
     adv = adv.to(logprobs.dtype)
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)  # (B, T)
@@ -167,16 +182,34 @@ def policy_loss(logprobs, advantages, mask, *, rollout_logprobs=None, old_logpro
         clipped = (ratio.detach() * adv != surrogate.detach()) & valid
     loss = torch.where(valid, per_token, zero).sum() / num_tokens
 
+    # Means over response tokens as masked sums: indexing by `valid` would read its count back.
     with torch.no_grad():
         n = valid.sum().clamp(min=1)
         truncated = zero if rollout_logprobs is None else ((raw > tis_cap) & valid).sum() / n
         metrics = {
-            "ratio": (ratio.detach()[valid].sum() / n).item(),
-            "clipped": (clipped.sum() / n).item(),
-            "tis_weight": (w[valid].sum() / n).item(),
-            "tis_truncated": float(truncated),
+            "ratio": torch.where(valid, ratio.detach(), zero).sum() / n,
+            "clipped": clipped.sum() / n,
+            "tis_weight": torch.where(valid, w, zero).sum() / n,
+            "tis_truncated": truncated,
         }
     return loss, metrics
+
+
+def check_finite(**tensors: torch.Tensor) -> None:
+    """Raise ValueError naming the first of `tensors` (in the order given) that holds a nan or
+    an inf; one device-to-host read in all. Call it once per update with the loss inputs,
+    padded positions masked out (`torch.where(mask, t, 0)`; `t[mask]` would read the count):
+
+        check_finite(logprobs=torch.where(mask, logp, 0), advantages=adv)
+    """
+    if not tensors:
+        return
+    # The flags gather on an accelerator if any tensor is on one: moving them there reads nothing.
+    device = next((t.device for t in tensors.values() if t.device.type != "cpu"), torch.device("cpu"))
+    flags = torch.stack([torch.isfinite(t).all().to(device) for t in tensors.values()])  # (n,) bool
+    for name, finite in zip(tensors, flags.tolist()):  # the one read
+        if not finite:
+            raise ValueError(f"{name} holds non-finite values (nan or inf)")
 
 
 def response_logprobs(logits, input_ids, temperature=1.0, chunk=1024):

@@ -9,6 +9,11 @@ into a direction `D` (d, r) that is merged into the full weight as `W -= alpha *
 There is no first moment: `A` is redrawn every update, so sketch coordinates of two updates
 do not line up; per-row statistics do.
 
+Use
+---
+`RowAdam`'s class docstring shows one update end to end (attach, backward, `prepare()`, the
+KL probe, `merge(alpha)`, `discard()`); tests/test_rowadam.py runs that block.
+
 The math, per target layer, update t (1-based)
 ----------------------------------------------
 The paper's method section on RowAdam (arXiv:2610.06647) keeps Adam's adaptive scaling, but
@@ -24,61 +29,88 @@ is the global scale `c`, so this file's `U = c D` stands for the paper's `eta U`
     D     <- s[:, None] * S
     D     <- D * ||S||_F / ||D||_F              keep this layer's sketch norm
 
-then one global scale over all target layers (and all FSDP shards):
+(`row_adam_direction`), then one global scale over all target layers:
 
     c = update_ratio * sqrt( sum_layers ||W||_F^2 / sum_layers ||D A||_F^2 )
     U = c * D                                   so ||U A|| = update_ratio * ||W||
 
-and the merge, for the step multiplier alpha chosen by kl_control.py:
+(`RowAdam.prepare`), and the merge, for the step multiplier alpha chosen by kl_control.py:
 
     F = bf16(alpha * U)                         what the rollout engines receive
     W <- W - F @ A                              fp32 master weights, in row chunks
 
-Defaults: beta2 = 0.95, eps = 1e-8, update_ratio = 6e-5, factor dtype bf16.
+(`RowAdam.merge`, `merge_rows`).
 
-Use
----
-    opt = RowAdam(layers, base_seed=seed)      # layers = sketch.attach(model, rank, seed[, group])
-    ...backward into the sketches...
-    opt.prepare()                               # directions, global scale (this process's rows)
-    alpha = ...                                 # kl_control.py, from opt.directions
-    factors = opt.merge(alpha)                  # W -= F A; zero sketches; refresh A
+Defaults, and how to choose them
+--------------------------------
+The paper's: beta2 = 0.95, eps = 1e-8, update_ratio = 6e-5, factor dtype bf16.
+- update_ratio sets the step before alpha. kl_control.py's KL1 grows as c^2, so the merged
+  alpha U = sqrt(budget / KL1) U does not depend on it, until alpha reaches its cap
+  `alpha_max`: choose update_ratio large enough that alpha stays below the cap.
+- beta2: v averages the squared sketch rows over about 1 / (1 - beta2) = 20 updates.
+- eps is relative to mean(root), so it does not depend on the scale of the loss.
+- factor dtype: what the engines receive and merge; fp32 would double the sync payload.
 
-Shape legend: d out rows, k in columns, r rank; n rows of a weight held by this process.
+Shape legend: d out rows, k in columns, r rank; n rows of a weight held by this process
+(n = d in one process); L target layers; m rows of a merge chunk.
 
-Departures, numbered
+Departures from the paper
+-------------------------
+1. Row-sharded state. The paper sums the trainer processes' sketches with one all_reduce, so
+   that every process holds all rows of each layer's S, and with them of U and v. Here,
+   under FSDP2, a process holds only its rows of S, U and v, the rows it holds of W
+   (sketch.py departure 1, `attach(..., group=...)`), and merges only those rows of W. What
+   the formulas take over all of a layer's rows (mean(root), min(den), mean(s^2), ||S||,
+   ||D||) and c's two sums are this process's partial sums or minima in float64, reduced
+   with small all_reduces (`row_adam_directions_across_ranks`); the KL probe and the engine
+   sync gather U or F one layer at a time. Reason: S and U of the 7B targets at r = 256
+   take 1.33 GiB each in fp32, of which a process of 4 holds 0.33 GiB. From the same summed
+   sketch, the directions, moments and weights are one process's, bit for bit. Tests:
+   tests/test_rowadam.py::test_directions_across_ranks_equal_the_plain_formulas,
+   tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.
+2. No bf16 ties in the master weights. The paper merges `W <- W - F A`. Here, after every
+   fp32 merge, a weight that lies exactly halfway between two bf16 values moves one fp32 ulp
+   (at most 2^-23 relative) toward zero (`avoid_bf16_ties_`, about 1 weight in 65536).
+   Reason: fp32 is then bf16(fp32) plus an int16 count of fp32 ulps, exactly, so a rollout
+   engine can hold the trainer's fp32 master as vLLM's bf16 weight plus a 2-byte residual
+   (sync.py) instead of a 4-byte copy; both sides apply the same rule to the same bits.
+   Tests: tests/test_rowadam.py::test_merge_moves_bf16_ties_one_ulp_toward_zero,
+   tests/test_sync.py::test_compact_state_is_the_masters_bits_over_1000_updates.
+
+Implementation notes
 --------------------
-1. `||D A||_F^2` is computed as `sum((D (A A^T)) * D)` with the (r, r) Gram matrix `A A^T`,
-   identical in exact arithmetic and never forming any (rows, k) block: O(r^2 k + d r^2)
-   instead of O(d r k).
-2. `prepare` computes the new moments but `merge` commits them, together with the update
-   counter: a step abandoned between the two (`discard()`, e.g. when the KL probe fails)
-   leaves the optimizer exactly as it was.
-3. float64 weights are accepted (for tests against float64 references); bf16/fp16 weights
-   are refused: an update of 6e-5 relative is far below their resolution.
-4. The merge computes `F @ A` in float64 and rounds it once. A bf16 factor times +-1/sqrt(r)
-   is exact in float64 for r a power of 4 (r = 256: 1/16), so the delta is the correctly
-   rounded one whatever the summation order: a sharded trainer and an unsharded engine hold
-   bit-identical fp32 masters. The cost is one float64 (c, k) block per chunk.
-5. After every fp32 merge, a weight that lies exactly halfway between two bf16 values moves
-   one fp32 ulp (2^-24 relative) toward zero (`avoid_bf16_ties_`, about 1 weight in 65536).
-   Then fp32 = bf16(fp32) + an int16 count of fp32 ulps, exactly, so a rollout engine can hold
-   the trainer's fp32 master as vLLM's bf16 weight plus a 2-byte residual (sync.py) instead
-   of a 4-byte copy. Both sides apply the same rule to the same bits.
-6. State is row-sharded like the weights under FSDP2 (sketch.py departure 5): each trainer
-   process holds its rows of S, U and v and merges its rows of W. What the formulas take over
-   all of a layer's rows (mean root, minimum denominator, mean square scale, the norms, c) is
-   summed from per-process partial sums in float64 with small all_reduces, so that no process
-   ever holds a whole layer's S or U; the KL probe and the engine sync gather U or F one
-   layer at a time.
-7. `S` is the sketch of the global mean-per-token loss (ppo.py divides each rank's loss by the
-   global token count N), taken as it is: the paper's RowAdam is stated on that sketch. The
-   authors' NeMo-RL code divides the sketch by the valid-token count before RowAdam
-   (`normalization_tokens`); on the same inputs that amounted to a second division of this
-   sketch, which within one update changes nothing (D does not depend on the scale of S) but
-   weights each update's square in the moving moment v by 1/N^2, so that updates with fewer
-   tokens count for more. Not done here (tests/test_rowadam.py shows the two differ once N
-   varies).
+- The scale of S. `S` is the sketch of the global mean-per-token loss (ppo.py divides each
+  process's loss by the global token count N), taken as it is: the paper's RowAdam is stated
+  on that sketch. The authors' NeMo-RL code divides the sketch by the valid-token count
+  before RowAdam (`normalization_tokens`); on the same inputs that amounted to a second
+  division, which within one update changes nothing (D does not depend on the scale of S)
+  but weights each update's square in the moving moment v by 1/N^2, so that updates with
+  fewer tokens count for more. Not done here:
+  tests/test_rowadam.py::test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss
+  shows the two differ once N varies.
+- Every mean over a layer's rows is a float64 sum divided by the row count d, rounded once
+  to S's dtype, and the norms are float64 sums. d is a float64 tensor on S's device in both
+  paths: a GPU divides by a Python number as a multiplication by its reciprocal, which can
+  round differently. Float64 partial sums, reduced, then the same division: one process and
+  several agree bitwise.
+- `||D A||_F^2` is computed as `sum((D (A A^T)) * D)` with the (r, r) Gram matrix `A A^T`,
+  identical in exact arithmetic and never forming any (n, k) block: O(r^2 k + n r^2)
+  instead of O(n r k).
+- The merge computes `F @ A` in float64 and rounds it once to W's dtype. A bf16 factor times
+  +-1/sqrt(r) is exact in float64 for r a power of 4 (r = 256: 1/16), and so is a sum of r of
+  them unless a row of F spans more than 2^37 in magnitude: the delta is then the correctly
+  rounded one whatever the summation order, so a sharded trainer and an unsharded engine
+  hold bit-identical fp32 masters. The cost is one float64 (m, k) block per chunk. Test:
+  tests/test_rowadam.py::test_sharded_merge_equals_unsharded.
+- `prepare` computes the new moments but `merge` commits them, together with the update
+  counter: a step abandoned between the two (`discard()`, e.g. when the KL probe fails)
+  leaves the optimizer exactly as it was; a non-finite sketch raises before anything
+  changes. Test: tests/test_rowadam.py::test_failures_change_nothing.
+- A layer whose sketch is zero gets D = 0 (no 0/0), and if every D A is zero, c = 0: the
+  merge then changes nothing. Test: tests/test_rowadam.py::test_zero_sketch_gives_zero_direction.
+- float64 weights are accepted (for tests against float64 references); bf16/fp16 weights
+  are refused: an update of 6e-5 relative is far below their resolution. Test:
+  tests/test_rowadam.py::test_bf16_weights_refused.
 """
 
 import math
@@ -92,27 +124,34 @@ MERGE_CHUNK_ROWS = 1024
 
 
 # -----------------------------------------------------------------------------
-# The direction, over row shards
+# The direction of one layer: the formulas of "The math", line by line
 
-def _sum_over(values, group, op=None):
-    """Reduce a small vector over `group`; `group=None`: this process holds every row (identity)."""
-    if group is not None:
-        dist.all_reduce(values, op=op or dist.ReduceOp.SUM, group=group)
-    return values
+def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8, out=None):
+    """RowAdam's direction D (d, r) of one layer from its sketch S (d, r) and row moments
+    v (d,), this process holding every row; returns (D, new v) and changes nothing in place.
+    `out`: a preallocated (d, r) buffer for D (no transient copy)."""
+    _check_direction_inputs([S], [v], step, beta2, eps)
+    # d as a float64 tensor on S's device, divided by as the sharded path does (implementation notes)
+    d = torch.tensor(S.shape[0], dtype=torch.float64, device=S.device)  # ()
+    # v <- beta2 v + (1 - beta2) mean_j S_ij^2
+    v = beta2 * v + (1 - beta2) * S.to(v.dtype).square().mean(dim=1)  # (d,)
+    # root <- sqrt(v / (1 - beta2^t))
+    root = (v / (1 - beta2**step)).sqrt()  # (d,)
+    # den <- root + max(eps mean(root), tiny)
+    mean_root = (root.double().sum() / d).to(root.dtype)  # ()
+    den = root + torch.clamp(eps * mean_root, min=torch.finfo(root.dtype).tiny)  # (d,)
+    # s <- min(den) / den, then s <- s / sqrt(mean(s^2))
+    s = den.min() / den  # (d,), in (0, 1]
+    s = s / (s.double().square().sum() / d).sqrt().to(s.dtype)  # (d,)
+    # D <- s[:, None] S, then D <- D ||S|| / ||D||
+    D = torch.mul(S, s[:, None].to(S.dtype), out=out)  # (d, r)
+    S_sq, D_sq = S.double().square().sum(), D.double().square().sum()
+    if D_sq > 0:
+        D.mul_((S_sq / D_sq).sqrt().to(D.dtype))
+    return D, v
 
 
-def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=None, group=None, out=None):
-    """RowAdam directions D (n, r), one per layer, from this process's sketch rows S (n, r) and
-    row moments v (n,); returns (directions, new moments, sum over layers of ||S||_F^2) and
-    changes nothing in place.
-
-    Every quantity taken over all of a layer's rows (the mean root, the minimum denominator,
-    the mean square of the row scales, the two Frobenius norms) is this process's partial sum
-    or minimum, reduced across `group` in float64 (departure 6); `rows[i]` is layer i's total
-    row count d. `group=None`: this process holds all rows (the formulas of the module
-    docstring's section "The math").
-    `out`: preallocated (n, r) buffers for the directions (no transient copies).
-    """
+def _check_direction_inputs(sketches, moments, step, beta2, eps):
     for S, v in zip(sketches, moments):
         if S.dim() != 2:
             raise ValueError(f"sketch must be (n, r), got shape {tuple(S.shape)}")
@@ -124,88 +163,34 @@ def row_adam_directions(sketches, moments, *, step, beta2=0.95, eps=1e-8, rows=N
         raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
-    device = sketches[0].device
-    d_rows = torch.tensor([S.shape[0] for S in sketches] if rows is None else rows,
-                          dtype=torch.float64, device=device)  # (L,): each layer's d, all processes together
-
-    # v <- beta2 v + (1 - beta2) mean_j S_ij^2 ; root <- sqrt(v / (1 - beta2^t))
-    new_v = [beta2 * v + (1 - beta2) * S.to(v.dtype).square().mean(dim=1) for S, v in zip(sketches, moments)]  # (n,)
-    roots = [(v / (1 - beta2**step)).sqrt() for v in new_v]  # (n,)
-    # den <- root + max(eps mean(root), tiny), mean over all d rows of the layer
-    root_sum = _sum_over(torch.stack([root.double().sum() for root in roots]), group)  # (L,)
-    dens = []
-    for root, total, d in zip(roots, root_sum, d_rows):
-        tiny = torch.finfo(root.dtype).tiny
-        dens.append(root + torch.clamp(eps * (total / d).to(root.dtype), min=tiny))  # (n,)
-    # s <- min(den) / den, then s <- s / sqrt(mean(s^2))
-    inf = float("inf")
-    den_min = _sum_over(torch.stack([den.min().double() if den.numel() else torch.tensor(inf, dtype=torch.float64,
-                                     device=device) for den in dens]), group, dist.ReduceOp.MIN)  # (L,)
-    s = [m.to(den.dtype) / den for m, den in zip(den_min, dens)]  # (n,) each, in (0, 1]
-    sq_sum = _sum_over(torch.stack([s_l.double().square().sum() for s_l in s]), group)  # (L,)
-    s = [s_l / (q / d).sqrt().to(s_l.dtype) for s_l, q, d in zip(s, sq_sum, d_rows)]
-    # D <- s[:, None] S, then D <- D ||S|| / ||D||
-    D = []
-    for i, (S, s_l) in enumerate(zip(sketches, s)):
-        buf = out[i] if out is not None else torch.empty_like(S)
-        D.append(torch.mul(S, s_l[:, None].to(S.dtype), out=buf))  # (n, r)
-    norms = _sum_over(torch.stack([torch.stack([S.double().square().sum(), D_l.double().square().sum()])
-                                   for S, D_l in zip(sketches, D)]), group)  # (L, 2): ||S||^2, ||D||^2
-    for D_l, (S_sq, D_sq) in zip(D, norms):
-        if D_sq > 0:
-            D_l.mul_((S_sq / D_sq).sqrt().to(D_l.dtype))
-    return D, new_v, norms[:, 0].sum().item()
-
-
-def _sum_squares(t, block=2**20):
-    """sum(t^2) in float64, a block of elements at a time (no float64 copy of a whole weight)."""
-    flat = t.reshape(-1)
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    for start in range(0, flat.numel(), block):
-        part = flat[start:start + block].to(torch.float64)
-        total += torch.dot(part, part)
-        del part  # before the next block is made: one block at a time
-    return total
 
 
 # -----------------------------------------------------------------------------
-# Rows of a (possibly FSDP2-sharded) weight
-
-def local_rows(weight):
-    """(this process's rows of `weight`, their global row offset). FSDP2 shards dim 0 like torch.chunk."""
-    if hasattr(weight, "to_local"):  # a DTensor (FSDP2 at rest)
-        local = weight.to_local()  # (n, k)
-        mesh = weight.device_mesh
-        if mesh.ndim != 1:
-            raise NotImplementedError("only 1-D FSDP meshes are supported")
-        chunk = -(-weight.shape[0] // mesh.size())  # ceil(d / world)
-        return local, min(mesh.get_local_rank() * chunk, weight.shape[0])
-    return weight, 0
-
+# The merge: W -= F A, this process's rows, in row chunks
 
 @torch.no_grad()
 def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_ROWS, avoid_ties=True):
     """W[o:o+n] -= F[o:o+n] @ A for this process's rows, in row chunks (never a whole (n, k) delta).
 
-    F @ A is computed in float64 and rounded once to W's dtype (departure 4), so the result
-    does not depend on the chunking or the device: FSDP row shards and the engines' merges
-    (sync.py) give the same bits as an unsharded merge. `avoid_ties=False` leaves bf16 ties
-    (departure 5) to the caller: the engines move them as they split the result.
+    F @ A is computed in float64 and rounded once to W's dtype (implementation notes), so the
+    result does not depend on the chunking or the device: FSDP row shards and the engines'
+    merges (sync.py) give the same bits as an unsharded merge. `avoid_ties=False` leaves bf16
+    ties (departure 2) to the caller: the engines move them as they split the result.
     """
     n = rows.shape[0]
     a = projection.to(torch.float64)  # (r, k)
     for start in range(0, n, chunk_rows):
         stop = min(start + chunk_rows, n)
-        f = factor[row_offset + start:row_offset + stop].to(torch.float64)  # (c, r)
-        # Shapes: (c, r) @ (r, k) -> (c, k)
+        f = factor[row_offset + start:row_offset + stop].to(torch.float64)  # (m, r)
+        # Shapes: (m, r) @ (r, k) -> (m, k)
         rows[start:stop].sub_((f @ a).to(rows.dtype))
         if avoid_ties and rows.dtype == torch.float32:
-            avoid_bf16_ties_(rows[start:stop])  # departure 5
+            avoid_bf16_ties_(rows[start:stop])  # departure 2
 
 
 def avoid_bf16_ties_(w):
     """Move every fp32 value that lies exactly halfway between two bf16 values (low 16 bits
-    0x8000) one fp32 ulp toward zero, in place (departure 5).
+    0x8000) one fp32 ulp toward zero, in place (departure 2).
 
     An fp32 weight is then exactly its bf16 rounding plus a residual in [-32767, 32767] fp32
     ulps, which an int16 holds: the rollout engines keep that residual next to vLLM's bf16
@@ -220,6 +205,44 @@ def avoid_bf16_ties_(w):
 # The optimizer
 
 class RowAdam:
+    """RowAdam over the sketched target layers of one model: `prepare()` turns their sketches S
+    into directions U (`directions`), `merge(alpha)` writes `W -= bf16(alpha U) A` into the
+    fp32 master weights and moves every layer on to its next projection A.
+
+    One update, given a causal LM `model` with fp32 weights, a batch `ids` (B, T), its
+    `response_mask` (B, T) of generated tokens and a `loss_fn` (train.py: ppo.py's policy loss);
+    tests/test_rowadam.py runs this block on the tiny Qwen2:
+
+        import kl_control, sketch
+        from rowadam import RowAdam
+
+        layers = sketch.attach(model, rank=8, seed=0)  # S and A on every target nn.Linear
+        opt = RowAdam(layers, base_seed=0)
+        loss_fn(model, ids).backward()                 # into the sketches S = G A^T, no weight gradient
+        opt.prepare()                                  # U = c D per layer in opt.directions; nothing changed
+        try:
+            kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, response_mask)
+        except Exception:
+            opt.discard()                              # abandon the update: weights, moments, counter as they were
+            raise
+        alpha = kl_control.solve_alpha(kl1, budget=kl_control.kl_budget(opt.update))
+        factors = opt.merge(alpha)                     # W -= F A, F = bf16(alpha U); S zeroed; A_t -> A_{t+1}
+
+    `factors` (this process's rows of each layer's F) is what sync.py sends to the rollout
+    engines. `discard()` is for any failure between `prepare()` and `merge()`: it drops the
+    prepared directions, and since `prepare()` commits nothing, the weights, the moments v
+    and the update counter stay as they were.
+
+    Arguments:
+        layers: `sketch.attach(model, ...)`'s layers: one model, one seed, one update number
+            and one process group (or none); their weights fp32 (or float64, for tests).
+        base_seed: the seed they were attached with (checked); A_t is drawn from it.
+        beta2: decay of the row second moments v (0.95).
+        eps: added to each row's root as eps * mean(root), with the root's tiny as a floor (1e-8).
+        update_ratio: ||U A|| / ||W|| over all target layers, before alpha (6e-5).
+        factor_dtype: the dtype of F = alpha U, as merged here and sent to the engines (bf16).
+    """
+
     def __init__(self, layers: list[LayerSketch], *, base_seed, beta2=0.95, eps=1e-8,
                  update_ratio=6e-5, factor_dtype=torch.bfloat16):
         if not layers:
@@ -239,7 +262,7 @@ class RowAdam:
         if not 0.0 <= beta2 < 1.0 or not eps > 0 or not update_ratio > 0:
             raise ValueError("need 0 <= beta2 < 1, eps > 0, update_ratio > 0")
         self.layers = layers
-        self.group = layers[0].group  # rows are sharded over it (sketch.py departure 5), or None
+        self.group = layers[0].group  # rows are sharded over it (departure 1), or None
         self.base_seed, self.beta2, self.eps = base_seed, beta2, eps
         self.update_ratio, self.factor_dtype = update_ratio, factor_dtype
         self.update = layers[0].update  # completed updates; the formulas' t is update + 1
@@ -260,7 +283,9 @@ class RowAdam:
 
     @torch.no_grad()
     def prepare(self, group=None) -> float:
-        """Compute every layer's U = c D (this process's rows); return ||S|| over all layers.
+        """Compute every layer's U = c D (this process's rows) into `directions`; return ||S||
+        over all layers. Weights, moments and the update counter are not touched (`merge`
+        commits, `discard` abandons).
 
         The sketches were already summed over processes: in backward (row-sharded layers) or, for
         whole sketches held by several processes, here with one all_reduce each over `group`.
@@ -271,18 +296,27 @@ class RowAdam:
             for l in self.layers:  # whole sketches on every process: sum them (in place)
                 dist.all_reduce(l.sketch, group=group)
         sketches = [l.sketch for l in self.layers]  # (n, r) each, summed over processes
-        bad = torch.tensor([float(sum(int(not torch.isfinite(s).all()) for s in sketches))],
-                           dtype=torch.float64, device=sketches[0].device)
-        if _sum_over(bad, self.group).item():
-            raise FloatingPointError("summed sketch has non-finite values: nothing was changed")
+        # ||S||^2 of each layer in float64 over all its rows: the norm returned, and the check
+        # that S is finite (and that the directions' own ||S||^2 does not overflow)
+        S_sq = torch.stack([S.double().square().sum() for S in sketches])  # (L,)
+        if self.group is not None:
+            dist.all_reduce(S_sq, group=self.group)  # this process's rows -> all rows (departure 1)
+        if not torch.isfinite(S_sq).all():
+            raise FloatingPointError("summed sketch is not finite (or its squared norm overflows float64): "
+                                     "nothing was changed")
 
-        D, moments, S_sq = row_adam_directions(sketches, self.moments, step=self.update + 1, beta2=self.beta2,
-                                               eps=self.eps, rows=[l.rows for l in self.layers], group=self.group,
-                                               out=self._u)  # D (n, r) each, in the U buffers
+        t = self.update + 1  # the formulas' 1-based update
+        if self.group is None:  # every row here: the formulas as written
+            D, moments = map(list, zip(*(row_adam_direction(S, v, step=t, beta2=self.beta2, eps=self.eps, out=u)
+                                         for S, v, u in zip(sketches, self.moments, self._u))))
+        else:  # this process's rows of every layer (departure 1)
+            D, moments = row_adam_directions_across_ranks(sketches, self.moments, rows=[l.rows for l in self.layers],
+                                                          group=self.group, step=t, beta2=self.beta2, eps=self.eps,
+                                                          out=self._u)  # (n, r) each, in the U buffers
 
         # c = update_ratio sqrt( sum ||W||^2 / sum ||D A||^2 ), both summed over this process's
-        # rows, then across processes (departure 1: ||D A||^2 = sum((D A A^T) * D)).
-        totals = torch.zeros(2, dtype=torch.float64, device=sketches[0].device)
+        # rows (||D A||^2 = sum((D A A^T) * D): implementation notes)
+        totals = torch.zeros(2, dtype=torch.float64, device=sketches[0].device)  # (sum ||W||^2, sum ||D A||^2)
         for layer, D_l in zip(self.layers, D):
             W_rows, _ = local_rows(layer.module.weight)
             a = layer.projection.to(torch.float64)  # (r, k)
@@ -290,13 +324,15 @@ class RowAdam:
             D64 = D_l.to(torch.float64)  # (n, r)
             totals[0] += _sum_squares(W_rows)
             totals[1] += ((D64 @ gram) * D64).sum()
-        W_sq, DA_sq = _sum_over(totals, self.group).tolist()
+        if self.group is not None:
+            dist.all_reduce(totals, group=self.group)  # this process's rows -> all rows (departure 1)
+        W_sq, DA_sq = totals.tolist()
         c = self.update_ratio * math.sqrt(W_sq / DA_sq) if DA_sq > 0 else 0.0
         for D_l in D:
             D_l.mul_(c)  # U = c D, in place
         self.directions = D
         self._pending_moments = moments
-        return math.sqrt(S_sq)
+        return math.sqrt(S_sq.sum().item())
 
     def discard(self) -> None:
         """Abandon a prepared update: directions dropped, moments and counter unchanged."""
@@ -369,3 +405,78 @@ class RowAdam:
         for layer in self.layers:
             layer.zero_()
             layer.refresh(self.update)
+
+
+def _sum_squares(t, block=2**20):
+    """sum(t^2) in float64, a block of elements at a time (no float64 copy of a whole weight)."""
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for start in range(0, flat.numel(), block):
+        part = flat[start:start + block].to(torch.float64)
+        total += torch.dot(part, part)
+        del part  # before the next block is made: one block at a time
+    return total
+
+
+# -----------------------------------------------------------------------------
+# Row-sharded state (departure 1): the same formulas, each whole-layer quantity reduced across ranks
+
+def local_rows(weight):
+    """(this process's rows of `weight`, their global row offset). FSDP2 shards dim 0 like torch.chunk."""
+    if hasattr(weight, "to_local"):  # a DTensor (FSDP2 at rest)
+        local = weight.to_local()  # (n, k)
+        mesh = weight.device_mesh
+        if mesh.ndim != 1:
+            raise NotImplementedError("only 1-D FSDP meshes are supported")
+        chunk = -(-weight.shape[0] // mesh.size())  # ceil(d / world)
+        return local, min(mesh.get_local_rank() * chunk, weight.shape[0])
+    return weight, 0
+
+
+def row_adam_directions_across_ranks(sketches, moments, *, rows, group, step, beta2=0.95, eps=1e-8, out=None):
+    """`row_adam_direction` of every layer at once when each process of `group` holds some of
+    each layer's rows: this process's rows of the sketches S (n, r) and moments v (n,), and
+    `rows[i]`, layer i's total row count d. Returns (this process's rows of every D, new v)
+    and changes nothing in place; `out`: preallocated (n, r) buffers for the directions.
+
+    Each quantity the formulas take over all of a layer's rows (mean(root), min(den),
+    mean(s^2), ||S||^2 and ||D||^2) is this process's partial float64 sum or minimum, for all
+    layers in one tensor, reduced across `group`: four small all_reduces in all. The division
+    by d and every rounding are `row_adam_direction`'s, so the rows come out as that function
+    gives them for the whole layer (up to the order of float64 additions across processes,
+    which the rounding to S's dtype hides unless a sum falls on a rounding boundary).
+    """
+    _check_direction_inputs(sketches, moments, step, beta2, eps)
+    device = sketches[0].device
+    d_rows = torch.tensor(rows, dtype=torch.float64, device=device)  # (L,): each layer's d, all processes together
+
+    # v <- beta2 v + (1 - beta2) mean_j S_ij^2 ; root <- sqrt(v / (1 - beta2^t)), row by row: no reduction
+    new_v = [beta2 * v + (1 - beta2) * S.to(v.dtype).square().mean(dim=1) for S, v in zip(sketches, moments)]  # (n,)
+    roots = [(v / (1 - beta2**step)).sqrt() for v in new_v]  # (n,)
+    # den <- root + max(eps mean(root), tiny), mean over all d rows of the layer
+    root_sum = torch.stack([root.double().sum() for root in roots])  # (L,)
+    dist.all_reduce(root_sum, group=group)
+    dens = []
+    for root, total, d in zip(roots, root_sum, d_rows):
+        tiny = torch.finfo(root.dtype).tiny
+        dens.append(root + torch.clamp(eps * (total / d).to(root.dtype), min=tiny))  # (n,)
+    # s <- min(den) / den, then s <- s / sqrt(mean(s^2)); a process without rows of a layer offers +inf
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=device)
+    den_min = torch.stack([den.min().double() if den.numel() else inf for den in dens])  # (L,)
+    dist.all_reduce(den_min, op=dist.ReduceOp.MIN, group=group)
+    s = [m.to(den.dtype) / den for m, den in zip(den_min, dens)]  # (n,) each, in (0, 1]
+    sq_sum = torch.stack([s_l.double().square().sum() for s_l in s])  # (L,)
+    dist.all_reduce(sq_sum, group=group)
+    s = [s_l / (q / d).sqrt().to(s_l.dtype) for s_l, q, d in zip(s, sq_sum, d_rows)]
+    # D <- s[:, None] S, then D <- D ||S|| / ||D||
+    D = []
+    for i, (S, s_l) in enumerate(zip(sketches, s)):
+        buf = out[i] if out is not None else torch.empty_like(S)
+        D.append(torch.mul(S, s_l[:, None].to(S.dtype), out=buf))  # (n, r)
+    norms = torch.stack([torch.stack([S.double().square().sum(), D_l.double().square().sum()])
+                         for S, D_l in zip(sketches, D)])  # (L, 2): ||S||^2, ||D||^2
+    dist.all_reduce(norms, group=group)
+    for D_l, (S_sq, D_sq) in zip(D, norms):
+        if D_sq > 0:
+            D_l.mul_((S_sq / D_sq).sqrt().to(D_l.dtype))
+    return D, new_v

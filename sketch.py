@@ -30,29 +30,52 @@ count of merged updates) uses `A_t`; after it is merged every layer switches to 
 
 Defaults: rank r = 256 (the rank of Table 1's LoGRA runs); targets = the attention/MLP
 projections in `TARGETS`: the seven of Qwen2-like models, and the fused `qkv_proj` and
-`gate_up_proj` of models whose Hugging Face code fuses them (Phi-3; architectures.py).
+`gate_up_proj` of models whose Hugging Face code fuses them (Phi-3; architectures.py;
+departure 2).
 
 Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
 
-Departures, numbered
+Departures from the paper
+-------------------------
+1. The paper sums the trainer processes' sketches once per update, with one all_reduce.
+   Under FSDP2 each process here keeps only its rows of each sketch, the rows it holds of the
+   weight (`attach(..., group=...)`): backward forms this micro-batch's `dY^T P` (d, r) for
+   the layer and a reduce-scatter adds every process's contribution into the owners' rows,
+   as FSDP reduce-scatters gradients. The sum over processes then happens per micro-batch
+   instead of once per update, so that a process holds d/world rows of S (0.33 instead of
+   1.33 GiB at 7B over 4 training GPUs, as in Table 1's setup). Without a group the sketch
+   holds every row and `RowAdam.prepare` all-reduces it, as the paper does. Test:
+   tests/test_rowadam.py, test_row_sharded_state_equals_one_process_bitwise.
+2. The paper's targets are the seven attention/MLP projections of its Qwen models. A model
+   whose Hugging Face code fuses q/k/v into `qkv_proj` or gate/up into `gate_up_proj`
+   (Phi-3, not a model of the paper) has the fused layer as one target: one `A` and one
+   sketch for all its rows, so RowAdam's per-layer quantities (the sketch norm that `D`
+   keeps) cover the fused layer. The sub-layers share their input X, so one `P = X A^T` is
+   kept instead of three, and the layer is sketched as the model computes it, without
+   splitting its forward. Test: tests/test_architectures.py,
+   test_every_family_trains_and_its_engines_follow (phi3).
+
+Implementation notes
 --------------------
-1. All parameters of an attached model are frozen, also the ones the paper does not train
-   (embeddings, norms, lm_head, biases). So that backward still reaches the target layers,
-   the output of the input embedding is marked as requiring grad (the trick Hugging Face
-   uses for adapters, `enable_input_require_grads`).
-2. `P = X A^T` is stored in the compute dtype of `X` (bf16 under mixed precision); the
-   sketch itself accumulates in fp32 (float64 when the weight is float64, for tests).
-3. When no gradient is being recorded (rollouts, evaluation, `torch.no_grad`), a sketched
-   layer is a plain `F.linear`: no `P` is computed.
-4. A layer keeps the signs of `A` as int8 (1 byte per entry) and forms `A = signs / sqrt(r)`
-   in the compute dtype when it is used: 0.27 GiB instead of 1.08 GiB of fp32 projections
-   per GPU for the 7B targets at r = 256. The values are the ones an fp32 `A` would hold.
-5. Under FSDP2 each trainer process keeps only its rows of each sketch, the rows it holds of
-   the weight (`attach(..., group=...)`): backward forms this micro-batch's `dY^T P` (d, r)
-   for the layer and a reduce-scatter adds every process's contribution into the owners'
-   rows, as FSDP reduce-scatters gradients. The sum over processes then happens per
-   micro-batch instead of once per update, and a process holds d/world rows of S (0.33
-   instead of 1.33 GiB at 7B over 4 training GPUs, as in Table 1's setup).
+- Every parameter of an attached model is frozen: the others (embeddings, norms, lm_head,
+  biases) stay fixed as in the paper, and the target weights get no `.grad`, their update
+  coming from the sketch. So that backward still reaches the target layers, the output of
+  the input embedding is marked as requiring grad (the trick Hugging Face uses for
+  adapters, `enable_input_require_grads`).
+- `P = X A^T` is stored in the compute dtype of `X` (bf16 under mixed precision); the
+  sketch itself accumulates in fp32 (float64 when the weight is float64, for tests).
+- Each backward forms its product `dY^T P` from zero and then adds it to `S` (`S.add_(dY^T @
+  P)`, never `S.addmm_(dY^T, P)`): a BLAS kernel may fold the existing `S` into its partial sums,
+  in an order that depends on the CPU (AVX2 or AVX-512 blocking), so one process summing two
+  micro-batches would differ in its last bits from two processes whose reduce-scatter sums
+  the same two products. With each product formed first, both compute `m1 + m2` into a zeroed
+  `S`, rounded the same way on any machine (tests/test_rowadam.py, test_row_sharded_state_equals_one_process_bitwise;
+  tests/test_train.py, test_one_and_two_processes_agree). It costs one (d, r) temporary.
+- When no gradient is being recorded (rollouts, evaluation, `torch.no_grad`), a sketched
+  layer is a plain `F.linear`: no `P` is computed.
+- A layer keeps the signs of `A` as int8 (1 byte per entry) and forms `A = signs / sqrt(r)`
+  in the compute dtype when it is used: 0.27 GiB instead of 1.08 GiB of fp32 projections
+  per GPU for the 7B targets at r = 256. The values are the ones an fp32 `A` would hold.
 """
 
 import hashlib
@@ -96,7 +119,7 @@ def projection_seed(base_seed: int, update: int, name: str) -> int:
 
 def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor:
     """The signs of `A` (rank, width), int8 +-1, drawn on the CPU from `seed`: bit-identical
-    on any device. Stored instead of `A` itself: 1 byte per entry instead of 4 (departure 4)."""
+    on any device. Stored instead of `A` itself: 1 byte per entry instead of 4."""
     if rank <= 0 or width <= 0:
         raise ValueError(f"projection needs rank > 0 and width > 0, got rank={rank}, width={width}")
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -140,8 +163,8 @@ class _SketchedLinear(torch.autograd.Function):
         # Sketch: S += dY^T P, accumulated in the sketch's dtype (fp32).
         # Shapes: (d, N) @ (N, r) -> (d, r)
         if ctx.group is None:
-            sketch.addmm_(dy2.t().to(sketch.dtype), p.to(sketch.dtype))
-        else:  # this process keeps its rows of the sum over the group (departure 5)
+            sketch.add_(dy2.t().to(sketch.dtype) @ p.to(sketch.dtype))  # not addmm_: see the notes
+        else:  # this process keeps its rows of the sum over the group (departure 1)
             sketch.add_(reduce_scatter_rows(dy2.t().to(sketch.dtype) @ p.to(sketch.dtype), ctx.group))
         dx = None
         if ctx.needs_input_grad[0]:
@@ -171,7 +194,7 @@ def sketched_linear(x, weight, bias, projection, sketch, group=None):
     if sketch.shape != (rows, projection.shape[0]):
         raise ValueError(f"sketch must be ({rows}, {projection.shape[0]}), got {tuple(sketch.shape)}")
     if not (torch.is_grad_enabled() and x.requires_grad):
-        return F.linear(x, weight, bias)  # no backward will run: no P (departure 3)
+        return F.linear(x, weight, bias)  # no backward will run: P would never be used
     if any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in (x, weight, bias)):
         raise ValueError("forward-mode AD through a sketched layer needs torch.no_grad() (as the KL probe runs)")
     return _SketchedLinear.apply(x, weight, bias, projection, sketch, group)
@@ -227,11 +250,11 @@ class LayerSketch:
 
     name: str
     module: nn.Linear
-    signs: torch.Tensor  # (r, k) int8 +-1: A_t = signs / sqrt(r) (departure 4)
+    signs: torch.Tensor  # (r, k) int8 +-1: A_t = signs / sqrt(r), a quarter of fp32 A's bytes
     sketch: torch.Tensor  # (d, r), or this process's (n, r) rows with a group; fp32 (float64 for float64 models)
     base_seed: int
     update: int = 0
-    group: object = None  # the process group over which rows are sharded (departure 5), or None
+    group: object = None  # the process group over which rows are sharded (departure 1), or None
 
     @property
     def rows(self) -> int:
@@ -281,7 +304,7 @@ def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: i
 
     `group`: the FSDP2 data-parallel group of an FSDP2-sharded model. Each process then keeps
     only its rows of every sketch (the rows it holds of the weight), summed over the group in
-    backward (departure 5). Returns the layers in module order. Undo with `detach(model)`.
+    backward (departure 1). Returns the layers in module order. Undo with `detach(model)`.
     """
     if getattr(model, "_logra_attached", None) is not None:
         raise RuntimeError("model already has sketches attached; call detach(model) first")
@@ -318,7 +341,7 @@ def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: i
         module.forward = layer.forward  # an instance attribute: `del` restores nn.Linear.forward
         layers.append(layer)
 
-    # Freeze everything (departure 1), remembering how it was.
+    # Freeze everything, the targets too (their update comes from the sketch), remembering how it was.
     frozen = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
         p.requires_grad_(False)

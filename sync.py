@@ -27,7 +27,7 @@ Pieces
   integer checksums per layer of the bf16 weights, comparable between the trainer (whose
   fp32 master is rounded the same way) and the engine; a mismatch names the first layer.
 - `send`/`recv` over a `torch.distributed` group. The vLLM side (the worker extension that
-  calls `EngineWeights` inside each vLLM worker, and the weight channel) is in engine.py;
+  calls `EngineWeights` inside each vLLM worker, and the weight channel) is in infra/vllm_engine.py;
   this file is pure torch.
 
 Why the engine needs more than its bf16 weight: a relative step of 6e-5 is far below bf16's
@@ -40,18 +40,28 @@ vLLM fuses q/k/v into `qkv_proj` (rows [q; k; v]) and gate/up into `gate_up_proj
 
 Shape legend: d out rows, k in columns, r rank.
 
-Departures, numbered
+Departures from the paper
+-------------------------
+1. The paper has the engine regenerate `A_t` and apply the same update to its weights, and
+   does not say how an engine that holds bf16 weights keeps a step far below bf16's
+   resolution. Here the engine carries the trainer's fp32 master as its bf16 weight plus an
+   int16 residual (2 extra bytes per target weight, not the 4 of an fp32 copy: 12.2 GiB
+   instead of 24.3 at 7B, so that it fits beside vLLM's weights and KV cache), and merges
+   into that master, so its weight is bf16(trainer master) after every update where a plain
+   bf16 merge drifts. fp32 = bf16(fp32) + j fp32 ulps with j in [-32768, 32768]; only the
+   value +32768 (a bf16 tie rounded down) does not fit an int16, and the trainer's merge
+   never leaves a tie (rowadam.py departure 2), nor does the trainer's start-up sync
+   (train.py applies `rowadam.avoid_bf16_ties_` first). An fp32 payload with a tie is
+   refused. Tests: tests/test_sync.py, test_200_payloads_track_the_trainer_in_both_layouts
+   (the plain bf16 engine drifts) and test_compact_state_is_the_masters_bits_over_1000_updates.
+
+Implementation notes
 --------------------
-1. The engine carries the trainer's fp32 master as its bf16 weight plus an int16 residual
-   (2 extra bytes per target weight, not the 4 of an fp32 copy: 12.2 GiB instead of 24.3
-   at 7B). fp32 = bf16(fp32) + j fp32 ulps with j in [-32768, 32768]; only the value
-   +32768 (a bf16 tie rounded down) does not fit an int16, and the trainer's merge never
-   leaves a tie (rowadam.py departure 5), nor does the trainer's start-up sync (train.py
-   applies `rowadam.avoid_bf16_ties_` first). An fp32 payload with a tie is refused.
-2. Each layer in a payload carries two integer checksums of its bytes, so a corrupted buffer
-   is refused before anything is merged.
-3. vLLM tensor parallelism inside an engine is not supported (Table 1's setup runs one vLLM
-   engine per GPU); a sharded vLLM layer raises.
+- Each layer in a payload carries two integer checksums of its bytes, so a corrupted buffer
+  is refused before anything is merged (tests/test_sync.py,
+  test_bad_payloads_are_rejected_and_change_nothing).
+- vLLM tensor parallelism inside an engine is not supported (Table 1's setup runs one vLLM
+  engine per GPU); a sharded vLLM layer raises (test_a_tensor_parallel_vllm_layer_is_refused).
 """
 
 import json
@@ -264,7 +274,8 @@ def _target_blocks(model, layout, engine_layers=None):
             blocks.append((prefix + last, module.weight, 0, module.weight.shape[0]))
         elif layout == "vllm" and last in engine_layers:
             if getattr(module, "tp_size", 1) != 1:
-                raise NotImplementedError(f"{name}: tensor-parallel vLLM layers are not supported (departure 3)")
+                raise NotImplementedError(f"{name}: tensor-parallel vLLM layers are not supported: run one "
+                                          f"engine per GPU, as the paper does")
             parts = tuple(engine_layers[last])
             sizes = list(getattr(module, "output_sizes", [module.weight.shape[0]])) if len(parts) > 1 \
                 else [module.weight.shape[0]]  # one target: the whole layer (Phi-3's fused qkv_proj)

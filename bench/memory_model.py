@@ -7,7 +7,7 @@ the projections A (r, k), r = 256.
 The paper's Table 1 reports the average GPU memory of whole runs, activations, the
 unsharded bf16 layers in flight and allocator slack included: the difference is what those
 take. Its dense baseline may train all parameters while this project's AdamW trains the
-seven targets (train.py departure 2): for the 7B model the embedding and head would add
+seven targets (infra/policy.py departure 1): for the 7B model the embedding and head would add
 about 4.4 GiB per GPU of gradient and moments.
 
 The 27B model is not public. We assume Qwen2.5-32B's widths (hidden 5120, intermediate
@@ -26,9 +26,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import memory_plan  # noqa: E402
-import metrics  # noqa: E402
-import options  # noqa: E402
+from infra import memory_plan  # noqa: E402
+from infra import metrics  # noqa: E402
+from infra import options  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import train  # noqa: E402
 
@@ -67,10 +67,10 @@ def main():
 
 def dry_run_7b() -> str:
     """The 7B preset's plan as train.py --dry-run prints it, and what it says, in Markdown."""
-    args, cfg, _, _ = train.configure(["--model", "7b", "--dry-run"])
-    layout = train.options.planned_layout(args.nodes, cfg)
-    m, big = train.run_plan(cfg, layout.world), train.run_plan(train.PRESETS["27b"], 4)
-    lines = train.plan_lines(cfg, m, layout)
+    args, cfg, _, _ = options.configure(["--model", "7b", "--dry-run"], train.PRESETS)
+    layout = options.planned_layout(args.nodes, cfg)
+    m, big = options.run_plan(cfg, layout.world), options.run_plan(train.PRESETS["27b"], 4)
+    lines = options.plan_lines(cfg, m, layout)
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
     extra = m["logra_sketches"] + m["logra_directions"] + m["logra_moments"] + m["logra_projections"]
     said = (f"LoGRA's state beyond the fp32 weight shard is {gib(extra)} per training GPU (AdamW's: "

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kl_control  # noqa: E402
 import ppo  # noqa: E402
-import metrics  # noqa: E402
+from infra import metrics  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
 import sketch  # noqa: E402

@@ -19,7 +19,7 @@ two marker lines changes; everything else in the file stays byte for byte as it 
     parse_args(parser, *names)      a script's arguments with --markdown, the blocks checked
 
 Charts use metrics.pyplot (the project's one matplotlib import). Besides the standard library
-this module needs only checkpoint.py, for its atomic write.
+this module needs only infra/checkpoint.py, for its atomic write.
 """
 
 import datetime
@@ -31,7 +31,7 @@ import sys
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402  (the repository's checkpoint.py: write_atomic)
+from infra import checkpoint  # noqa: E402  (infra/checkpoint.py: write_atomic)
 # The files a block may live in. A name may appear in either or both; every file that has the
 # markers gets the new block.
 READMES = (os.path.join(ROOT, "README.md"), os.path.join(BENCH, "README.md"))

@@ -78,7 +78,7 @@ def main():
     loss_of(model, ids).backward()
     opt.prepare()
     s_bytes = nbytes(l.sketch for l in layers)
-    a_bytes = nbytes(l.signs for l in layers)  # int8 signs of A (sketch.py departure 4)
+    a_bytes = nbytes(l.signs for l in layers)  # int8 signs of A (sketch.py, implementation notes)
     v_bytes = nbytes(opt.moments)
     u_bytes = nbytes(opt.directions)
     logra = s_bytes + a_bytes + v_bytes + u_bytes

@@ -118,7 +118,7 @@ def engine_sync(reps, rank):
         print("\n" + line)
         return line
     import rowadam
-    from engine import VLLMEngine
+    from infra.vllm_engine import VLLMEngine
 
     cfg = dict(train.PRESETS["smollm2-135m"], optimizer="logra", sync="factors", sketch_rank=rank, seed=0)
     with tempfile.TemporaryDirectory() as folder:
@@ -127,7 +127,7 @@ def engine_sync(reps, rank):
         modules = sketch.target_modules(model)
         layers = sketch.attach(model, rank=rank, seed=0)
         opt = rowadam.RowAdam(layers, base_seed=0)
-        engine = VLLMEngine(model_path=folder, context=256, seed=0, rank=rank, gpu=None, device="cpu",
+        engine = VLLMEngine(model_path=folder, context=256, seed=0, sketch_rank=rank, gpu=None, device="cpu",
                             log_path=os.path.join(folder, "engine.log"), timeout=600, gpu_memory_utilization=0.1,
                             eos=0, pad=0)
         try:

@@ -2,7 +2,7 @@
 and its engine follows it bit for bit, in the Hugging Face layout and in vLLM's fused one (a
 stand-in with vLLM's names and row order, written from vLLM's model files independently of the
 table); a family or a layer the table does not cover stops
-with one line. A real vLLM CPU engine for the fused Phi-3: test_engine.py; every family through
+with one line. A real vLLM CPU engine for the fused Phi-3: test_vllm_engine.py; every family through
 vLLM's CPU build: bench/architectures.py."""
 
 import copy
@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import architectures
 import rowadam
 import sketch
 import sync
-from architectures import ArchitectureError
-import tiny_families
+from infra import architectures
+from infra.architectures import ArchitectureError
 from subproc import ROOT, env
+import tiny_families
 
 SEED, RANK = 3, 8
 VOCAB = tiny_families.VOCAB

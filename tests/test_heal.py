@@ -1,7 +1,7 @@
 """heal.py: engines that are lost are restarted, resynced and their operation redone; the
 allowed restarts are a bound; errors that are not losses stop every rank; two ranks stay in
 step when one rank's engine is lost in the middle of a streamed sync. Stand-in engines here;
-the vLLM engine processes killed for real are in test_engine.py."""
+the vLLM engine processes killed for real are in test_vllm_engine.py."""
 
 import json
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import heal
+from infra import heal
+from infra.engine import EngineError, EngineLost
 from distributed import run_gloo
-from engine import EngineError, EngineLost
 
 
 class Payload:

@@ -1,7 +1,10 @@
-"""kl_control.py: the second-order KL against exact KL, the JVP against finite differences."""
+"""kl_control.py: the second-order KL against exact KL, the plain probe's JVP against finite
+differences, the fast path against the plain probe, the Use block as written."""
 
 import copy
+import dataclasses
 import math
+import textwrap
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 import kl_control
 import rowadam
 import sketch
-from tiny import tiny_batch, tiny_qwen2
+from tiny import VOCAB, tiny_batch, tiny_qwen2
 
 F64 = torch.float64
 
@@ -111,7 +114,9 @@ def test_quadratic_scaling(c):
     assert math.isclose(scaled, c**2 * base, rel_tol=1e-6)
 
 
-def test_jvp_matches_central_difference():
+def test_the_plain_tangent_matches_central_difference():
+    """probe_logits (torch.func.jvp with dW = -U A) against (z(W - eps U A) - z(W + eps U A)) / 2 eps,
+    the weights changed densely in a copy of the model."""
     model, layers, opt, ids, _ = prepared()
     float64_norms(model)
     _, tangent = kl_control.probe_logits(model, layers, opt.directions, ids)
@@ -131,43 +136,35 @@ def test_jvp_matches_central_difference():
     assert rel < 1e-5, rel
 
 
-def pytorch_kl1(model, layers, directions, ids, mask):
-    """KL1 by PyTorch's own forward AD through the whole model (its own linear-layer, head and
-    elementwise tangents), with -(X A^T) U^T added to each target layer's output tangent."""
-    import torch.autograd.forward_ad as fwAD
-
-    def hook_for(layer, u):
-        def hook(module, args, out):
-            x = fwAD.unpack_dual(args[0]).primal
-            y, y_t = fwAD.unpack_dual(out)
-            dy = -(x @ layer.projection.to(x.dtype).t() @ u.to(x.dtype).t())
-            return fwAD.make_dual(y, dy if y_t is None else y_t + dy)
-        return hook
-
-    handles = [l.module.register_forward_hook(hook_for(l, u)) for l, u in zip(layers, directions)]
-    try:
-        with torch.no_grad(), kl_control.probe_mode(model), fwAD.dual_level():
-            z, u = fwAD.unpack_dual(model(input_ids=ids, use_cache=False).logits)
-    finally:
-        for h in handles:
-            h.remove()
-    scored = mask[:, 1:].bool()
-    return kl_control.token_kl(z[:, :-1][scored], u[:, :-1][scored]).mean().item()
-
-
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
-def test_the_probe_equals_pytorch_forward_ad(dtype):
-    """The probe's own tangents (dX W^T at the target layers and the head, departure 6; the
-    constant-operand ops, departure 7) give PyTorch's KL1 through the whole model."""
+def test_the_fast_path_is_the_plain_probe(dtype):
+    """`probe` (the fast path: hook-formed tangents at the targets and the head, constant-operand
+    tangents, the head on scored positions in chunks) gives `plain_probe`'s KL1 and kept logits
+    (torch.func.jvp through the whole model with dense dW = -U A), on one process without FSDP:
+    whole batch, a cut batch at another temperature, an attention mask that hides two tokens of
+    the first sequence (every query still sees token 0: Hugging Face's eager attention gives NaN
+    on a fully masked row in float64), and kept logits short of, and beyond, the scored positions."""
     model, layers, opt, ids, mask = prepared(dtype)
-    got = kl_control.predict_kl(model, layers, opt.directions, ids, mask, max_responses=3)
-    ref = pytorch_kl1(model, layers, opt.directions, ids, mask)
-    assert math.isclose(got, ref, rel_tol=1e-12 if dtype == F64 else 1e-5), (got, ref)
+    holes = torch.ones_like(ids)
+    holes[0, 1:3] = 0
+    cases = [dict(max_responses=3, keep_positions=7),
+             dict(max_responses=2, max_tokens=7, temperature=0.7, keep_positions=100),
+             dict(max_responses=3, attention_mask=holes, keep_positions=12)]
+    tol = 1e-12 if dtype == F64 else 1e-5
+    for i, kwargs in enumerate(cases):
+        plain = kl_control.plain_probe(model, layers, opt.directions, ids, mask, **kwargs)
+        fast = kl_control.probe(model, layers, opt.directions, ids, mask, **kwargs)
+        assert plain.kl1 > 0 and math.isclose(fast.kl1, plain.kl1, rel_tol=tol), (i, fast.kl1, plain.kl1)
+        scored = int(mask[:kwargs["max_responses"], 1:kwargs.get("max_tokens")].sum())
+        assert fast.logits.shape == plain.logits.shape == (min(kwargs["keep_positions"], scored), VOCAB), i
+        torch.testing.assert_close(fast.logits, plain.logits, rtol=tol, atol=tol)
+    assert kl_control.plain_probe(model, layers, opt.directions, ids, mask).logits is None  # keep_positions=0
 
 
 def test_constant_operand_tangents_are_pytorch_own():
-    """Departure 7, op by op: primal and tangent bit for bit as PyTorch's forward AD gives them,
-    broadcasting and dtype promotion included; two dual operands stay PyTorch's."""
+    """The fast path's constant-operand tangents (kl_control._ConstantOperands), op by op: primal
+    and tangent bit for bit as PyTorch's forward AD gives them, broadcasting and dtype promotion
+    included; two dual operands stay PyTorch's."""
     import torch.autograd.forward_ad as fwAD
 
     g = torch.Generator().manual_seed(0)
@@ -278,6 +275,10 @@ def test_probe_errors():
     with pytest.raises(RuntimeError, match="tangent was lost"):
         kl_control.predict_kl(model, layers, opt.directions, ids, mask)
     h.remove()
+    # The plain probe takes whole directions on one process: row-sharded layers are refused.
+    sharded = [dataclasses.replace(l, group="a process group") for l in layers]
+    with pytest.raises(ValueError, match="one process"):
+        kl_control.plain_probe(model, sharded, opt.directions, ids, mask)
 
 
 # ---------------------------------------------------------------------------
@@ -288,7 +289,7 @@ def test_solve_alpha():
     assert math.isclose(kl_control.solve_alpha(4e-4, budget=1e-4), 0.5)
     assert kl_control.solve_alpha(1e-9, budget=1e-4) == 3.0  # the cap
     assert kl_control.solve_alpha(0.0, budget=1e-4) == 1.0
-    assert kl_control.solve_alpha(0.0, budget=1e-4, alpha_max=0.5) == 0.5  # the cap holds (departure 5)
+    assert kl_control.solve_alpha(0.0, budget=1e-4, alpha_max=0.5) == 0.5  # the cap holds (departure 2)
     for bad in (-1e-9, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="uncontrolled"):
             kl_control.solve_alpha(bad, budget=1e-4)
@@ -358,7 +359,7 @@ def test_kl1_in_bf16_against_float64(how):
     mixed precision runs on GPUs) against the same weights and directions in float64, over
     four seeds: within 0.5% (measured: at most 2.8e-3, median 6e-4). The error is the bf16
     forward's own; forming the tangent X A^T U^T in fp32 did not reduce it (module docstring,
-    departure 4)."""
+    departure 1)."""
     errors = []
     for seed in range(4):
         ref = tiny_qwen2(torch.bfloat16, seed=seed).to(F64)  # bf16-representable weights, in float64
@@ -381,3 +382,27 @@ def test_kl1_in_bf16_against_float64(how):
         errors.append(abs(kl1 - exact) / exact)
     print(f"{how}: KL1 relative error against float64 {[f'{e:.1e}' for e in errors]}")
     assert max(errors) < 5e-3 and all(e > 0 for e in errors), errors  # > 0: bf16 really ran
+
+
+# ---------------------------------------------------------------------------
+# The module docstring's Use block
+
+def use_block():
+    """The indented code of the module docstring's "Use" section."""
+    section = kl_control.__doc__.split("\nUse\n---\n")[1].split("\n\n")
+    return textwrap.dedent(next(part for part in section if part.startswith("    ")))
+
+
+def test_the_use_block_runs_one_update():
+    """The Use block, run as written on the tiny Qwen2 after a loss's backward: at update 0 with
+    no mismatch observed, the budget is 2e-4, alpha = min(3, sqrt(2e-4 / KL1)), the merge counts
+    one update, and the realised KL is close to the prediction alpha^2 KL1."""
+    model, layers, opt, ids, mask = prepared()
+    opt.discard()  # prepared() prepared the directions; the block prepares them itself
+    ns = dict(kl_control=kl_control, model=model, layers=layers, opt=opt, ids=ids, mask=mask, temperature=0.8,
+              update=0, mismatch=kl_control.Mismatch())
+    exec(use_block(), ns)
+    kl1, alpha = ns["probe"].kl1, ns["alpha"]
+    assert ns["budget"] == 2e-4 and opt.update == 1
+    assert alpha < 3.0 and math.isclose(alpha, math.sqrt(2e-4 / kl1))
+    assert 0.5 < ns["kl_real"] / (alpha**2 * kl1) < 1.5

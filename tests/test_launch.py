@@ -1,6 +1,6 @@
 """launch.py: the layout of ranks and engines over nodes, its checks and launch lines, agreement
 on refusals, and the shared-folder probe (in two gloo processes). The layout end to end, with
-two torchrun "nodes" on this machine: test_train.py and test_engine.py."""
+two torchrun "nodes" on this machine: test_train.py and test_vllm_engine.py."""
 
 import ipaddress
 import json
@@ -8,10 +8,9 @@ import os
 
 import pytest
 
-import engine
-import launch
+from infra import launch, vllm_engine
+from infra.launch import Layout, LaunchError
 from distributed import run_gloo
-from launch import Layout, LaunchError
 
 
 def torchrun_env(rank, world, local_world):
@@ -34,12 +33,12 @@ def test_every_node_puts_local_rank_i_on_the_ith_engine_gpu(visible):
         layout = Layout.from_env(env, "2,3")
         assert (layout.nodes, layout.ranks_per_node, layout.world) == (2, 2, 4)
         gpu = layout.engine_gpu(int(env["LOCAL_RANK"]))
-        engine_env = engine.engine_env(gpu, env)
+        engine_env = vllm_engine.engine_env(gpu, env)
         placed[rank] = (gpu, engine_env["CUDA_VISIBLE_DEVICES"])
         assert not any(k in engine_env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "GROUP_RANK"))
     physical = visible.split(",") if visible else ["0", "1", "2", "3"]
     assert placed == {0: (2, physical[2]), 1: (3, physical[3]), 2: (2, physical[2]), 3: (3, physical[3])}
-    assert ipaddress.ip_address(engine.LOCAL_HOST).is_loopback
+    assert ipaddress.ip_address(vllm_engine.LOCAL_HOST).is_loopback
 
 
 def test_layout_from_env_defaults_and_refusals():

@@ -1,31 +1,41 @@
-"""The layout: no module imports train.py, the imports have no cycle, the algorithm files need
-at most sketch.py; and each infrastructure module (tasks, checkpoint, launch, architectures,
-options, memory_plan, metrics) runs one of its functions in a fresh interpreter, copied with only the project
-modules it imports into an empty folder, without train.py and without a process group."""
+"""The layout: the top level is the design card (the method files, train.py, tests/, bench/,
+examples/, and the one folder infra/ of everything that runs the method); no method file
+imports infra/, nothing imports train.py, the imports have no cycle, the method files copy
+alone (torch, the standard library, at most sketch.py); and each infrastructure file imports,
+and runs one of its functions, in a fresh interpreter that holds only it and the project
+files it imports, without train.py and without a process group."""
 
 import ast
+import json
 import os
 import shutil
 import subprocess
 import sys
 
-import pytest
-
 from subproc import ROOT, env
 
-MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+METHOD = ("sketch", "rowadam", "kl_control", "sync", "ppo")
+CARD = {"pyproject.toml", "README.md", *(f"{m}.py" for m in METHOD), "train.py", "tests", "bench", "examples",
+        "infra"}
+INFRA = sorted(f"infra.{f[:-3]}" for f in os.listdir(os.path.join(ROOT, "infra"))
+               if f.endswith(".py") and f != "__init__.py")
+MODULES = set(METHOD) | {"train"} | set(INFRA)
+
+
+def path_of(name: str) -> str:
+    return os.path.join(ROOT, *name.split(".")) + ".py"
 
 
 def project_imports(name: str) -> set[str]:
-    """The project modules `name`.py imports, at any depth of the file (lazy imports included)."""
-    tree = ast.parse(open(os.path.join(ROOT, f"{name}.py")).read())
+    """The project modules `name` imports, at any depth of the file (lazy imports included)."""
     found = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(open(path_of(name)).read())):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
-    return found & set(MODULES) - {name}
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # from infra import launch
+    return found & MODULES - {name}
 
 
 def closure(name: str) -> set[str]:
@@ -38,55 +48,102 @@ def closure(name: str) -> set[str]:
     return seen
 
 
-def test_no_module_imports_train_and_no_cycle():
-    assert {"train", "sketch", "rowadam", "kl_control", "ppo", "sync", "engine", "tasks", "checkpoint", "launch",
-            "architectures", "options", "memory_plan", "metrics", "heal", "lora"} <= set(MODULES)
-    for name in MODULES:
+def test_the_top_level_is_the_design_card():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    top = {path.split("/")[0] for path in tracked} - {".ci", ".gitignore"}
+    assert top <= CARD and CARD - {"examples"} <= top, sorted(top ^ CARD)
+    assert not [p for p in tracked if p.endswith(".py") and "/" not in p and p[:-3] not in (*METHOD, "train")]
+
+
+def test_no_method_file_imports_the_infrastructure_and_nothing_imports_train():
+    for name in sorted(MODULES):
         assert "train" not in closure(name) or name == "train", name
         assert name not in closure(name), f"{name} imports itself through {sorted(closure(name))}"
-    # The algorithm files copy alone: torch, the standard library and at most sketch.py.
-    for name in ("sketch", "rowadam", "kl_control", "ppo"):
+    for name in METHOD:  # the method copies without infra/
+        assert not {m for m in closure(name) if m.startswith("infra.")}, (name, closure(name))
+    for name in ("sketch", "rowadam", "kl_control", "ppo"):  # torch, the standard library, at most sketch.py
         assert closure(name) <= {"sketch"}, (name, closure(name))
-    for name in ("tasks", "checkpoint", "launch", "architectures", "metrics", "lora"):  # leaves
-        assert closure(name) == set(), (name, closure(name))
+    for name in ("infra.errors", "infra.architectures", "infra.metrics", "infra.tasks", "infra.launch", "infra.lora"):
+        assert closure(name) <= {"infra.errors"}, (name, closure(name))  # leaves: they raise their own RunError
 
 
-# One call of each module's own, run where nothing else of the project exists.
+# One call of each infrastructure file's own, run where nothing else of the project exists.
 CALLS = {
-    "tasks": "t = tasks.Arithmetic(0, 16); assert t.decode(t.encode('12+30=\\\\boxed{42}')) == '12+30=\\\\boxed{42}'",
-    "checkpoint": ("import torch, tempfile; d = tempfile.mkdtemp(); "
-                   "checkpoint.save(d, {'w': torch.arange(4.0)}, 3, rank=0, world=1); "
-                   "p = checkpoint.resume_path(d, None, rank=0, world=1); s = {'w': torch.zeros(4)}; "
-                   "checkpoint.load(p, s); assert s['w'].tolist() == [0, 1, 2, 3] and p.endswith('checkpoint-3')"),
-    "architectures": ("a = architectures.check_config({'model_type': 'phi3'}); assert 'qkv_proj' in a.targets; "
-                      "import pytest; pytest.raises(architectures.ArchitectureError, architectures.lookup, 'gpt2')"),
-    "launch": ("l = launch.Layout.from_env({'WORLD_SIZE': '8', 'LOCAL_WORLD_SIZE': '4'}, '4,5,6,7'); "
-               "launch.check(l, 8); launch.check_shared_folder('.'); assert l.engine_gpu(1) == 5 and l.nodes == 2"),
-    "options": ("a = options.parse(['--rank', '4'], {'tiny': {}}); assert a.sketch_rank == 4 and a.model == 'tiny'"),
-    "memory_plan": ("p = memory_plan.estimate(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
-                    "num_attention_heads=2, num_key_value_heads=1, vocab_size=32), 1, 8); "  # v: one per target row
-                    "assert p['logra_moments'] == 4 * 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)"),
-    "heal": ("from engine import EngineLost\n"
-             "class E:\n    n = 0\n"
-             "    def generate(self, x):\n        E.n += 1\n"
-             "        if E.n == 1: raise EngineLost('gone')\n        return x\n"
-             "    def close(self): pass\n"
-             "s = heal.Supervisor(E, restarts=1, log=print); assert s.generate(7) == 7 and s.restarts == 1"),
-    "lora": ("from transformers import Qwen2Config, Qwen2ForCausalLM; m = Qwen2ForCausalLM(Qwen2Config("
-             "hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, "
-             "vocab_size=16)); p = lora.attach(m, rank=4, alpha=8.0, seed=0); "
-             "assert len(p) == 14 and len(lora.layers(m)) == 7"),
-    "metrics": ("assert metrics.summary([{'update': 0, 'pass1': 0.25}, {'update': 1, 'pass1': 0.5}], heldout=4, "
-                "engine='hf')[0].endswith('+25.0 points, 4 problems)')"),
+    "infra.errors": "e = errors.RunError('x'); assert e.exit_code == 2 and e.line() == 'train.py: error: x'",
+    "infra.tasks": ("t = tasks.Arithmetic(0, 16); "
+                    "assert t.decode(t.encode('12+30=\\\\boxed{42}')) == '12+30=\\\\boxed{42}'"),
+    "infra.checkpoint": ("import torch, tempfile; d = tempfile.mkdtemp(); "
+                         "checkpoint.save(d, {'w': torch.arange(4.0)}, 3, rank=0, world=1); "
+                         "p = checkpoint.resume_path(d, None, rank=0, world=1); s = {'w': torch.zeros(4)}; "
+                         "checkpoint.load(p, s); "
+                         "assert s['w'].tolist() == [0, 1, 2, 3] and p.endswith('checkpoint-3')"),
+    "infra.architectures": ("a = architectures.check_config({'model_type': 'phi3'}); assert 'qkv_proj' in a.targets; "
+                            "import pytest; pytest.raises(architectures.ArchitectureError, architectures.lookup, 'gpt2')"),
+    "infra.launch": ("l = launch.Layout.from_env({'WORLD_SIZE': '8', 'LOCAL_WORLD_SIZE': '4'}, '4,5,6,7'); "
+                     "launch.check(l, 8); launch.check_shared_folder('.'); assert l.engine_gpu(1) == 5 and l.nodes == 2"),
+    "infra.options": ("a = options.parse(['--rank', '4'], {'tiny': {}}); assert a.sketch_rank == 4 and a.model == 'tiny'"),
+    "infra.memory_plan": ("p = memory_plan.estimate(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+                          "num_attention_heads=2, num_key_value_heads=1, vocab_size=32), 1, 8); "  # v: one per target row
+                          "assert p['logra_moments'] == 4 * 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)"),
+    "infra.heal": ("from infra.engine import EngineLost\n"
+                   "class E:\n    n = 0\n"
+                   "    def generate(self, x):\n        E.n += 1\n"
+                   "        if E.n == 1: raise EngineLost('gone')\n        return x\n"
+                   "    def close(self): pass\n"
+                   "s = heal.Supervisor(E, restarts=1, log=lambda line: None); assert s.generate(7) == 7 and s.restarts == 1"),
+    "infra.lora": ("from transformers import Qwen2Config, Qwen2ForCausalLM; m = Qwen2ForCausalLM(Qwen2Config("
+                   "hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, "
+                   "num_key_value_heads=1, vocab_size=16)); p = lora.attach(m, rank=4, alpha=8.0, seed=0); "
+                   "assert len(p) == 14 and len(lora.layers(m)) == 7"),
+    "infra.metrics": ("assert metrics.summary([{'update': 0, 'pass1': 0.25}, {'update': 1, 'pass1': 0.5}], "
+                      "heldout=4, engine='hf')[0].endswith('+25.0 points, 4 problems)')"),
+    "infra.policy": ("m = policy.build_model(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, "
+                     "num_attention_heads=2, num_key_value_heads=1), 20, 0); "
+                     "opt, layers = policy.make_optimizer(m, 'logra', sketch_rank=4, seed=0, update_ratio=1e-3, "
+                     "adam_lr=1e-4, lora_lr=1e-3, checkpointing=False); assert len(layers) == 7"),
+    "infra.engine": ("import torch; from transformers import Qwen2Config, Qwen2ForCausalLM; torch.manual_seed(0); "
+                     "m = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, "
+                     "num_attention_heads=2, num_key_value_heads=1, vocab_size=16)).to(torch.bfloat16); "
+                     "e = engine.HFEngine(m, base_seed=0, sketch_rank=4, eos=2, pad=0); "
+                     "r = e.generate([[1, 5, 6]], [7], temperature=1.0, max_new_tokens=3); "
+                     "assert r.ids.shape[0] == 1 and r.mask[:, :3].sum() == 0"),
+    "infra.vllm_engine": ("import sys; env = vllm_engine.engine_env(None, {'HOME': '/root', 'RANK': '3'}); "
+                          "assert 'RANK' not in env and 'vllm' not in sys.modules"),
+    "infra.lifecycle": "assert lifecycle.Run.stop_if_signalled.__doc__",
 }
 
 
-@pytest.mark.parametrize("name", sorted(CALLS))
-def test_module_runs_alone(name, tmp_path):
-    for module in {name} | closure(name):
-        shutil.copy(os.path.join(ROOT, f"{module}.py"), tmp_path)
-    check = (f"import sys, {name}; {CALLS[name]}; import torch.distributed as dist; "
-             f"assert 'train' not in sys.modules and not dist.is_initialized(); print('ok')")
-    out = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env=env(PYTHONPATH=str(tmp_path)))
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
+def test_every_infrastructure_file_has_a_call():
+    assert sorted(CALLS) == INFRA
+
+
+# One interpreter for every file (torch imported once): each file's folder holds only it and
+# the project files it imports, and the project's modules are dropped before the next file.
+ALONE = """
+import json, sys
+calls = json.loads(sys.argv[1])
+for name, (folder, call) in calls.items():
+    for m in [m for m in sys.modules if m in {PROJECT} or m == "infra" or m.startswith("infra.")]:
+        del sys.modules[m]
+    sys.path.insert(0, folder)
+    exec(f"from infra import {{name.split('.')[-1]}}\\n{{call}}", {{}})
+    sys.path.remove(folder)
+    import torch.distributed as dist
+    assert "train" not in sys.modules and not dist.is_initialized(), name
+    print("ok", name)
+"""
+
+
+def test_each_infrastructure_file_runs_alone(tmp_path):
+    calls = {}
+    for name in INFRA:
+        folder = tmp_path / name
+        os.makedirs(folder / "infra")
+        for module in {name} | closure(name):
+            shutil.copy(path_of(module), folder / os.path.relpath(path_of(module), ROOT))
+        calls[name] = (str(folder), CALLS[name])
+    script = ALONE.format(PROJECT=set(METHOD) | {"train"})
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(calls)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=env(PYTHONPATH=""))
+    assert out.returncode == 0, out.stderr
+    assert [line for line in out.stdout.splitlines() if line.startswith("ok ")] == [f"ok {n}" for n in INFRA], out.stdout

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-import lora
 import sketch
+from infra import lora
 from tiny import tiny_batch, tiny_qwen2
 
 RANK, ALPHA, SEED = 8, 32.0, 3
@@ -102,7 +102,7 @@ def test_bad_input_is_refused():
 def test_every_family_gets_adapters_on_its_own_targets():
     """Each model family's row of architectures.py names the targets, Phi-3's fused ones
     included: the adapters go exactly there."""
-    import architectures
+    from infra import architectures
     import tiny_families
 
     for model_type in sorted(architectures.ARCHITECTURES):

@@ -4,8 +4,8 @@ paper's targets for it, and the estimate against the tensors measured on 2 gloo 
 import os
 import sys
 
-import memory_plan
 import train
+from infra import memory_plan
 from subproc import ROOT
 
 

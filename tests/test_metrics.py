@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-import metrics
+from infra import metrics
 
 ROW = {"update": 3, "reward": 0.5, "kl_pred": 1.5e-3, "kl_real": 1.25e-3, "alpha": 0.75, "budget": 2e-3,
        "mismatch": 2.5e-4, "mem_gib": 0.5, "time_s": 0.25, "logp_gap_mean": 1e-3, "logp_gap_max": 0.5}

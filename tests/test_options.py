@@ -1,4 +1,4 @@
-"""The command line (options.py, through train.configure as train.py runs it): every option
+"""The command line (infra/options.py, through options.configure as train.py runs it): every option
 value is either accepted or refused in one line with exit code 2, never a traceback, and values
 that no run can take are always refused."""
 
@@ -6,13 +6,19 @@ import contextlib
 import io
 import math
 import os
+import re
+import subprocess
+import sys
 import tempfile
 from unittest import mock
 
+import pytest
 from hypothesis import example, given, settings, strategies as st
 
-import options
 import train
+from infra import options
+from infra.errors import RunError
+from subproc import ROOT, env
 
 
 def test_rank_flag_is_the_sketch_rank():
@@ -21,12 +27,14 @@ def test_rank_flag_is_the_sketch_rank():
     assert cfg["sketch_rank"] == 8 and "rank" not in cfg
 
 
-INTS = [k for k, t, *_ in options.OPTIONS if t is int] + ["keep"]
-FLOATS = [k for k, t, *_ in options.OPTIONS if t is float]
+INTS = [f.name for f in options.KNOBS if f.type is int] + ["keep"]
+FLOATS = [f.name for f in options.KNOBS if f.type is float]
 # The least sound value of each count (written out here, not read from options.py).
 SMALLEST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
             "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
-            "save_every": 0, "seed": 0, "keep": 1, "max_new_tokens": 1, "context": 2}
+            "save_every": 0, "seed": 0, "keep": 1, "max_new_tokens": 1, "context": 2, "eval_samples": 1,
+            "warmup_batch": 1}
+SHARES = {"warmup_unboxed", "eval_top_p", "gpu_memory_utilization"}  # at most 1; only warmup_unboxed may be 0
 NEVER = os.path.join(tempfile.gettempdir(), "logra-option-fuzz-never-made")
 int_values = st.one_of(st.sampled_from([0, -1, 1, 2, 7, 10**30, -(10**30)]), st.integers(-5, 400))
 float_values = st.one_of(st.sampled_from(["nan", "inf", "-inf", "0", "-0.0", "1e400", "1e-300", "2e-2", "5e-3"]),
@@ -34,18 +42,20 @@ float_values = st.one_of(st.sampled_from(["nan", "inf", "-inf", "0", "-0.0", "1e
 
 
 def configure(argv, world=None):
-    """(exit code, stdout, stderr) of train.configure(argv) as train.py runs it: WORLD_SIZE as
-    torchrun would set it for `world` ranks, or unset (a process started without torchrun)."""
+    """(exit code, stdout, stderr) of options.configure(argv, train.PRESETS) as train.main
+    ends it: WORLD_SIZE as torchrun would set it for `world` ranks, or unset (a process started
+    without torchrun); a RunError becomes its one line and exit code."""
     out, err = io.StringIO(), io.StringIO()
     with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         os.environ.pop("WORLD_SIZE", None)
         if world:
             os.environ["WORLD_SIZE"] = world
         try:
-            train.configure(argv)
+            options.configure(argv, train.PRESETS)
             code = 0
-        except SystemExit as stop:
-            code = stop.code
+        except RunError as e:
+            print(e.line(), file=sys.stderr)
+            code = e.exit_code
     return code, out.getvalue(), err.getvalue()
 
 
@@ -54,7 +64,8 @@ def clearly_wrong(preset, values) -> bool:
     cfg = dict(train.PRESETS[preset], **{k: float(v) if k in FLOATS else v for k, v in values.items()})
     if any(k in SMALLEST and cfg.get(k, SMALLEST[k]) < SMALLEST[k] for k in values):
         return True
-    if any(not (math.isfinite(cfg[k]) and cfg[k] > 0) for k in FLOATS if k in values):
+    if any(not math.isfinite(cfg[k]) or cfg[k] < 0 or (cfg[k] == 0 and k != "warmup_unboxed") or
+           (k in SHARES and cfg[k] > 1) for k in FLOATS if k in values):
         return True
     return cfg["kl_end"] > cfg["kl_start"] or cfg["max_new_tokens"] >= cfg["context"]  # the prompt needs room
 
@@ -103,11 +114,69 @@ def test_the_task_options_belong_to_their_task():
     ]:
         code, _, err = configure([*argv, "--run-dir", NEVER])
         assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
-    cfg = train.configure(["--model", "27b", "--task", "reasoning-gym", "--model-path", "/ckpt", "--dry-run"])[1]
+    cfg = options.configure(["--model", "27b", "--task", "reasoning-gym", "--model-path", "/ckpt", "--dry-run"],
+                            train.PRESETS)[1]
     assert (cfg["task"], cfg["gym_tasks"], cfg["gym_level"]) == ("reasoning-gym", "hard", 2)
     assert "train_data" not in cfg and "eval_data" not in cfg
-    math_cfg = train.configure(["--model", "27b", "--model-path", "/ckpt", "--dry-run"])[1]
+    math_cfg = options.configure(["--model", "27b", "--model-path", "/ckpt", "--dry-run"], train.PRESETS)[1]
     assert "gym_tasks" not in math_cfg and "gym_level" not in math_cfg  # a math run's configuration is unchanged
     layout = options.planned_layout(None, cfg)
     line = options.launch_commands(cfg, layout, train.PRESETS["27b"]["engine_gpus"])[0]
     assert "--model 27b --model-path /ckpt --task reasoning-gym --gym-tasks hard --gym-level 2" in line, line
+
+
+def test_every_preset_key_has_a_flag():
+    """Each key of every preset is a knob that a flag overrides, or one of the few that are
+    structure (each with its reason); those are real preset keys, and no flag sets them."""
+    assert options.keys_without_flag(train.PRESETS) == []
+    assert options.keys_without_flag({"tiny": dict(train.PRESETS["tiny"], kl_star=1.0)}) == ["tiny: kl_star"]
+    knobs = {f.name for f in options.KNOBS}
+    for key, reason in options.STRUCTURE.items():
+        assert key not in knobs and reason and any(key in preset for preset in train.PRESETS.values()), key
+
+
+def test_help_lists_every_flag():
+    """python train.py --help: one entry for every field of options.Options (a bool knob with its --no- form)."""
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         env=env(COLUMNS="100"), timeout=120)
+    assert out.returncode == 0, out.stderr
+    entries = [line.split()[0].rstrip(",") for line in out.stdout.splitlines() if re.match(r"  --", line)]
+    expected = [options.flag(name) for name in options.FIELDS]
+    assert [e for e in entries if e != "--help"] == expected, out.stdout
+    for f in options.KNOBS:
+        if f.type is bool:
+            assert f"  {options.flag(f.name)}, --no-{options.flag(f.name)[2:]}\n" in out.stdout, out.stdout
+
+
+# The preset keys that gained a flag (issue 31): a value in bound, and values out of bound.
+NEW_FLAGS = {
+    "temperature": ("0.5", ["0", "-1", "nan", "inf"]),
+    "alpha_max": ("2.0", ["0", "-3", "inf"]),
+    "eval_samples": ("3", ["0", "-2"]),
+    "eval_top_p": ("0.5", ["0", "1.5", "nan"]),
+    "warmup_batch": ("32", ["0"]),
+    "warmup_lr": ("1e-4", ["0", "nan"]),
+    "warmup_unboxed": ("0.25", ["-0.1", "1.01", "nan"]),
+    "gpu_memory_utilization": ("0.5", ["0", "1.2"]),
+}
+
+
+@pytest.mark.parametrize("key", sorted(NEW_FLAGS))
+def test_new_flags_override_the_preset_and_refuse_out_of_bound_values(key):
+    good, bad_values = NEW_FLAGS[key]
+    typ, flag = options.FIELDS[key].type, options.flag(key)
+    cfg = options.resolve(options.parse([flag, good], train.PRESETS), train.PRESETS)
+    assert cfg[key] == typ(good) != train.PRESETS["tiny"][key]
+    assert configure(["--run-dir", NEVER, f"{flag}={good}"]) == (0, "", "")
+    for bad in bad_values:
+        code, out, err = configure(["--run-dir", NEVER, f"{flag}={bad}"])
+        assert code == 2 and out == "" and err.count("\n") == 1, (bad, err)
+        assert err.startswith(f"train.py: error: {flag} {typ(bad)} must be "), (bad, err)
+
+
+def test_checkpointing_flag_overrides_the_preset_either_way():
+    def checkpointing(*argv):
+        return options.resolve(options.parse(list(argv), train.PRESETS), train.PRESETS)["checkpointing"]
+    assert checkpointing() is False and checkpointing("--checkpointing") is True  # tiny: off
+    assert checkpointing("--model", "smoke-0.5b") is True
+    assert checkpointing("--model", "smoke-0.5b", "--no-checkpointing") is False

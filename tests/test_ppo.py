@@ -1,4 +1,5 @@
-"""ppo.py: hand-derived gradients, micro-batch invariance, the baseline across 2 processes."""
+"""ppo.py: hand-derived gradients, micro-batch invariance, the baseline across 2 processes, no
+host read in the loss, and one in the finite check."""
 
 import math
 import os
@@ -48,11 +49,11 @@ def test_ppo_clip_gradient_vanishes_on_clipped_side():
     assert torch.equal(grad[:2], torch.zeros(2, 5, dtype=F64))
     # rows 2 and 3: inside the clip range -> d/dlogp of -rho A / n = -rho A / n
     torch.testing.assert_close(grad[2:], -ratio[2:] * adv[2:, None] / 20, rtol=1e-12, atol=0)
-    assert m["clipped"] == 0.5
+    assert float(m["clipped"]) == 0.5
     # On the other side of the clip (ratio < 0.8 with A > 0) the objective is not clipped.
     loss, m = ppo.policy_loss(logp, -adv, mask, old_logprobs=old, num_tokens=20, clip_eps=0.2)
     (grad,) = torch.autograd.grad(loss, logp)
-    assert (grad[:2] != 0).all() and m["clipped"] == 0.0
+    assert (grad[:2] != 0).all() and float(m["clipped"]) == 0.0
 
 
 def test_micro_batch_invariance():
@@ -71,12 +72,12 @@ def test_tis_weights():
     logp, rollout, adv, mask = batch(3)
     rollout = logp.detach() - 2.0  # exp(2) = 7.4 > cap: every weight is truncated
     loss, m = ppo.policy_loss(logp, adv, mask, rollout_logprobs=rollout, num_tokens=10, tis_cap=2.0)
-    assert m["tis_weight"] == 2.0 and m["tis_truncated"] == 1.0
+    assert float(m["tis_weight"]) == 2.0 and float(m["tis_truncated"]) == 1.0
     (grad,) = torch.autograd.grad(loss, logp)  # the weight is a constant: gradient is -cap A / n
     expect = torch.where(mask.bool(), -2.0 * adv[:, None] / 10, torch.zeros((), dtype=F64))
     torch.testing.assert_close(grad, expect, rtol=1e-12, atol=0)
     _, m = ppo.policy_loss(logp, adv, mask, rollout_logprobs=logp.detach(), num_tokens=10)
-    assert m["tis_weight"] == 1.0 and m["tis_truncated"] == 0.0
+    assert float(m["tis_weight"]) == 1.0 and float(m["tis_truncated"]) == 0.0
 
 
 def test_bad_input():
@@ -89,12 +90,6 @@ def test_bad_input():
         ppo.policy_loss(logp, adv[:2], mask, num_tokens=5)
     with pytest.raises(ValueError, match="rollout_logprobs"):
         ppo.policy_loss(logp, adv, mask, rollout_logprobs=rollout[:2], num_tokens=5)
-    bad = logp.detach().clone()
-    bad[mask.bool().nonzero()[0].tolist()] = float("nan")
-    with pytest.raises(ValueError, match="non-finite"):
-        ppo.policy_loss(bad, adv, mask, num_tokens=5)
-    with pytest.raises(ValueError, match="advantages must be finite"):
-        ppo.policy_loss(logp, adv * float("inf"), mask, num_tokens=5)
     with pytest.raises(ValueError, match="finite"):
         ppo.RunningBaseline().advantages(torch.tensor([1.0, float("nan")]))
     # A padded position may hold anything: it is masked out.
@@ -102,6 +97,55 @@ def test_bad_input():
     padded[~mask.bool()] = float("-inf")
     loss, _ = ppo.policy_loss(padded, adv, mask, num_tokens=5)
     assert math.isfinite(loss.item())
+
+
+def test_policy_loss_reads_nothing_back():
+    """On the meta device a tensor has no values, so any host read (.item(), bool(), boolean
+    indexing, .cpu()) raises: forward and backward run through, in both objectives."""
+    logp, rollout, adv, mask = (t.detach().to("meta") for t in batch(5))
+    for kw in (dict(rollout_logprobs=rollout), dict(rollout_logprobs=rollout, old_logprobs=rollout, clip_eps=0.2)):
+        lp = logp.clone().requires_grad_(True)
+        loss, m = ppo.policy_loss(lp, adv, mask, num_tokens=7, **kw)
+        loss.backward()
+        assert lp.grad.shape == lp.shape and loss.device.type == "meta"
+        assert sorted(m) == ["clipped", "ratio", "tis_truncated", "tis_weight"]
+        assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def count_host_reads(monkeypatch):
+    """Count the calls of every Tensor method that reads values back to the host."""
+    calls = []
+    for name in HOST_READS:
+        def counted(self, *args, _original=getattr(torch.Tensor, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+def test_check_finite_names_the_first_bad_input_with_one_read(monkeypatch):
+    logp, rollout, adv, mask = batch(6)
+    padded = torch.where(mask.bool(), logp.detach(), float("-inf"))  # -inf off the response
+    nan_adv = adv.clone()
+    nan_adv[2] = float("nan")
+    inf_rollout = rollout.clone()
+    inf_rollout[1, 3] = float("inf")
+    calls = count_host_reads(monkeypatch)
+    ppo.check_finite(logprobs=torch.where(mask.bool(), padded, 0), advantages=adv, rollout_logprobs=rollout)
+    assert len(calls) == 1, calls
+    for kwargs, first in [(dict(advantages=nan_adv, rollout_logprobs=inf_rollout), "advantages"),
+                          (dict(rollout_logprobs=inf_rollout, advantages=nan_adv), "rollout_logprobs"),
+                          (dict(advantages=adv, logprobs=padded), "logprobs")]:
+        calls.clear()
+        with pytest.raises(ValueError, match=f"^{first} holds non-finite"):
+            ppo.check_finite(**kwargs)
+        assert len(calls) == 1, calls
+    calls.clear()
+    ppo.check_finite()
+    assert calls == []
 
 
 def test_outcome_reward():

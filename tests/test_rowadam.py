@@ -1,8 +1,12 @@
 """rowadam.py against float64 re-computations of the paper's formulas, dense merges and 2 processes."""
 
+import contextlib
 import copy
+import inspect
 import math
 import os
+import re
+import textwrap
 
 import numpy as np
 import pytest
@@ -43,7 +47,7 @@ def test_direction_matches_float64_reference(d, r, step, beta2, seed, zero_row):
         s[0] = 0
     v = torch.rand(d, generator=g, dtype=F64) * (step > 1)
     ref_d, ref_v = reference_direction(s, v, step, beta2, 1e-8)
-    (out,), (new_v,), _ = rowadam.row_adam_directions([s], [v], step=step, beta2=beta2)
+    out, new_v = rowadam.row_adam_direction(s, v, step=step, beta2=beta2)
     np.testing.assert_allclose(out.numpy(), ref_d, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(new_v.numpy(), ref_v, rtol=1e-13, atol=0)
     v = new_v
@@ -62,7 +66,7 @@ def test_direction_matches_float64_reference(d, r, step, beta2, seed, zero_row):
 
 
 def test_zero_sketch_gives_zero_direction():
-    (out,), (v,), _ = rowadam.row_adam_directions([torch.zeros(5, 3)], [torch.zeros(5)], step=1)
+    out, v = rowadam.row_adam_direction(torch.zeros(5, 3), torch.zeros(5), step=1)
     assert torch.equal(out, torch.zeros(5, 3)) and torch.equal(v, torch.zeros(5))
 
 
@@ -79,7 +83,7 @@ def test_direction_bad_input_leaves_moment(bad, match):
     moment = kw["second_moment"]
     before = moment.clone()
     with pytest.raises(ValueError, match=match):
-        rowadam.row_adam_directions([kw.pop("sketch")], [kw.pop("second_moment")], **kw)
+        rowadam.row_adam_direction(kw.pop("sketch"), kw.pop("second_moment"), **kw)
     assert torch.equal(moment, before)
 
 
@@ -89,6 +93,55 @@ def test_direction_bad_input_leaves_moment(bad, match):
 def lm_loss(model, ids):
     logits = model(input_ids=ids).logits
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def docstring_block(doc):
+    """The first indented block of a docstring (its example), dedented."""
+    lines = inspect.cleandoc(doc).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("    "))
+    end = next((i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    ")), len(lines))
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def test_the_class_docstring_runs():
+    """RowAdam's docstring block, run on the tiny Qwen2: it merges W - F A_0, with F the factors
+    it returns and A_0 drawn again from the seed rule (dense, float64), and counts one update.
+    On a batch with no generated token the probe raises, and `discard()` has left the weights,
+    moments and counter as they were."""
+    block = docstring_block(rowadam.RowAdam.__doc__)
+    ids = tiny_batch(batch=3, length=9)
+    mask = torch.zeros_like(ids)
+    mask[:, 5:] = 1  # the last 4 tokens of each sequence are "generated"
+    model = tiny_qwen2()
+    before = {n: m.weight.detach().clone() for n, m in sketch.target_modules(model).items()}
+    run = dict(model=model, ids=ids, response_mask=mask, loss_fn=lm_loss)
+    exec(block, run)
+    assert run["opt"].update == 1 and 0 < run["alpha"] <= 3.0
+    for (name, m), f in zip(sketch.target_modules(model).items(), run["factors"]):
+        w0, w = before[name], m.weight.detach()
+        a0 = sketch.make_projection(8, w0.shape[1], sketch.projection_seed(0, 0, name), dtype=F64)  # (r, k)
+        expect = w0.double() - f.double() @ a0  # (d, k)
+        tol = 2 * torch.finfo(w.dtype).eps * w0.abs().max().item()  # fp32 rounding, and a tie's one ulp
+        torch.testing.assert_close(w.double(), expect, rtol=0, atol=tol)
+        assert not torch.equal(w, w0), name
+
+    model = tiny_qwen2()
+    run = dict(model=model, ids=ids, response_mask=torch.zeros_like(ids), loss_fn=lm_loss)
+    with pytest.raises(ValueError, match="no generated token"):
+        exec(block, run)
+    opt = run["opt"]
+    assert opt.directions is None and opt.update == 0 and not any(v.any() for v in opt.moments)
+    assert all(torch.equal(m.weight, before[n]) for n, m in sketch.target_modules(model).items())
+
+
+def test_the_module_docstring_cites_tests_that_exist():
+    """Each `tests/<file>::<test>` that rowadam.py's docstring gives as showing a departure or a
+    note is a test defined in that file."""
+    cited = re.findall(r"tests/(test_\w+\.py)::(test_\w+)", rowadam.__doc__)
+    assert len(cited) >= 8
+    for file, name in cited:
+        with open(os.path.join(os.path.dirname(__file__), file)) as source:
+            assert re.search(rf"^def {name}\(", source.read(), re.M), (file, name)
 
 
 def setup(dtype=torch.float32, rank=8, seed=5, **kw):
@@ -124,7 +177,8 @@ def test_merge_realises_update_ratio(dtype):
         if dtype == F64:
             torch.testing.assert_close(b - a, delta, rtol=1e-12, atol=1e-15)
         else:
-            torch.testing.assert_close(a, b - delta.to(dtype), rtol=0, atol=2 * torch.finfo(dtype).eps * b.abs().max().item())
+            tol = 2 * torch.finfo(dtype).eps * b.abs().max().item()
+            torch.testing.assert_close(a, b - delta.to(dtype), rtol=0, atol=tol)
 
 
 def test_sharded_merge_equals_unsharded():
@@ -141,6 +195,35 @@ def test_sharded_merge_equals_unsharded():
     # float64 deltas rounded once: the same bits whatever the chunking or sharding
     assert torch.equal(torch.cat(shards), full)
     assert torch.equal(full, w - (f.double() @ a.double()).float())
+
+
+def test_merge_moves_bf16_ties_one_ulp_toward_zero():
+    """Departure 2: after the merge every fp32 weight that W - F A (float64, rounded once) left
+    exactly halfway between two bf16 values is one ulp closer to zero (numpy's nextafter), and
+    the rest are W - F A; each is then bf16(w) plus at most 32767 fp32 ulps, what an int16
+    holds. `avoid_ties=False` leaves W - F A, ties and all."""
+    g = torch.Generator().manual_seed(2)
+    d, k, r = 40, 24, 16
+    w = torch.randn(d, k, generator=g)
+    f = torch.randn(d, r, generator=g).to(torch.bfloat16)
+    f[:d // 2] = 0  # rows the merge leaves as they are...
+    bits = w.view(torch.int32)
+    bits[:d // 2] = (bits[:d // 2] & ~0xFFFF) | 0x8000  # ...on bf16 ties
+    a = sketch.make_projection(r, k, 4)
+    plain = (w.double() - f.double() @ a.double()).float().numpy()  # (d, k) W - F A
+    tie = (plain.view(np.uint32) & 0xFFFF) == 0x8000
+    assert tie.sum() >= d // 2 * k
+    expect = np.where(tie, np.nextafter(plain, np.float32(0)), plain)
+
+    def ulps_from_bf16(x):
+        return (x.view(torch.int32).long() - x.to(torch.bfloat16).float().view(torch.int32).long()).abs()
+
+    merged, kept = w.clone(), w.clone()
+    rowadam.merge_rows(merged, f, a, chunk_rows=7)
+    rowadam.merge_rows(kept, f, a, chunk_rows=7, avoid_ties=False)
+    np.testing.assert_array_equal(merged.numpy().view(np.uint32), expect.view(np.uint32))
+    np.testing.assert_array_equal(kept.numpy().view(np.uint32), plain.view(np.uint32))
+    assert ulps_from_bf16(merged).max() <= 32767 and ulps_from_bf16(kept).max() == 32768
 
 
 def test_refresh_after_merge():
@@ -231,8 +314,33 @@ def test_resume_is_bitwise():
 
 # ---------------------------------------------------------------------------
 # Two processes: FSDP2 row shards of the weights, and of every sketch, direction and moment
+# (departure 1). One gloo run of two processes serves both tests below.
 
-def _two_rank_sharded(rank, world, out_dir):
+DIRECTION_ARGS = dict(step=3, beta2=0.9, eps=0.3)  # an eps large enough that mean(root) moves every den
+
+
+def direction_inputs():
+    """fp32 sketches (d, 6) and moments (d,) of four layers: d = 1 (the second process holds
+    no row of it), 5 and 37 (uneven shards), and 8 with an all-zero sketch."""
+    g = torch.Generator().manual_seed(7)
+    sketches = [torch.randn(d, 6, generator=g) * torch.rand(d, 1, generator=g) * 3 for d in (1, 5, 37, 8)]
+    sketches[3].zero_()
+    return sketches, [torch.rand(S.shape[0], generator=g) for S in sketches]
+
+
+def _directions_across_ranks(group):
+    """This process's rows of every layer's D and new v, by the sharded path over `group`."""
+    sketches, moments = direction_inputs()
+    rows = [S.shape[0] for S in sketches]
+    shards = [sketch.row_shard(d, group) for d in rows]  # (first row, row count) of each layer
+    mine = [S[a:a + n] for S, (a, n) in zip(sketches, shards)]
+    v = [m[a:a + n] for m, (a, n) in zip(moments, shards)]
+    return rowadam.row_adam_directions_across_ranks(mine, v, rows=rows, group=group, **DIRECTION_ARGS)
+
+
+def _fsdp_updates(rank):
+    """Two updates of the FSDP2-sharded tiny Qwen2, each rank on its own batches: the full
+    weights, directions and moments at the end (every rank takes part in gathering them)."""
     from torch.distributed.fsdp import fully_shard
 
     model = tiny_qwen2()  # fp32
@@ -249,26 +357,66 @@ def _two_rank_sharded(rank, world, out_dir):
         dirs = [l.all_rows(u).clone() for l, u in zip(layers, opt.directions)]
         opt.merge(0.7)
     state = opt.state_dict()
-    full = {n: m.weight.full_tensor() for n, m in sketch.target_modules(model).items()}  # collectives:
-    moments = {n: v.full_tensor() for n, v in state["moments"].items()}  # every rank takes part
-    if rank == 0:
-        torch.save({"weights": full, "dirs": dirs, "moments": moments}, os.path.join(out_dir, "sharded.pt"))
+    return {"weights": {n: m.weight.full_tensor() for n, m in sketch.target_modules(model).items()},
+            "dirs": dirs, "moments": {n: v.full_tensor() for n, v in state["moments"].items()}}
 
 
-def test_row_sharded_state_equals_one_process_bitwise(tmp_path):
-    """2 gloo ranks, each holding its rows of S, U, v and W, end with bitwise the weights,
-    directions and moments of one process whose sketch holds both ranks' batches."""
-    run_gloo(_two_rank_sharded, 2, str(tmp_path))
-    got = torch.load(tmp_path / "sharded.pt")
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread, in the workers and in the one-process reference: a CPU matmul's bits
+    can depend on the number of threads it runs on (here, 2 threads and 1 differ)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _two_ranks(rank, world, out_dir):
+    torch.set_num_threads(1)  # as one_thread() runs the reference
+    alone = [torch.distributed.new_group([r]) for r in range(world)]  # every rank creates every group
+    result = {"directions": _directions_across_ranks(torch.distributed.group.WORLD),
+              "alone": _directions_across_ranks(alone[rank]),  # the same path with world size 1
+              "fsdp": _fsdp_updates(rank)}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    run_gloo(_two_ranks, 2, str(out))
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_directions_across_ranks_equal_the_plain_formulas(two_ranks):
+    """Departure 1: each layer's rows of D and v from the sharded path on 2 gloo processes, put
+    together, are bitwise `row_adam_direction` on the whole layer in one process, and so are
+    the sharded path's on a group of one process; a layer with no row on one process, uneven
+    shards and an all-zero sketch included."""
+    sharded = [r["directions"] for r in two_ranks]  # per rank: (its rows of every D, of every v)
+    alone_D, alone_v = two_ranks[0]["alone"]
+    for i, (S, v) in enumerate(zip(*direction_inputs())):
+        D, new_v = rowadam.row_adam_direction(S, v, **DIRECTION_ARGS)
+        assert torch.equal(torch.cat([D_r[i] for D_r, _ in sharded]), D), i
+        assert torch.equal(torch.cat([v_r[i] for _, v_r in sharded]), new_v), i
+        assert torch.equal(alone_D[i], D) and torch.equal(alone_v[i], new_v), i
+
+
+def test_row_sharded_state_equals_one_process_bitwise(two_ranks):
+    """Departure 1: 2 gloo ranks, each holding its rows of S, U, v and W, end with bitwise the
+    weights, directions and moments of one process whose sketch holds both ranks' batches."""
+    got = two_ranks[0]["fsdp"]
     model = tiny_qwen2()
     layers = sketch.attach(model, rank=8, seed=3)
     opt = rowadam.RowAdam(layers, base_seed=3, update_ratio=1e-3)
-    for step in range(2):
-        for r in range(2):
-            lm_loss(model, tiny_batch(seed=10 + 2 * step + r)).backward()
-        opt.prepare()
-        dirs = [u.clone() for u in opt.directions]
-        opt.merge(0.7)
+    with one_thread():
+        for step in range(2):
+            for r in range(2):
+                lm_loss(model, tiny_batch(seed=10 + 2 * step + r)).backward()
+            opt.prepare()
+            dirs = [u.clone() for u in opt.directions]
+            opt.merge(0.7)
     for (name, m), w in zip(sketch.target_modules(model).items(), got["weights"].values()):
         assert torch.equal(m.weight.detach(), w), name
     for a, b in zip(dirs, got["dirs"]):
@@ -278,19 +426,19 @@ def test_row_sharded_state_equals_one_process_bitwise(tmp_path):
 
 
 def test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss():
-    """Departure 7: over updates whose token counts N differ (19, 27, 23), RowAdam on the
-    sketch of the per-token mean loss (S_sum / N) follows the float64 reference fed the same;
-    the authors' extra division (S_sum / N^2) gives other directions from the second update on
-    (the first is scale-free), so the choice is visible."""
+    """The scale of S (rowadam.py's implementation notes): over updates whose token counts N
+    differ (19, 27, 23), RowAdam on the sketch of the per-token mean loss (S_sum / N) follows
+    the float64 reference fed the same; the authors' extra division (S_sum / N^2) gives other
+    directions from the second update on (the first is scale-free), so the choice is visible."""
     g = torch.Generator().manual_seed(11)
     d, r, beta2 = 12, 6, 0.95
     v_ours = v_ref = v_double = torch.zeros(d, dtype=F64)
     for step, n in enumerate((19, 27, 23), start=1):
         s_sum = torch.randn(d, r, generator=g, dtype=F64) * n  # a token-summed loss's sketch grows with N
-        (ours,), (v_ours,), _ = rowadam.row_adam_directions([s_sum / n], [v_ours], step=step, beta2=beta2)
+        ours, v_ours = rowadam.row_adam_direction(s_sum / n, v_ours, step=step, beta2=beta2)
         ref, v_ref = reference_direction(s_sum / n, v_ref, step, beta2, 1e-8)
         np.testing.assert_allclose(ours.numpy(), ref, rtol=1e-12, atol=1e-14)
-        (double,), (v_double,), _ = rowadam.row_adam_directions([s_sum / n**2], [v_double], step=step, beta2=beta2)
+        double, v_double = rowadam.row_adam_direction(s_sum / n**2, v_double, step=step, beta2=beta2)
         # Directions up to their scale (c rescales every layer together): compare unit directions.
         gap = ((ours / ours.norm()) - (double / double.norm())).norm().item()
         if step == 1:

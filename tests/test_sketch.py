@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import architectures
 import sketch
+from infra import architectures
 from tiny import tiny_batch, tiny_qwen2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -25,7 +25,7 @@ def lm_loss(model, ids):
 
 def trainer(update_ratio=6e-5):
     model = tiny_qwen2()
-    with torch.no_grad():  # what train.py does before the start-up fp32 sync (rowadam departure 5)
+    with torch.no_grad():  # what train.py does before the start-up fp32 sync (rowadam.py departure 2)
         for m in sketch.target_modules(model).values():
             rowadam.avoid_bf16_ties_(m.weight)
     engine_model = copy.deepcopy(model).to(torch.bfloat16)
@@ -157,6 +157,16 @@ def test_fused_row_offsets_for_real_configs():
         for name, slot in engine.slots.items():
             assert (slot.row, slot.rows) == expect[name.rsplit(".", 1)[-1]], name
             assert name.startswith("model.layers.")
+
+
+def test_a_tensor_parallel_vllm_layer_is_refused():
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2)
+    model = vllm_standin(config=cfg, device="meta")
+    sync.EngineWeights(model, base_seed=0, rank=8, layout="vllm")  # tensor parallel size 1: accepted
+    model.model.layers[1].mlp.down_proj.tp_size = 2
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp\.down_proj: tensor-parallel"):
+        sync.EngineWeights(model, base_seed=0, rank=8, layout="vllm")
 
 
 def test_fused_weights_match_hf_layout_blocks():

@@ -4,7 +4,7 @@ tiny arithmetic task, and the supervised warm-up that makes its base policy."""
 import pytest
 import torch
 
-import tasks
+from infra import tasks
 from tiny import tiny_qwen2
 
 

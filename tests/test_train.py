@@ -315,8 +315,8 @@ def test_a_save_that_runs_out_of_space_stops_with_one_line(runs, tmp_path):
     if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs mount namespaces (unshare --mount, as root) to make a small file system")
     d = runs / "small-disk"  # next to the module's cached base policy (on the big disk)
-    check = ("import checkpoint, sys; p = checkpoint.resume_path(sys.argv[1], None, rank=0, world=1); "
-             "print('verified', p)")
+    check = ("import sys; from infra import checkpoint; "
+             "p = checkpoint.resume_path(sys.argv[1], None, rank=0, world=1); print('verified', p)")
     script = (f'py="$1"; shift; mkdir -p "$0" && mount -t tmpfs -o size=1400k none "$0" && "$py" train.py "$@" '
               f'--run-dir "$0"; echo "exit $?"; "$py" -c "{check}" "$0"; cat "$0/latest"')
     args = [*SMALL, "--updates", "6", "--save-every", "1"]

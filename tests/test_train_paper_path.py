@@ -1,5 +1,5 @@
 """train.py's paper path, its CPU-testable parts: presets and --dry-run, the probe's sample size,
-and the sharded checkpoint load (the engine processes: test_engine.py; the memory plan:
+and the sharded checkpoint load (the engine processes: test_vllm_engine.py; the memory plan:
 test_memory_plan.py)."""
 
 import json
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import kl_control
-import memory_plan
 import train
+from infra import memory_plan, options, policy
+from infra.errors import RunError
 from distributed import run_gloo
 from subproc import ROOT
 from tiny import tiny_qwen2
@@ -64,7 +65,7 @@ def test_dry_run_rejects_bad_assignments(args, message):
     assert out.returncode == 2 and message in out.stderr
 
 
-def test_dry_run_plans_several_nodes(capsys):
+def test_dry_run_plans_several_nodes():
     """--nodes 2: FSDP2 over 8 ranks (the plan per GPU shrinks), 4 ranks and 4 engines per node,
     and the launch lines for every node and for Slurm."""
     two = dry("--model", "7b", "--nodes", "2")
@@ -81,9 +82,9 @@ def test_dry_run_plans_several_nodes(capsys):
                                                      "engine_gpus": [4, 5, 6, 7]}
     one_node = memory_plan.estimate(train.PRESETS["7b"]["model"], 4, 256)
     assert plan["weights"] < one_node["weights"]  # each rank holds an eighth of the weights, not a quarter
-    with pytest.raises(SystemExit) as stop:
-        train.configure(["--nodes", "2"])
-    assert stop.value.code == 2 and "--nodes 2: a number >= 1, with --dry-run" in capsys.readouterr().err
+    with pytest.raises(RunError) as stop:
+        options.configure(["--nodes", "2"], train.PRESETS)
+    assert stop.value.exit_code == 2 and "--nodes 2: a number >= 1, with --dry-run" in str(stop.value)
 
 
 def test_27b_needs_a_model_path(tmp_path):
@@ -94,8 +95,7 @@ def test_27b_needs_a_model_path(tmp_path):
 
 
 def _sharded_load(rank, world, path, out):
-    cfg = {"model_path": path, "optimizer": "logra"}
-    model = train.load_pretrained_sharded(cfg, torch.device("cpu"), world, rank)
+    model = policy.load_pretrained_sharded(path, "logra", torch.device("cpu"), world, rank)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -130,7 +130,7 @@ def test_small_instruct_preset_matches_its_family():
     the memory plan reproduces, and it passes the dry run's checks."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import architectures
+    from infra import architectures
 
     widths = train.PRESETS["smollm2-135m"]["model"]
     config = AutoConfig.for_model(**widths)

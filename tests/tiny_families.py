@@ -1,6 +1,6 @@
 """Tiny models of every family in architectures.py, built from local configs (no download), and
 one family's trainer followed by a vLLM CPU engine: shared by tests/test_architectures.py,
-tests/test_engine.py and bench/architectures.py."""
+tests/test_vllm_engine.py and bench/architectures.py."""
 
 import os
 import time
@@ -10,10 +10,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import architectures
 import rowadam
 import sketch
 import sync
+from infra import architectures
 
 VOCAB = 128
 BOS, EOS, PAD = 1, 2, 0
@@ -78,7 +78,7 @@ def follow_with_vllm(model_type, folder, *, tied=False, updates=3, seed=3, rank=
     (sketches, RowAdam, merge) whose bf16 factors the engine merges itself, fingerprints
     compared after every sync; then the engine's samples and log-probs against a float64
     recomputation of the trainer. Returns the measures."""
-    import engine  # vLLM is imported by the engine process only
+    from infra import vllm_engine  # vLLM is imported by the engine process only
 
     trainer = model(model_type, tied)
     arch = architectures.check_layers(trainer)
@@ -87,7 +87,7 @@ def follow_with_vllm(model_type, folder, *, tied=False, updates=3, seed=3, rank=
         for m in sketch.target_modules(trainer).values():
             rowadam.avoid_bf16_ties_(m.weight.mul_(1.0 + 1e-3))  # off the checkpoint: the resync has work to do
     t0 = time.perf_counter()
-    eng = engine.VLLMEngine(model_path=folder, context=64, seed=seed, rank=rank, gpu=None, device="cpu",
+    eng = vllm_engine.VLLMEngine(model_path=folder, context=64, seed=seed, sketch_rank=rank, gpu=None, device="cpu",
                             log_path=os.path.join(folder, "engine.log"), timeout=300, gpu_memory_utilization=0.1,
                             eos=EOS, pad=PAD)
     started = time.perf_counter() - t0

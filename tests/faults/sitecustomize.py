@@ -1,5 +1,5 @@
 """Fault injection for the healing tests: on PYTHONPATH, Python imports this file in every
-process it starts, and it acts only in an engine process (`python engine.py SPEC`) when
+process it starts, and it acts only in an engine process (`python infra/vllm_engine.py SPEC`) when
 LOGRA_TEST_FAULT is set:
 
     LOGRA_TEST_FAULT="start"                 the engine kills itself as it starts, every time

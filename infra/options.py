@@ -1,5 +1,5 @@
 """
-options.py: the command line of train.py, and every check that refuses a run before it starts.
+infra/options.py: the command line of train.py, and every check that refuses a run before it starts.
 
 What it is
 ----------
@@ -9,6 +9,21 @@ overrides); `validate(cfg, world, ...)` checks it, raising `OptionError` with on
 says what to change, before anything is written or started; `launch_commands(cfg, layout, ...)`
 are the commands that start a preset as it is meant to run. The presets themselves are
 train.py's table, passed in.
+
+One place per option
+--------------------
+Every flag is one field of the dataclass `Options` (as cleanrl's `Args`, torchtitan's
+`Config`): its name, type, default and help text, and in its metadata its bound and its flag.
+A field made by `knob(...)` is a preset value the command line may override: its default,
+None, keeps the preset's; its name is the preset's key and the config's (`kl_start`); its flag
+is made from the name (`--kl-start`) unless `flag=` names another (`--rank`, the paper's word,
+is the config's `sketch_rank`, told apart from a process rank); its bound is `least=` and
+`most=` (inclusive) and `positive=True` (finite and > 0), and `task=` makes it an option of one
+chat task, refused with another. A field made by `own(...)` is a flag of the run itself
+(which preset, where its files go, how it starts). From these fields come the parser and
+`--help` (`parse`), the overrides (`resolve`), the number checks (`validate`), and
+`keys_without_flag(presets)`: the preset keys that no flag sets, which must be STRUCTURE (the
+model's widths, the hub id that --model-path replaces). A new knob is one field.
 
 Two kinds of check
 ------------------
@@ -20,16 +35,14 @@ rank (launch.agreed): `check_nodes` runs them all, on every rank: the layout aga
 node's GPUs, `read_model_config` (a local checkpoint's widths) with `check_model`, one
 configuration everywhere, the shared run directory and `check_run_dir` (what it holds).
 
-Every preset value the command line may override is one row of OPTIONS: the flag is made
-from the key (`kl_start` -> `--kl-start`), except where FLAGS names it (`--rank`, the paper's
-word, is the config's `sketch_rank`, told apart from a process rank). The checks, in order:
-the numbers (LEAST, POSITIVE), what a preset needs, this machine and how the run was started,
-how the batch splits across ranks; then, with files: the model's widths, the run directory
-(only read: a refused resume changes nothing in it).
+The checks, in order: the numbers (each knob's bound, in the order of `Options`), what a preset
+needs, this machine and how the run was started, how the batch splits across ranks; then, with
+files: the model's widths, the run directory (only read: a refused resume changes nothing in it).
 """
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -39,63 +52,129 @@ import socket
 
 import torch
 
-import architectures
-import launch
-from checkpoint import CHECKPOINT_NAME
-from tasks import CHAT_TASKS, Arithmetic, TaskError, check_gym_tasks, gym_mixture
+from infra import architectures, launch, memory_plan
+from infra.checkpoint import CHECKPOINT_NAME
+from infra.errors import RunError
+from infra.tasks import CHAT_TASKS, Arithmetic, TaskError, check_gym_tasks, gym_mixture
 
 
-class OptionError(Exception):
+class OptionError(RunError):
     """A run that cannot start as asked; the message is one line that says what to change."""
 
 
-# (key, type, help, choices), in the order of --help
-OPTIONS = (
-    ("sketch_rank", int, "sketch rank r", None),
-    ("batch", int, "responses per update, all ranks together", None),
-    ("micro_batch", int, "responses per forward and backward on a rank", None),
-    ("updates", int, "RL updates of the run", None),
-    ("update_ratio", float, "RowAdam's step size: ||U A|| / ||W|| before alpha", None),
-    ("kl_start", float, "KL budget of the first update", None),
-    ("kl_end", float, "KL budget from --kl-horizon on (<= --kl-start)", None),
-    ("kl_horizon", int, "updates over which the budget's cosine goes from start to end", None),
-    ("probe_responses", int, "responses of each rank the KL probe scores, at least", None),
-    ("probe_tokens", int, "the probe scores more responses until they hold this many generated tokens", None),
-    ("kl_real_positions", int, "positions at which the realised KL of each step is measured (0: off)", None),
-    ("adam_lr", float, "AdamW's learning rate before annealing (--optimizer adam)", None),
-    ("lora_lr", float, "LoRA's learning rate before annealing (--optimizer lora; lora.py)", None),
-    ("lora_alpha", float, "LoRA's alpha: the adapters' product is scaled by alpha / r (--optimizer lora)", None),
-    ("max_new_tokens", int, "tokens a response may have (rollouts and evaluation)", None),
-    ("context", int, "tokens of prompt + response the engines and the trainer hold per sequence", None),
-    ("eval_temperature", float, "sampling temperature of the held-out evaluation", None),
-    ("warmup_steps", int, "supervised warm-up steps that make a tiny preset's base policy", None),
-    ("eval_every", int, "updates between held-out evaluations (0: the base policy only)", None),
-    ("eval_problems", int, "held-out problems per evaluation", None),
-    ("save_every", int, "updates between checkpoints (0: none)", None),
-    ("seed", int, "the run's seed: initialisation, data order, rollouts, projections", None),
-    ("device", str, "override the preset's device", ("cpu", "cuda")),
-    ("engine", str, "rollout engine: the in-process Hugging Face one (tiny preset) or vLLM processes",
-     ("hf", "vllm")),
-    ("engine_timeout", float, "seconds an engine may take to start or to answer one command", None),
-    ("engine_restarts", int, "engines that may be restarted in a run after dying or going silent (heal.py)", None),
-    ("dist_timeout", float, "seconds a rank waits for the others in a collective (torch.distributed's timeout; "
-     "longer than --engine-timeout)", None),
-    ("task", str, "a chat checkpoint's task: the paper's math, or Reasoning Gym (its 27B long run)",
-     CHAT_TASKS),
-    ("gym_tasks", str, "with --task reasoning-gym: a mixture (hard: tasks.GYM_HARD) or NAME[:WEIGHT],... of its "
-     "tasks", None),
-    ("gym_level", int, "with --task reasoning-gym: the level of every task's curriculum (0: the easiest)", None),
-    ("train_data", str, "DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id",
-     None),
-    ("eval_data", str, "MATH-500-format evaluation data: a local .parquet/.jsonl file or folder, or a hub id", None),
-)
-TASK_OPTIONS = {"math": ("train_data", "eval_data"), "reasoning-gym": ("gym_tasks", "gym_level")}
-FLAGS = {"sketch_rank": "--rank"}  # keys whose flag is not made from the key
-# The least value of each count and size (an int option); the float options must be finite and > 0.
-LEAST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
-         "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
-         "save_every": 0, "seed": 0, "max_new_tokens": 1, "context": 2, "engine_restarts": 0, "gym_level": 0}
-POSITIVE = ("update_ratio", "kl_start", "kl_end", "adam_lr", "lora_lr", "lora_alpha", "eval_temperature", "engine_timeout", "dist_timeout")
+def knob(help: str, *, flag=None, least=None, most=None, positive=False, choices=None, task=None):
+    """A preset value that the command line may override (default None: the preset's)."""
+    return dataclasses.field(default=None, metadata=dict(
+        preset=True, help=help, flag=flag, least=least, most=most, positive=positive, choices=choices, task=task,
+        metavar=None))
+
+
+def own(default, help: str, *, choices=None, metavar=None):
+    """A flag of the run itself, not a preset value. `choices` may be a function of the presets."""
+    return dataclasses.field(default=default, metadata=dict(
+        preset=False, help=help, flag=None, least=None, most=None, positive=False, choices=choices, task=None,
+        metavar=metavar))
+
+
+@dataclasses.dataclass
+class Options:
+    """Every flag of train.py, in the order of --help; `parse` builds the parser from these
+    fields, and its Namespace has their names. A bool knob is --NAME/--no-NAME."""
+
+    # --- the run itself ---------------------------------------------------------------------------
+    model: str = own("tiny", "preset name", choices=sorted)  # sorted(presets): their names
+    optimizer: str = own("logra", "LoGRA, the dense AdamW baseline (Table 1), or LoRA adapters at the same rank "
+                         "(Table 2)", choices=("logra", "adam", "lora"))
+    run_dir: str = own(None, "default: runs/<model>-<optimizer>")
+    resume: str = own(None, "continue the run in RUN_DIR", metavar="RUN_DIR")
+    resume_from: str = own(None, "with --resume: continue from this kept checkpoint (checkpoint-N) instead of the "
+                           "latest", metavar="CHECKPOINT")
+    keep: int = own(2, "checkpoints kept: the newest N (default 2)")
+    model_path: str = own(None, "local Hugging Face checkpoint (required for 27b)")
+    dry_run: bool = own(False, "build the preset on the meta device, print the sharding plan and memory estimate, "
+                        "exit")
+    json: bool = own(False, "with --dry-run: one JSON object with the byte estimates")
+    wandb: str = own(None, "also log every row to this W&B project (pip install wandb; WANDB_MODE=offline without a "
+                     "network); TensorBoard scalars are written whenever tensorboard is installed", metavar="PROJECT")
+    nodes: int = own(None, "with --dry-run: plan this many nodes (a run takes its layout from torchrun's --nnodes)")
+
+    # --- the update: sketches, RowAdam, the KL budget, the baselines --------------------------------
+    sketch_rank: int = knob("sketch rank r", flag="--rank", least=1)
+    batch: int = knob("responses per update, all ranks together", least=1)
+    micro_batch: int = knob("responses per forward and backward on a rank", least=1)
+    updates: int = knob("RL updates of the run", least=1)
+    update_ratio: float = knob("RowAdam's step size: ||U A|| / ||W|| before alpha", positive=True)
+    kl_start: float = knob("KL budget of the first update", positive=True)
+    kl_end: float = knob("KL budget from --kl-horizon on (<= --kl-start)", positive=True)
+    kl_horizon: int = knob("updates over which the budget's cosine goes from start to end", least=2)
+    alpha_max: float = knob("the largest step scale alpha the KL probe may choose (kl_control.solve_alpha)",
+                            positive=True)
+    probe_responses: int = knob("responses of each rank the KL probe scores, at least", least=1)
+    probe_tokens: int = knob("the probe scores more responses until they hold this many generated tokens", least=0)
+    kl_real_positions: int = knob("positions at which the realised KL of each step is measured (0: off)", least=0)
+    adam_lr: float = knob("AdamW's learning rate before annealing (--optimizer adam)", positive=True)
+    lora_lr: float = knob("LoRA's learning rate before annealing (--optimizer lora; infra/lora.py)", positive=True)
+    lora_alpha: float = knob("LoRA's alpha: the adapters' product is scaled by alpha / r (--optimizer lora)",
+                             positive=True)
+    sync: str = knob("what an update sends the engine: LoGRA's bf16 factors + seed, or full bf16 weights (the "
+                     "paper's control)", choices=("factors", "full"))
+
+    # --- rollouts, the trainer's sequences, evaluation ------------------------------------------------
+    temperature: float = knob("sampling temperature of the rollouts (and of the log-probs the loss and the KL probe "
+                              "score)", positive=True)
+    max_new_tokens: int = knob("tokens a response may have (rollouts and evaluation)", least=1)
+    context: int = knob("tokens of prompt + response the engines and the trainer hold per sequence", least=2)
+    checkpointing: bool = knob("activation checkpointing of every decoder layer in the trainer")
+    eval_temperature: float = knob("sampling temperature of the held-out evaluation", positive=True)
+    eval_top_p: float = knob("top-p (nucleus) sampling of the held-out evaluation, in (0, 1]", positive=True,
+                             most=1.0)
+    warmup_steps: int = knob("supervised warm-up steps that make a tiny preset's base policy", least=0)
+    warmup_batch: int = knob("problems per supervised warm-up step", least=1)
+    warmup_lr: float = knob("learning rate of the supervised warm-up", positive=True)
+    warmup_unboxed: float = knob("share of the warm-up's answers written without the box, in [0, 1] "
+                                 "(infra/tasks.py, warmup)",
+                                 least=0.0, most=1.0)
+    eval_every: int = knob("updates between held-out evaluations (0: the base policy only)", least=0)
+    eval_problems: int = knob("held-out problems per evaluation", least=1)
+    eval_samples: int = knob("samples per held-out problem: the k of Pass@k", least=1)
+    save_every: int = knob("updates between checkpoints (0: none)", least=0)
+    seed: int = knob("the run's seed: initialisation, data order, rollouts, projections", least=0)
+
+    # --- where it runs: device, engines, timeouts ---------------------------------------------------
+    device: str = knob("override the preset's device", choices=("cpu", "cuda"))
+    engine: str = knob("rollout engine: the in-process Hugging Face one (tiny preset) or vLLM processes",
+                       choices=("hf", "vllm"))
+    engine_gpus: str = knob("GPUs of a node's vLLM engines, one per training rank of the node (the same on every "
+                            "node)")
+    gpu_memory_utilization: float = knob("share of memory a CPU vLLM engine may take (vLLM's "
+                                         "gpu_memory_utilization; on a GPU the card less the LoGRA state is used), "
+                                         "in (0, 1]", positive=True, most=1.0)
+    engine_timeout: float = knob("seconds an engine may take to start or to answer one command", positive=True)
+    engine_restarts: int = knob("engines that may be restarted in a run after dying or going silent (infra/heal.py)",
+                                least=0)
+    dist_timeout: float = knob("seconds a rank waits for the others in a collective (torch.distributed's timeout; "
+                               "longer than --engine-timeout)", positive=True)
+
+    # --- the task ----------------------------------------------------------------------------------
+    task: str = knob("a chat checkpoint's task: the paper's math, or Reasoning Gym (its 27B long run)",
+                     choices=CHAT_TASKS)
+    train_data: str = knob("DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id",
+                           task="math")
+    eval_data: str = knob("MATH-500-format evaluation data: a local .parquet/.jsonl file or folder, or a hub id",
+                          task="math")
+    gym_tasks: str = knob("with --task reasoning-gym: a mixture (hard: tasks.GYM_HARD) or NAME[:WEIGHT],... of its "
+                          "tasks", task="reasoning-gym")
+    gym_level: int = knob("with --task reasoning-gym: the level of every task's curriculum (0: the easiest)",
+                          least=0, task="reasoning-gym")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Options)}
+KNOBS = tuple(f for f in FIELDS.values() if f.metadata["preset"])  # the preset values a flag overrides
+# The preset keys that are structure, not knobs: no flag sets them.
+STRUCTURE = {
+    "model": "the model's widths, a dict: --model picks the preset, --model-path a checkpoint with its own",
+    "hf_id": "the hub id of a chat preset's checkpoint, the default of --model-path",
+}
 # The widths a local checkpoint's config.json gives (the rank limit, the memory plan).
 MODEL_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
@@ -107,37 +186,86 @@ ENGINE_EXIT_S = 60  # beyond --engine-timeout, how long an engine given up on ma
 MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout", "engine_restarts")
 
 
+
+def configure(argv, presets: dict):
+    """The command line read, resolved against its preset and validated: (args, cfg, world,
+    run_dir). Only what the command line and torchrun's WORLD_SIZE decide is checked here, the
+    same verdict on every rank before the process group exists; check_nodes checks the rest
+    once it does. With --dry-run, world is the planned layout's and run_dir None."""
+    args = parse(argv, presets)
+    cfg = resolve(args, presets)
+    preset = presets[cfg["preset"]]
+    checks = dict(keep=args.keep, resume=args.resume, resume_from=args.resume_from, preset_device=preset["device"],
+                  preset_engine_gpus=preset.get("engine_gpus"), preset_task=preset["task"], wandb=args.wandb)
+    if args.nodes is not None and (not args.dry_run or args.nodes < 1):
+        raise OptionError(f"--nodes {args.nodes}: a number >= 1, with --dry-run (a run takes its layout from "
+                          f"torchrun's --nnodes)")
+    if args.dry_run:
+        layout = planned_layout(args.nodes, cfg)
+        if cfg["task"] in CHAT_TASKS and not cfg["model_path"]:
+            cfg["model_path"] = "(--model-path)"
+        validate(cfg, layout.world, machine=False, **checks)
+        cfg["model"] = read_model_config(cfg)
+        check_model(cfg)
+        launch.check(layout, PAPER_GPUS_PER_NODE if cfg["device"] == "cuda" else None)
+        return args, cfg, layout.world, None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
+    validate(cfg, world, **checks)
+    return args, cfg, world, run_dir
+
+
+def dry_run(cfg: dict, layout, preset_engine_gpus=None, as_json=False) -> dict:
+    """--dry-run: the preset's sharding plan and per-GPU memory plan, trainer and engine
+    (memory_plan.py), and how to launch it, printed; the plan returned."""
+    plan = run_plan(cfg, layout.world)
+    if as_json:
+        print(json.dumps({"preset": cfg["preset"], "layout": layout.record(), **plan}))
+    else:
+        lines = launch_commands(cfg, layout, preset_engine_gpus)
+        print("\n".join([*plan_lines(cfg, plan, layout), *(f"launch: {line}" for line in lines)]))
+    return plan
+
+
+def run_plan(cfg: dict, world: int) -> dict:
+    """The memory plan of this run: its model's shapes, world size, sketch rank and sizes."""
+    return memory_plan.estimate(cfg["model"], world, cfg["sketch_rank"], micro_batch=cfg["micro_batch"],
+                                context=cfg["context"], kl_real_positions=cfg["kl_real_positions"])
+
+
+def plan_lines(cfg: dict, plan: dict, layout) -> list[str]:
+    """What --dry-run prints of a run's plan (memory_plan.describe)."""
+    return memory_plan.describe(
+        plan, preset=cfg["preset"], checkpoint=cfg.get("model_path") or "built from its config",
+        sketch_rank=cfg["sketch_rank"], micro_batch=cfg["micro_batch"], context=cfg["context"],
+        cuda=cfg["device"] == "cuda", layout=layout.describe())
+
+
 def flag(key: str) -> str:
-    return FLAGS.get(key, f"--{key.replace('_', '-')}")
+    """The flag of an option: its `flag=`, or made from its name (kl_start -> --kl-start)."""
+    return FIELDS[key].metadata["flag"] or f"--{key.replace('_', '-')}"
+
+
+def keys_without_flag(presets: dict) -> list[str]:
+    """The preset keys that neither a flag (a knob) nor STRUCTURE names, as "preset: key"."""
+    known = {f.name for f in KNOBS} | set(STRUCTURE)
+    return [f"{name}: {key}" for name, preset in presets.items() for key in preset if key not in known]
 
 
 def parse(argv, presets: dict) -> argparse.Namespace:
-    """The command line: the run's own flags, then every preset value it may override (OPTIONS)."""
+    """The command line, made from Options: the run's own flags, then every preset value it may override."""
     p = argparse.ArgumentParser(prog="train.py", description="LoGRA RL training (see train.py's docstring)")
-    p.add_argument("--model", default="tiny", choices=sorted(presets), help="preset name")
-    p.add_argument("--optimizer", default="logra", choices=["logra", "adam", "lora"],
-                   help="LoGRA, the dense AdamW baseline (Table 1), or LoRA adapters at the same rank (Table 2)")
-    p.add_argument("--run-dir", default=None, help="default: runs/<model>-<optimizer>")
-    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
-    p.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
-                   help="with --resume: continue from this kept checkpoint (checkpoint-N) instead of the latest")
-    p.add_argument("--keep", type=int, default=2, help="checkpoints kept: the newest N (default 2)")
-    p.add_argument("--sync", default="factors", choices=["factors", "full"],
-                   help="LoGRA's bf16 factors + seed (default), or full bf16 weights (the paper's control)")
-    p.add_argument("--model-path", default=None, help="local Hugging Face checkpoint (required for 27b)")
-    p.add_argument("--engine-gpus", default=None,
-                   help="GPUs of a node's vLLM engines, one per training rank of the node (the same on every node)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="build the preset on the meta device, print the sharding plan and memory estimate, exit")
-    p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object with the byte estimates")
-    p.add_argument("--wandb", default=None, metavar="PROJECT",
-                   help="also log every row to this W&B project (pip install wandb; WANDB_MODE=offline without a "
-                        "network); TensorBoard scalars are written whenever tensorboard is installed")
-    p.add_argument("--nodes", type=int, default=None,
-                   help="with --dry-run: plan this many nodes (a run takes its layout from torchrun's --nnodes)")
-    for key, typ, text, choices in OPTIONS:
-        p.add_argument(flag(key), dest=key, type=typ, default=None, choices=choices,
-                       help=f"{text} (default: the preset's)")
+    knobs = p.add_argument_group("preset values", "each overrides the --model preset's value (default: the "
+                                                  "preset's)")
+    for f in FIELDS.values():
+        m, group = f.metadata, knobs if f.metadata["preset"] else p
+        if f.type is bool:  # a knob: --NAME/--no-NAME; a flag of the run: off unless given
+            action = argparse.BooleanOptionalAction if m["preset"] else "store_true"
+            group.add_argument(flag(f.name), dest=f.name, action=action, default=f.default, help=m["help"])
+            continue
+        choices = m["choices"](presets) if callable(m["choices"]) else m["choices"]
+        group.add_argument(flag(f.name), dest=f.name, type=f.type, default=f.default, choices=choices,
+                           metavar=m["metavar"], help=m["help"])
     return p.parse_args(argv)
 
 
@@ -146,24 +274,18 @@ def resolve(args: argparse.Namespace, presets: dict) -> dict:
     cfg = copy.deepcopy(presets[args.model])
     cfg["preset"] = args.model
     cfg["optimizer"] = args.optimizer
-    cfg["sync"] = args.sync
-    if cfg["task"] in CHAT_TASKS:
-        cfg["model_path"] = args.model_path or cfg.pop("hf_id")
-        cfg.pop("hf_id", None)
-        cfg["engine_gpus"] = args.engine_gpus or cfg["engine_gpus"]
-    elif args.engine_gpus:  # the tiny task with vLLM engines on GPUs
-        cfg["engine_gpus"] = args.engine_gpus
-    for key, *_ in OPTIONS:
-        value = getattr(args, key)
+    if cfg["task"] in CHAT_TASKS:  # the preset's task (--task picks the other chat task of the same checkpoint)
+        hf_id = cfg.pop("hf_id", None)
+        cfg["model_path"] = args.model_path or hf_id
+    for f in KNOBS:
+        value = getattr(args, f.name)
         if value is not None:
-            cfg[key] = value
+            cfg[f.name] = value
     # A chat task's own options are kept where they apply, and where the command line gave them
     # (validate refuses those): a math run's configuration holds no gym_*, a gym run's no data.
-    for task, keys in TASK_OPTIONS.items():
-        if cfg["task"] != task:
-            for key in keys:
-                if getattr(args, key) is None:
-                    cfg.pop(key, None)
+    for f in KNOBS:
+        if f.metadata["task"] not in (None, cfg["task"]) and getattr(args, f.name) is None:
+            cfg.pop(f.name, None)
     cfg["micro_batch"] = min(cfg["micro_batch"], cfg["batch"])
     return cfg
 
@@ -205,13 +327,16 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
     `preset_device`, `preset_engine_gpus`, `preset_task`: the preset's own values."""
     engines = launch.parse_gpus(engine_gpus(cfg))
     # --- the numbers -------------------------------------------------------------------------
-    for key, *_ in OPTIONS:  # in the order of --help
-        if key not in cfg:  # an option of another task (--gym-level with the math task: below)
+    for f in KNOBS:  # in the order of --help
+        if f.name not in cfg:  # an option of another task (--gym-level with the math task: below)
             continue
-        if key in LEAST and cfg[key] < LEAST[key]:
-            raise OptionError(f"{flag(key)} {cfg[key]} must be >= {LEAST[key]}")
-        if key in POSITIVE and not (math.isfinite(cfg[key]) and cfg[key] > 0):
-            raise OptionError(f"{flag(key)} {cfg[key]} must be a finite number > 0")
+        key, value, bound = f.name, cfg[f.name], f.metadata
+        if bound["least"] is not None and not value >= bound["least"]:
+            raise OptionError(f"{flag(key)} {value} must be >= {bound['least']}")
+        if bound["positive"] and not (math.isfinite(value) and value > 0):
+            raise OptionError(f"{flag(key)} {value} must be a finite number > 0")
+        if bound["most"] is not None and not value <= bound["most"]:
+            raise OptionError(f"{flag(key)} {value} must be <= {bound['most']}")
     if cfg["seed"] >= 2**63:
         raise OptionError(f"--seed {cfg['seed']} must be below 2**63 (torch generators take 64-bit seeds)")
     if cfg["kl_end"] > cfg["kl_start"]:
@@ -239,10 +364,11 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
         raise OptionError(f"--task {cfg['task']}: preset '{cfg['preset']}' runs the tiny arithmetic task on a model "
                           f"built from its config; the chat tasks need a chat checkpoint's preset (tiny-math, 1.5b, "
                           f"7b, 27b, smollm2-135m)")
-    for task, keys in TASK_OPTIONS.items():
-        given = [flag(k) for k in keys if k in cfg and cfg["task"] != task]
-        if given:
-            raise OptionError(f"{', '.join(given)}: an option of --task {task}, not of this run's task ({cfg['task']})")
+    others = [f for f in KNOBS if f.metadata["task"] not in (None, cfg["task"]) and f.name in cfg]
+    if others:  # those of the first such task, math's before reasoning-gym's
+        task = others[0].metadata["task"]
+        given = [flag(f.name) for f in others if f.metadata["task"] == task]
+        raise OptionError(f"{', '.join(given)}: an option of --task {task}, not of this run's task ({cfg['task']})")
     if cfg["task"] == "reasoning-gym":  # the mixture's form, then its names in the installed package
         try:
             check_gym_tasks(name for name, _ in gym_mixture(cfg["gym_tasks"]))

@@ -1,10 +1,10 @@
 """
-heal.py: a rollout engine that dies is restarted, resynced from the trainer, and what failed is redone.
+infra/heal.py: a rollout engine that dies is restarted, resynced from the trainer, and what failed is redone.
 
 What it is
 ----------
 `Supervisor(start, restarts=N)` holds one trainer process's rollout engine (`start()` makes
-one: engine.VLLMEngine) and has the engine's interface (`generate`, `apply`, `load_full`,
+one: vllm_engine.VLLMEngine) and has the engine's interface (`generate`, `apply`, `load_full`,
 `fingerprint`, `close`), so the training loop does not change. When the engine is lost
 (engine.EngineLost: its process exited, or gave no answer within its timeout, during its
 start, a rollout, an evaluation or a sync), the supervisor kills what is left of it, starts a
@@ -49,7 +49,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine import EngineError, EngineLost
+from infra.engine import EngineError, EngineLost
 
 OK, LOST, FAILED = 0, 1, 2  # one rank's status after an engine operation
 
@@ -203,5 +203,5 @@ _SINK = _Sink()
 
 
 def _first(message: str) -> str:
-    """An engine error's words without the log lines it quotes (engine.py's messages end so)."""
+    """An engine error's words without the log lines it quotes (vllm_engine.py's messages end so)."""
     return (message.splitlines() or [""])[0].split("; last lines of ")[0]

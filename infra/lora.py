@@ -1,5 +1,5 @@
 """
-lora.py: the LoRA baseline of the paper's Table 2 (LoGRA against LoRA, both at rank 256).
+infra/lora.py: the LoRA baseline of the paper's Table 2 (LoGRA against LoRA, both at rank 256).
 
 What it is
 ----------
@@ -45,13 +45,15 @@ import math
 
 import torch
 
+from infra.errors import RunError
+
 # Every model family's target names (sketch.TARGETS, architectures.py's rows): Phi-3's fused
 # qkv_proj and gate_up_proj too; architectures.check_layers lets a model hold only its own row's.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 ADAPTER = "default"
 
 
-class LoraError(ValueError):
+class LoraError(RunError, ValueError):
     """LoRA cannot be set up as asked (peft missing, a bad rank, no target)."""
 
 

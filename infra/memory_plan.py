@@ -1,5 +1,5 @@
 """
-memory_plan.py: what every buffer of a run takes per GPU, from the model's shapes alone.
+infra/memory_plan.py: what every buffer of a run takes per GPU, from the model's shapes alone.
 
 What it is
 ----------

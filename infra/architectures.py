@@ -1,5 +1,5 @@
 """
-architectures.py: the Hugging Face causal LMs that LoGRA trains, by `config.model_type`, and
+infra/architectures.py: the Hugging Face causal LMs that LoGRA trains, by `config.model_type`, and
 how each one's target layers map onto its vLLM engine's.
 
 The paper sketches the seven projections of every decoder layer: attention q, k, v, o and
@@ -32,8 +32,10 @@ import dataclasses
 
 import torch.nn as nn
 
+from infra.errors import RunError
 
-class ArchitectureError(Exception):
+
+class ArchitectureError(RunError):
     """A model the table does not cover; the message is one line that says what to do."""
 
 

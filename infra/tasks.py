@@ -1,5 +1,5 @@
 """
-tasks.py: what the policy is asked and how its answers are graded.
+infra/tasks.py: what the policy is asked and how its answers are graded.
 
 What it is
 ----------
@@ -47,8 +47,10 @@ import random
 
 import torch
 
+from infra.errors import RunError
 
-class TaskError(Exception):
+
+class TaskError(RunError):
     """Missing or malformed task data; the message is one line that says what to do."""
 
 
@@ -402,6 +404,19 @@ class GymTask(ChatTask):
             return 0.0
         return min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
 
+
+
+def chat_task(task: str, model_path: str, *, seed: int, eval_problems: int, train_data=None, eval_data=None,
+              gym_tasks=None, gym_level=0, max_prompt_tokens=None) -> ChatTask:
+    """A chat checkpoint's task: the math task from this node's tokenizer and data files, or
+    Reasoning Gym's problems made from the seed (at most `max_prompt_tokens` a prompt)."""
+    tokenizer = load_tokenizer(model_path)
+    kw = dict(seed=seed, stop_ids=generation_stop_ids(model_path, tokenizer))
+    if task == "reasoning-gym":
+        return GymTask(tokenizer, gym_mixture(gym_tasks), level=gym_level, **kw, heldout=eval_problems,
+                       max_prompt_tokens=max_prompt_tokens)
+    train_set, heldout = load_math_data(train_data, eval_data)
+    return MathTask(tokenizer, train_set, heldout[:eval_problems], **kw)
 
 # -----------------------------------------------------------------------------
 # The tiny task: two-digit additions, and the warm-up that makes its base policy

