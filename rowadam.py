@@ -12,7 +12,7 @@ do not line up; per-row statistics do.
 Use
 ---
 `RowAdam`'s class docstring shows one update end to end (attach, backward, `prepare()`, the
-KL probe, `merge(alpha)`, `discard()`); tests/test_rowadam.py runs that block.
+step multiplier alpha, `merge(alpha)`, `discard()`); tests/test_rowadam.py runs that block.
 
 The math, per target layer, update t (1-based)
 ----------------------------------------------
@@ -209,11 +209,12 @@ class RowAdam:
     into directions U (`directions`), `merge(alpha)` writes `W -= bf16(alpha U) A` into the
     fp32 master weights and moves every layer on to its next projection A.
 
-    One update, given a causal LM `model` with fp32 weights, a batch `ids` (B, T), its
-    `response_mask` (B, T) of generated tokens and a `loss_fn` (train.py: ppo.py's policy loss);
-    tests/test_rowadam.py runs this block on the tiny Qwen2:
+    One update, given a causal LM `model` with fp32 weights, a batch `ids` (B, T), a `loss_fn`
+    (train.py: ppo.py's policy loss) and a `choose_alpha(layers, directions)` that picks the
+    step multiplier (train.py: kl_control.py's probe and solve_alpha, whose Use block shows the
+    calls); tests/test_rowadam.py runs this block on the tiny Qwen2:
 
-        import kl_control, sketch
+        import sketch
         from rowadam import RowAdam
 
         layers = sketch.attach(model, rank=8, seed=0)  # S and A on every target nn.Linear
@@ -221,11 +222,10 @@ class RowAdam:
         loss_fn(model, ids).backward()                 # into the sketches S = G A^T, no weight gradient
         opt.prepare()                                  # U = c D per layer in opt.directions; nothing changed
         try:
-            kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, response_mask)
+            alpha = choose_alpha(layers, opt.directions)
         except Exception:
             opt.discard()                              # abandon the update: weights, moments, counter as they were
             raise
-        alpha = kl_control.solve_alpha(kl1, budget=kl_control.kl_budget(opt.update))
         factors = opt.merge(alpha)                     # W -= F A, F = bf16(alpha U); S zeroed; A_t -> A_{t+1}
 
     `factors` (this process's rows of each layer's F) is what sync.py sends to the rollout

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+import kl_control
 import rowadam
 import sketch
 from distributed import run_gloo
@@ -103,6 +104,14 @@ def docstring_block(doc):
     return textwrap.dedent("\n".join(lines[start:end]))
 
 
+def kl_probe_alpha(model, ids, mask):
+    """The block's `choose_alpha`, as train.py chooses alpha: the KL probe, then solve_alpha."""
+    def choose_alpha(layers, directions):
+        kl1 = kl_control.predict_kl(model, layers, directions, ids, mask)
+        return kl_control.solve_alpha(kl1, budget=kl_control.kl_budget(0))
+    return choose_alpha
+
+
 def test_the_class_docstring_runs():
     """RowAdam's docstring block, run on the tiny Qwen2: it merges W - F A_0, with F the factors
     it returns and A_0 drawn again from the seed rule (dense, float64), and counts one update.
@@ -114,7 +123,7 @@ def test_the_class_docstring_runs():
     mask[:, 5:] = 1  # the last 4 tokens of each sequence are "generated"
     model = tiny_qwen2()
     before = {n: m.weight.detach().clone() for n, m in sketch.target_modules(model).items()}
-    run = dict(model=model, ids=ids, response_mask=mask, loss_fn=lm_loss)
+    run = dict(model=model, ids=ids, loss_fn=lm_loss, choose_alpha=kl_probe_alpha(model, ids, mask))
     exec(block, run)
     assert run["opt"].update == 1 and 0 < run["alpha"] <= 3.0
     for (name, m), f in zip(sketch.target_modules(model).items(), run["factors"]):
@@ -126,7 +135,8 @@ def test_the_class_docstring_runs():
         assert not torch.equal(w, w0), name
 
     model = tiny_qwen2()
-    run = dict(model=model, ids=ids, response_mask=torch.zeros_like(ids), loss_fn=lm_loss)
+    no_tokens = torch.zeros_like(ids)
+    run = dict(model=model, ids=ids, loss_fn=lm_loss, choose_alpha=kl_probe_alpha(model, ids, no_tokens))
     with pytest.raises(ValueError, match="no generated token"):
         exec(block, run)
     opt = run["opt"]
