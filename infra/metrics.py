@@ -244,8 +244,9 @@ def global_sums(sums, maxima=(), *, device) -> tuple[list[float], list[float]]:
     never as an average of averages. The same code with one process."""
     totals = torch.tensor(list(sums), dtype=torch.float64, device=device)
     peaks = torch.tensor(list(maxima), dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(totals)
+    if dist.is_initialized():  # every rank passes as many of each: the same collectives run everywhere
+        if len(sums):
+            dist.all_reduce(totals)
         if len(maxima):
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     return totals.tolist(), peaks.tolist()
