@@ -61,6 +61,7 @@ import copy
 import hashlib
 import math
 import os
+import signal
 import sys
 
 import torch
@@ -73,7 +74,7 @@ import sketch
 import sync
 from infra import checkpoint, launch, lifecycle, lora, metrics, options, policy, tasks, vllm_engine
 from infra.engine import HFEngine
-from infra.errors import RunError
+from infra.errors import RunError, os_advice, os_cause
 
 
 # -----------------------------------------------------------------------------
@@ -166,8 +167,9 @@ PRESETS = {
 
 def main(argv=None):
     """train.py's one exit for a stop that a module raised (infra/errors.py): a refusal (exit
-    2) or an engine lost beyond healing (exit 1), as one line on stderr; once per node when
-    every rank raised it."""
+    2), an engine lost beyond healing (exit 1) or a stop on a signal (exit 75), as one line on
+    stderr; once per node when every rank raised it. A second Ctrl-C (KeyboardInterrupt) and
+    a file-system error that no module words (an OSError) end in one line too."""
     try:
         return run(argv)
     except RunError as e:
@@ -176,6 +178,16 @@ def main(argv=None):
         if dist.is_initialized():  # every rank stops here together (the refusal was agreed)
             dist.destroy_process_group()
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # launch.Preemption: a second SIGINT, a second or more after the first
+        for s in (signal.SIGINT, signal.SIGTERM):  # stopping: nothing further changes the exit status
+            signal.signal(s, signal.SIG_IGN)
+        print(f"train.py: stopped: a second SIGINT: stopped at once, without a checkpoint of the updates since the "
+              f"newest one; run the same command again to continue from it (exit {launch.REQUEUE_EXIT})",
+              file=sys.stderr)
+        sys.exit(launch.REQUEUE_EXIT)
+    except OSError as e:  # a write no module expected to fail (a full or read-only file system)
+        print(f"train.py: error: {os_cause(e)}: {os_advice(e)}, then run the same command again", file=sys.stderr)
+        sys.exit(2)
 
 
 def run(argv=None):
@@ -428,9 +440,17 @@ def start_run(args, cfg, world, run_dir) -> lifecycle.Run:
     its engine, the optimizer, the baseline and mismatch estimate, a resume, the engine's
     weights made the trainer's: everything the loop needs."""
     opened = lifecycle.open_run(cfg, world, run_dir, args.resume, args.resume_from)
+    try:
+        return _start_run(args, cfg, world, run_dir, opened)
+    except BaseException:
+        opened.release()  # the directory let go now (a refusal before commit: as it was found)
+        raise
+
+
+def _start_run(args, cfg, world, run_dir, opened) -> lifecycle.Run:
     rank, log = opened.rank, opened.log
     # --- the task, the policy (fp32 master weights, FSDP2-sharded), its rollout engine -------
-    task, model, engine = setup(cfg, opened.layout, rank, opened.device, run_dir, log)
+    task, model, engine = setup(cfg, opened, run_dir)
     atexit.register(engine.close)  # also when the run stops on an error: no engine process is left
     opt, layers = policy.make_optimizer(model, cfg["optimizer"], sketch_rank=cfg["sketch_rank"], seed=cfg["seed"],
                                         update_ratio=cfg["update_ratio"], adam_lr=cfg["adam_lr"],
@@ -441,7 +461,9 @@ def start_run(args, cfg, world, run_dir) -> lifecycle.Run:
         r.start = r.saved = launch.agreed(checkpoint.load_run_state, opened.resume, model, opt, r.logra, r.baseline,
                                           r.mismatch, opened.layout)
         if rank == 0:
-            checkpoint.truncate_rows(r.metrics_path, r.start)
+            torn = checkpoint.truncate_rows(r.metrics_path, r.start)
+            if torn:
+                log(torn)
         moved = launch.layout_change(checkpoint.read_manifest(opened.resume)[0], opened.layout)
         log(f"{'resumed' if args.resume else 'continued'} {run_dir} at update {r.start} "
             f"({os.path.basename(opened.resume)}, verified{'; ' + moved if moved else ''})"
@@ -451,13 +473,18 @@ def start_run(args, cfg, world, run_dir) -> lifecycle.Run:
         atexit.register(r.metrics_log.close)
     start_engine_weights(engine, model, sketch.target_modules(model), cfg, r.start)
     r.stop_if_signalled(r.start)  # a signal during the set-up: stop before the base evaluation
+    opened.preemption.setup = False  # from here a signal stops at the next update, saved
     return r
 
 
-def setup(cfg, layout, rank, device, run_dir, log):
+def setup(cfg, opened, run_dir):
     """(task, model, engine). A chat task: its tokenizer and data (each node's own, a refusal
     agreed), the checkpoint loaded once and sharded, vLLM engines. The tiny task: the model
-    built and warmed up, the in-process HF engine (or vLLM's CPU build, on a saved copy)."""
+    built and warmed up, the in-process HF engine (or vLLM's CPU build, on a saved copy).
+    The run directory becomes the run's (opened.commit) once the inputs are read: a refusal
+    about a data file, the tokenizer or the model leaves it as it was."""
+    layout, rank, device, log = opened.layout, opened.rank, opened.device, opened.log
+
     def start_vllm(**kw):  # on GPUs vLLM gets what LoGRA's engine state leaves there (the memory plan)
         plan = options.run_plan(cfg, layout.world)
         return vllm_engine.start_engine(
@@ -465,7 +492,8 @@ def setup(cfg, layout, rank, device, run_dir, log):
             device=device, run_dir=run_dir, timeout=cfg["engine_timeout"], restarts=cfg["engine_restarts"], log=log,
             gpu_memory_utilization=cfg.get("gpu_memory_utilization"), reserve_bytes=plan["engine_reserve_bytes"],
             residual_on_host=plan["engine_residual_on_host"], progress=lambda: metrics.Progress(
-                int(cfg["engine_timeout"]), "engine: seconds of vLLM's start, of at most", enabled=rank == 0), **kw)
+                int(cfg["engine_timeout"]), "engine: seconds of vLLM's start, of at most", enabled=rank == 0,
+                interrupt=lambda: opened.preemption.check("the engine's start")), **kw)
 
     if cfg["task"] in tasks.CHAT_TASKS:
         task = launch.agreed(tasks.chat_task, cfg["task"], cfg["model_path"], seed=cfg["seed"],
@@ -475,9 +503,12 @@ def setup(cfg, layout, rank, device, run_dir, log):
         model = policy.load_pretrained_sharded(cfg["model_path"], cfg["optimizer"], device, layout.world, rank,
                                                sketch_rank=cfg["sketch_rank"], lora_alpha=cfg["lora_alpha"],
                                                seed=cfg["seed"])
+        opened.commit()
         return task, model, start_vllm(model_path=cfg["model_path"], stop_ids=task.stop_ids)
     task = tasks.Arithmetic(cfg["seed"], cfg["eval_problems"])
-    model = policy.tiny_policy(cfg, task, run_dir, rank=rank, world=layout.world, device=device, log=log)
+    model = policy.tiny_policy(cfg, task, run_dir, rank=rank, world=layout.world, device=device, log=log,
+                               interrupt=lambda: opened.preemption.check("the base policy's warm-up"))
+    opened.commit()
     engine = None
     engine_model = os.path.join(run_dir, "engine-model")
     if cfg["engine"] == "vllm":  # vLLM loads a checkpoint folder (its weights are then resynced)

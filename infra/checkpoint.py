@@ -22,7 +22,7 @@ in one process (no process group) and on N ranks.
 The API: `save(run_dir, state, update, rank=, world=, keep=, layout=)`, `resume_path(run_dir,
 resume_from, rank=, world=)` (the verified checkpoint to load, or CheckpointError), `load(path,
 state)` (fills the template `state` in place), `truncate_rows(path, update)` (a resume's
-metrics log rewound to its checkpoint) and `write_atomic(path, data)`. Errors are
+metrics log rewound to its checkpoint, a torn last line dropped) and `write_atomic(path, data)`. Errors are
 `CheckpointError`, whose message is one line that says what to do.
 
 Order of a save, and why it is safe
@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import launch
-from infra.errors import RunError
+from infra.errors import RunError, os_advice, os_cause
 
 PROJECT_VERSION = "0.1.0"  # pyproject.toml's version: every manifest records it, a resume requires it
 HASH_CHUNK_BYTES = 16 * 2**20  # files are hashed through one reused 16 MiB buffer, never read whole
@@ -103,7 +103,7 @@ def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep:
             raise
         r, exc = writes[0]
         raise _save_failed(run_dir, name, rank, f"rank {r} writing {_last_written(path, r, world, exc)}: "
-                                                f"{_words(exc)}") from None
+                                                f"{_words(exc)}", exc) from None
     # dcp.save returns on every rank once every rank's files and rank 0's .metadata are written.
     mine = {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": file_sha256(os.path.join(path, f)),
                 "rank": rank} for f in sorted(os.listdir(path)) if file_rank(f, world) == rank}
@@ -111,18 +111,19 @@ def save(run_dir: str, state: dict, update: int, *, rank: int, world: int, keep:
     if dist.is_initialized():
         everyone = [None] * world if rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)
-    problem = None
+    problem, cause = None, None
     if rank == 0:
         try:
             _commit(run_dir, name, update, world, layout, everyone)
         except Exception as e:  # the manifest or the pointer could not be written: nothing was renamed
-            problem = f"rank 0 writing {getattr(e, 'filename', None) or name}: {_words(e)}"
+            problem, cause = f"rank 0 writing {getattr(e, 'filename', None) or name}: {_words(e)}", e
     if dist.is_initialized():  # the others learn rank 0's outcome, so that none trains on alone
-        box = [problem]
+        box = [problem, cause.errno if isinstance(cause, OSError) else None]
         dist.broadcast_object_list(box, src=0)
         problem = box[0]
+        cause = OSError(box[1], "") if box[1] is not None else None
     if problem is not None:
-        raise _save_failed(run_dir, name, rank, problem)
+        raise _save_failed(run_dir, name, rank, problem, cause)
     if rank != 0:
         return
     # Kept: this checkpoint and the keep - 1 newest before it. Newer ones than this exist only
@@ -159,9 +160,10 @@ def _commit(run_dir, name, update, world, layout, everyone):
     _fsync_folder(run_dir)
 
 
-def _save_failed(run_dir, name, rank, what) -> "CheckpointError":
+def _save_failed(run_dir, name, rank, what, cause=None) -> "CheckpointError":
     """The error of a save that could not be written, after rank 0 removed what it left (the
-    previous checkpoint and `latest` were never touched): one line, with the free space."""
+    previous checkpoint and `latest` were never touched): one line, with the free space, and
+    advice for the cause (`cause`: the OSError, when there is one)."""
     previous = read_pointer(run_dir, checkpoints(run_dir))[0] if os.path.exists(os.path.join(run_dir, "latest")) \
         else None
     if rank == 0 and previous != name:  # (a failure after both renames leaves it in charge: it stays)
@@ -171,8 +173,9 @@ def _save_failed(run_dir, name, rank, what) -> "CheckpointError":
     except OSError:
         free = "free space unknown"
     kept = f"{previous} and latest are as they were" if previous else "no earlier checkpoint exists"
-    error = CheckpointError(f"saving {name} failed ({what}); {free} on the file system of {run_dir}; {kept}: free "
-                            f"some space, then run the same command again to continue")
+    advice = os_advice(cause) if isinstance(cause, OSError) else "free some space"
+    error = CheckpointError(f"saving {name} failed ({what}); {free} on the file system of {run_dir}; {kept}: "
+                            f"{advice}, then run the same command again to continue")
     error.agreed = True  # every rank raises it (train.py prints it once per node)
     return error
 
@@ -211,13 +214,22 @@ def remove(path: str):
 # -----------------------------------------------------------------------------
 # Resume: verify, then load
 
-def resume_path(run_dir: str, resume_from, *, rank: int, world: int) -> str:
+def resume_path(run_dir: str, resume_from, *, rank: int, world: int, option: str = None) -> str:
     """The path of the checkpoint to resume, verified on every rank before anything is loaded:
-    the one `latest` names, or `resume_from` (a kept `checkpoint-N`). One that does not verify
-    raises CheckpointError naming the file at fault and the newest other checkpoint that
-    verifies, with the arguments that resume from it (departure 1)."""
+    the one `latest` names, or `resume_from` (a kept `checkpoint-N`), or, when `latest` is
+    missing, the newest checkpoint that verifies (the one `latest` named, as a save writes the
+    manifest just before the pointer: the caller says so in its log). One that does not
+    verify raises CheckpointError naming the file at fault and the newest other checkpoint
+    that verifies, with the arguments that resume from it (departure 1). `option`: how the
+    command named the directory, for the message (default "--resume RUN_DIR")."""
+    option = option or f"--resume {run_dir}"
     kept = checkpoints(run_dir)
-    if resume_from:
+    if not resume_from and not os.path.lexists(os.path.join(run_dir, "latest")):
+        good = next((c for c in kept if check_checkpoint(run_dir, c, rank, world) is None), None)
+        if good:
+            return os.path.join(run_dir, good)
+        name, problem = None, "latest is missing and no checkpoint verifies"
+    elif resume_from:
         name, problem = resume_from, None if resume_from in kept else f"{run_dir} holds no {resume_from}"
     else:
         name, problem = read_pointer(run_dir, kept)
@@ -227,11 +239,13 @@ def resume_path(run_dir: str, resume_from, *, rank: int, world: int) -> str:
         return os.path.join(run_dir, name)
     others = [c for c in kept if c != name]
     good = next((c for c in others if check_checkpoint(run_dir, c, rank, world) is None), None)
+    fresh = f"remove it to start anew (rm -r {run_dir}), or pass another --run-dir"
     if good:
         advice = f"{good} verifies: resume from it with --resume {run_dir} --resume-from {good}"
     else:
-        advice = "no other checkpoint verifies" if others else "no other checkpoint is kept (see --keep)"
-    raise CheckpointError(f"--resume {run_dir}: {problem}; {advice}")
+        advice = (f"no other checkpoint verifies" if others else "no other checkpoint is kept (see --keep)") + \
+            f": nothing here can be continued; {fresh}"
+    raise CheckpointError(f"{option}: {problem}; {advice}")
 
 
 def load(path: str, state: dict):
@@ -364,28 +378,71 @@ def stage(path: str, data: bytes) -> str:
     """Write `data` to a temporary file next to `path` and onto the disk (fsync); return the
     temporary name. os.replace(it, path) then puts the file in place whole or not at all."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:  # a full disk, a signal: no temporary file is left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError) and not e.filename:  # a failed write or fsync names no file: this one
+            e.filename = tmp
+        raise
     return tmp
 
 
 def write_atomic(path: str, data: bytes):
-    """`path` holds `data` whole, or what it held before: staged, renamed, the rename on disk."""
-    os.replace(stage(path, data), path)
+    """`path` holds `data` whole, or what it held before: staged, renamed, the rename on disk.
+    Raises the OSError of a write that failed, having removed its temporary file."""
+    tmp = stage(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     _fsync_folder(os.path.dirname(os.path.abspath(path)))
 
 
 def truncate_rows(path: str, update: int):
     """On a resume from `update`: keep the rows of a JSON-lines log (metrics.jsonl) up to it,
     so that the updates run again (after the checkpoint, before the stop) are not logged
-    twice. Written atomically."""
+    twice. Written atomically. A torn last line (a power loss or a full disk during an append:
+    no newline, or not JSON) is dropped and said in the returned note; a damaged line before
+    the last is refused, naming it. Returns the note, or None."""
     if not os.path.exists(path):
-        return
-    with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["update"] <= update]
-    write_atomic(path, "".join(rows).encode())
+        return None
+    try:
+        with open(path, "rb") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({os_cause(e)})") from None
+    rows, note = [], None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line) if line.endswith(b"\n") else None
+            number = row["update"] if isinstance(row, dict) else None
+        except (ValueError, KeyError, TypeError):
+            number = None
+        if not isinstance(number, int):
+            if i == len(lines):  # what an append cut short leaves
+                note = f"dropped the torn last line of {path} (line {i}, {len(line)} bytes)"
+                continue
+            raise CheckpointError(f"{path} line {i} is not a metrics row (damaged): repair or remove that line, "
+                                  f"then run the same command again")
+        if number <= update:
+            rows.append(line)
+    if note is None and len(rows) == sum(1 for line in lines if line.strip()):
+        return None  # nothing to rewind: the file is left as it is
+    try:
+        write_atomic(path, b"".join(rows))
+    except OSError as e:
+        raise CheckpointError(f"rewinding {path} to update {update} failed ({os_cause(e)}): {os_advice(e)}, then "
+                              f"run the same command again") from None
+    return note
 
 
 

@@ -40,7 +40,10 @@ Preemption and restarts
 A scheduler stops a job with SIGTERM and kills it a grace period later; torchrun forwards
 SIGTERM and SIGINT to every rank. `Preemption` turns the first such signal into a flag that
 the ranks check together (`agreed()`, at the same points of every update, one all_reduce), so
-that every rank stops at the same update; a second SIGINT (Ctrl-C) stops the process at once.
+that every rank stops at the same update; a second SIGINT (Ctrl-C, a second or more after the
+first) stops the process at once. During the set-up (a warm-up, an engine's start), where
+nothing is trained yet, the first signal stops the process within a second, nothing to save.
+Once a stop has begun, further signals are ignored: the exit status stays 75.
 `REQUEUE_EXIT` (75, EX_TEMPFAIL of sysexits.h: "try again later") is the status of a run that
 stopped so, with its state saved: run the same command again (a wrapper, or Slurm's
 `--requeue`). torchrun gives its ranks `--shutdown-timeout` seconds (default 30) after
@@ -65,6 +68,7 @@ import pickle
 import secrets
 import signal
 import socket
+import threading
 import time
 
 import torch.distributed as dist
@@ -277,27 +281,64 @@ def check_restarts(environ):
                           "\"Runs that heal\")")
 
 
+class Stopped(RunError):
+    """A stop on SIGTERM or SIGINT with nothing lost (exit 75): in the set-up, before any
+    update of this process (Preemption.check), or on a second Ctrl-C."""
+
+    exit_code = REQUEUE_EXIT
+    label = "stopped"
+
+
 class Preemption:
     """SIGTERM and SIGINT turned into a stop that every rank agrees on (the module docstring,
     "Preemption and restarts"). Made in the main thread; `restore()` puts back the handlers.
 
+    The loop asks `agreed()` at its stop points. Set-up work that can last (a warm-up, an
+    engine's start) asks `check(what)`, which stops at once with `Stopped` while `setup` is
+    True: nothing has been trained yet, so there is nothing to save. `hold()` makes every
+    further signal a no-op: a process that is already stopping keeps its exit status (75)
+    whatever arrives during its teardown.
+
     A second SIGINT to this process, a second or more after its first signal, stops it at once
-    (KeyboardInterrupt): a user's second Ctrl-C. Other repeats are ignored: a scheduler may
-    deliver its SIGTERM to a rank directly and through torchrun, and a rank that learnt of
+    (KeyboardInterrupt; train.py exits 75, the newest checkpoint standing): a user's second
+    Ctrl-C. Other repeats are ignored: a scheduler may deliver its SIGTERM to a rank directly
+    and through torchrun, a terminal's Ctrl-C reaches torchrun and its ranks alike (so a
+    second SIGINT within a second is taken for the same one), and a rank that learnt of
     another rank's signal has received none itself."""
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.received = None  # the first signal's name (or that another rank had one)
+        self.setup = True  # before the first update: check() may stop at once
         self._own = None  # when this process received its first signal
+        self._held = False
         self._previous = {s: signal.signal(s, self._handle) for s in signals}
 
     def _handle(self, signum, frame):
+        if self._held:
+            return
         if self._own is None:
             self._own = time.monotonic()
             self.received = signal.Signals(signum).name
         elif signum == signal.SIGINT and time.monotonic() - self._own >= 1.0:
-            self.restore()
+            self._held = True
             raise KeyboardInterrupt("a second SIGINT: stopping at once")
+
+    def check(self, what: str):
+        """Stop at once (`Stopped`, exit 75) if a signal has arrived during the set-up."""
+        if self.received is not None and self.setup and not self._held:
+            self.hold()
+            raise Stopped(f"stopped on {self.received} during {what}, before any update: nothing to save; run the "
+                          f"same command again to continue (exit {REQUEUE_EXIT})")
+
+    def hold(self):
+        """From now on every SIGTERM and SIGINT is ignored: the process is stopping. SIG_IGN
+        itself, not a handler that ignores: Python's finalization puts the default action
+        back for signals that have a Python handler (a signal then would end the process with
+        128 + its number), but leaves an ignored signal ignored."""
+        self._held = True
+        if threading.current_thread() is threading.main_thread():
+            for s in self._previous:
+                signal.signal(s, signal.SIG_IGN)
 
     def agreed(self) -> bool:
         """Whether any rank has received a signal; every rank must call it at the same point."""

@@ -3,12 +3,23 @@ infra/memory_plan.py: what every buffer of a run takes per GPU, from the model's
 
 What it is
 ----------
-`estimate(model_cfg, world, sketch_rank, ...)` builds the Qwen2 model of `model_cfg` on the
-meta device (no memory, no GPU) and counts, per training GPU under `world`-way FSDP2 and per
+`estimate(model_cfg, world, sketch_rank, ...)` builds the model of `model_cfg` on the meta
+device (no memory, no GPU) and counts, per training GPU under `world`-way FSDP2 and per
 engine GPU, the bytes of every persistent buffer and of the largest transient of each phase
 of the optimizer step, for LoGRA and for dense AdamW. `describe(plan, ...)` turns the counts
 into the lines `python train.py --model 7b --dry-run` prints. The counts are checked against
 measured allocations in bench/memory_check.py and tests/test_train_paper_path.py (to 5%).
+
+Where the model's config comes from
+-----------------------------------
+`model_cfg` is a plain dict, made into its family's config as `from_pretrained` makes a
+checkpoint's: every entry given, transformers' defaults for the rest, Qwen2 when it names no
+`model_type`. A run with a local checkpoint (`--model-path DIR`) passes the whole of DIR's
+config.json (options.run_plan, options.checkpoint_config), so that the plan's model is the
+checkpoint's own: its family, widths, biases and token ids (a Phi-3 of 300 tokens whose
+config.json says pad_token_id 0 is not rebuilt with Phi3Config's default, 32000, which no
+300-row embedding can hold). A run without one (a hub id, the 1.5b/7b/27b presets' built-in
+widths, the tiny presets) passes its preset's widths, train.PRESETS[name]["model"].
 
 The paper's Table 1 (arXiv:2610.06647) reports whole-run averages per GPU (7B: 31.82 GiB for
 dense Adam, 17.29 GiB for LoGRA); this plan counts the state and the step's transients from
@@ -44,6 +55,7 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     """Per-GPU bytes of a run under `world`-way FSDP2 at sketch rank `sketch_rank`, from the
     shapes, for training process 0 (it holds the largest shard). `probe_forward_tokens`: the
     tokens of the KL probe's forward pass (the paper's 2 responses of up to 4096 tokens).
+    `model_cfg`: a checkpoint's whole config.json, or a preset's widths (the module docstring).
 
     Trainer, persistent: fp32 weight shards; AdamW's fp32 gradient and two moments per target
     row held; LoGRA's row shards of S, U (n, r) and v (n,), and the int8 signs of A (r, k).
@@ -61,10 +73,14 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    # The model's own family (its targets' shapes: Phi-3's are fused), Qwen2 without a model_type.
-    widths = {k: v for k, v in model_cfg.items() if k != "model_type"}
+    # The model's own family (its targets' shapes: Phi-3's are fused), Qwen2 without a
+    # model_type; every entry of model_cfg, as from_pretrained would read a config.json. The
+    # widths below are the config's, so that an entry left out takes the family's default in
+    # the counts as it does in the model.
+    entries = {k: v for k, v in model_cfg.items() if k != "model_type"}
+    config = AutoConfig.for_model(model_cfg.get("model_type", "qwen2"), **entries)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_cfg.get("model_type", "qwen2"), **widths))
+        model = AutoModelForCausalLM.from_config(config)
     r = sketch_rank
     ceil = lambda n: -(-n // world)  # noqa: E731  (rows of process 0: FSDP2 chunks dim 0)
     params = list(model.parameters())
@@ -72,9 +88,9 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     weights = 4 * sum(ceil(p.shape[0]) * (p.numel() // p.shape[0]) for p in params)
     shapes = [m.weight.shape for m in sketch.target_modules(model).values()]
     targets = sum(d * k for d, k in shapes)
-    layers = model_cfg["num_hidden_layers"]
-    h, inter, vocab = model_cfg["hidden_size"], model_cfg["intermediate_size"], model_cfg.get("vocab_size", 151936)
-    kv = model_cfg["num_key_value_heads"] * (model_cfg.get("head_dim") or h // model_cfg["num_attention_heads"])
+    layers = config.num_hidden_layers
+    h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * (getattr(config, "head_dim", None) or h // config.num_attention_heads)
     target_rows = sum(ceil(d) * k for d, k in shapes)  # target weight entries held by process 0
     n_sum = sum(ceil(d) for d, _ in shapes)  # rows of S, U, v held by process 0
     d_max, k_max = max(d for d, _ in shapes), max(k for _, k in shapes)

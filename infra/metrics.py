@@ -29,10 +29,18 @@ import os
 import resource
 import secrets
 import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
+
+from infra.errors import RunError, os_advice, os_cause
+
+
+class MetricsError(RunError):
+    """The run's log cannot be written (a full or read-only file system): one line, the path
+    and the cause."""
 
 
 def strict(row: dict) -> dict:
@@ -41,9 +49,22 @@ def strict(row: dict) -> dict:
 
 
 def append(path: str, row: dict, *, first: bool = False):
-    """One row at the end of the log, strict JSON; `first` starts the log anew (a run's update 0)."""
-    with open(path, "w" if first else "a") as f:
-        f.write(json.dumps(strict(row), allow_nan=False) + "\n")
+    """One row at the end of the log, strict JSON; `first` starts the log anew (a run's update 0).
+    A write that fails (a full disk) is cut back to the rows before it, then raises: the log
+    never keeps a torn line that this process wrote (a power loss can leave one; a resume
+    drops it, checkpoint.truncate_rows)."""
+    line = (json.dumps(strict(row), allow_nan=False) + "\n").encode()
+    with open(path, "wb" if first else "ab") as f:
+        size = f.tell()
+        try:
+            f.write(line)
+            f.flush()
+        except OSError:
+            try:
+                f.truncate(size)
+            except OSError:
+                pass
+            raise
 
 
 def read(path: str) -> list[dict]:
@@ -139,11 +160,15 @@ class Log:
     from (TensorBoard's later events are purged). Made on rank 0 only."""
 
     def __init__(self, run_dir: str, *, start: int, config: dict, wandb_project=None):
-        self.path, self.tb, self.wandb = os.path.join(run_dir, "metrics.jsonl"), None, None
+        self.path, self.tb, self.wandb, self.failed = os.path.join(run_dir, "metrics.jsonl"), None, None, False
         if importlib.util.find_spec("tensorboard") is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start + 1 if start else None)
+            _quiet_tensorboard_thread()
+            try:
+                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start + 1 if start else None)
+            except OSError as e:
+                raise MetricsError(f"TensorBoard's events cannot be written ({os_cause(e)}): {os_advice(e)}") from None
         if wandb_project:
             import wandb
 
@@ -157,6 +182,16 @@ class Log:
                                     name=os.path.basename(os.path.abspath(run_dir)))
 
     def append(self, row: dict, *, first: bool = False):
+        """The row in metrics.jsonl, TensorBoard and W&B; MetricsError (one line) when a file
+        cannot be written."""
+        try:
+            self._append(row, first)
+        except OSError as e:
+            self.failed = True
+            raise MetricsError(f"the run's metrics cannot be written ({os_cause(e, self.path)}): {os_advice(e)}; "
+                               f"the newest checkpoint stands: run the same command again to continue") from None
+
+    def _append(self, row, first):
         append(self.path, row, first=first)
         scalars = {k: float(v) for k, v in strict(row).items()
                    if k != "update" and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -170,10 +205,34 @@ class Log:
             self.wandb.log(scalars, step=row["update"])
 
     def close(self):
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        """TensorBoard's and W&B's files closed. After a write failed (already reported) a
+        failing close is silent; a first failure here is one line on stderr, not a traceback
+        (it runs at exit)."""
+        try:
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+        except OSError as e:
+            if not self.failed:
+                print(f"train.py: warning: TensorBoard's events could not be closed ({os_cause(e)})", file=sys.stderr)
+
+
+def _quiet_tensorboard_thread():
+    """TensorBoard writes its events in a thread, which prints its own traceback when a write
+    fails (a full disk) before the next flush raises the same error in the main thread, where
+    Log turns it into one line. The thread's print is dropped; every other thread's error is
+    printed as before."""
+    hook = threading.excepthook
+    if getattr(hook, "logra_quiet", False):
+        return
+
+    def quiet(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        hook(args)
+    quiet.logra_quiet = True
+    threading.excepthook = quiet
 
 
 # -----------------------------------------------------------------------------
@@ -182,10 +241,13 @@ class Log:
 class Progress:
     """`Progress(total, what)`; `update(n=1)`; `close()`. On a terminal, tqdm's bar with the
     time left; otherwise a plain line (`what: 1200/3000 (40%), 31 s, about 47 s left`) at most
-    every `every` seconds, and one at the end. `enabled=False` (a rank other than 0) is silent."""
+    every `every` seconds, and one at the end. `enabled=False` (a rank other than 0) is silent.
+    `interrupt`: a callable run at every update, which may raise to end the wait (a signal's
+    stop, launch.Preemption.check)."""
 
-    def __init__(self, total: int, what: str, *, every: float = 30.0, enabled: bool = True):
+    def __init__(self, total: int, what: str, *, every: float = 30.0, enabled: bool = True, interrupt=None):
         self.total, self.what, self.every, self.done, self.bar = total, what, every, 0, None
+        self.interrupt = interrupt  # called at every update, so that a stop can be taken there
         self.enabled, self.t0, self.last = enabled, time.monotonic(), time.monotonic()
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
@@ -193,6 +255,8 @@ class Progress:
             self.bar = tqdm(total=total, desc=what, leave=False, dynamic_ncols=True)
 
     def update(self, n: int = 1):
+        if self.interrupt is not None:
+            self.interrupt()
         self.done += n
         if self.bar is not None:
             self.bar.update(n)

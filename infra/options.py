@@ -33,11 +33,13 @@ same verdict before the process group exists. What reads files, which may
 differ from node to node, is checked once the group exists, with the verdict agreed by every
 rank (launch.agreed): `check_nodes` runs them all, on every rank: the layout against each
 node's GPUs, `read_model_config` (a local checkpoint's widths) with `check_model`, one
-configuration everywhere, the shared run directory and `check_run_dir` (what it holds).
+configuration everywhere, the shared run directory (what it holds is run_dir.py's). The
+configuration records the checkpoint's widths; the memory plan (`run_plan`) builds its model
+from the checkpoint's whole config.json (`checkpoint_config`), as the run loads it.
 
 The checks, in order: the numbers (each knob's bound, in the order of `Options`), what a preset
 needs, this machine and how the run was started, how the batch splits across ranks; then, with
-files: the model's widths, the run directory (only read: a refused resume changes nothing in it).
+files: the model's widths, the run directory shared by every node.
 """
 
 import argparse
@@ -96,7 +98,8 @@ class Options:
     json: bool = own(False, "with --dry-run: one JSON object with the byte estimates")
     wandb: str = own(None, "also log every row to this W&B project (pip install wandb; WANDB_MODE=offline without a "
                      "network); TensorBoard scalars are written whenever tensorboard is installed", metavar="PROJECT")
-    nodes: int = own(None, "with --dry-run: plan this many nodes (a run takes its layout from torchrun's --nnodes)")
+    nodes: int = own(None, "with --dry-run: plan this many nodes (default: WORLD_SIZE / LOCAL_WORLD_SIZE under "
+                     "torchrun, else 1; a run takes its layout from torchrun's --nnodes)")
 
     # --- the update: sketches, RowAdam, the KL budget, the baselines --------------------------------
     sketch_rank: int = knob("sketch rank r", flag="--rank", least=1)
@@ -181,9 +184,6 @@ MODEL_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_laye
               "rope_theta", "rms_norm_eps")
 PAPER_GPUS_PER_NODE = 8  # the node --dry-run plans for
 ENGINE_EXIT_S = 60  # beyond --engine-timeout, how long an engine given up on may take to be killed and reported
-# What a resume may change: where its ranks and engines run, how long a wait may last, how
-# many engine restarts it allows.
-MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout", "engine_restarts")
 
 
 
@@ -191,7 +191,8 @@ def configure(argv, presets: dict):
     """The command line read, resolved against its preset and validated: (args, cfg, world,
     run_dir). Only what the command line and torchrun's WORLD_SIZE decide is checked here, the
     same verdict on every rank before the process group exists; check_nodes checks the rest
-    once it does. With --dry-run, world is the planned layout's and run_dir None."""
+    once it does. With --dry-run, world is the planned layout's (planned_layout: --nodes, or
+    torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE) and run_dir None."""
     args = parse(argv, presets)
     cfg = resolve(args, presets)
     preset = presets[cfg["preset"]]
@@ -228,8 +229,13 @@ def dry_run(cfg: dict, layout, preset_engine_gpus=None, as_json=False) -> dict:
 
 
 def run_plan(cfg: dict, world: int) -> dict:
-    """The memory plan of this run: its model's shapes, world size, sketch rank and sizes."""
-    return memory_plan.estimate(cfg["model"], world, cfg["sketch_rank"], micro_batch=cfg["micro_batch"],
+    """The memory plan of this run: its model's shapes, world size, sketch rank and sizes. The
+    model is built from the local checkpoint's whole config.json when the run has one
+    (checkpoint_config), as the run itself loads it: the widths alone, with transformers'
+    defaults for every other entry, may build another model (Phi3Config's pad_token_id 32000
+    beside a vocabulary of 300) or none. Without one, from the preset's widths (cfg["model"])."""
+    model_cfg = checkpoint_config(cfg) or cfg["model"]
+    return memory_plan.estimate(model_cfg, world, cfg["sketch_rank"], micro_batch=cfg["micro_batch"],
                                 context=cfg["context"], kl_real_positions=cfg["kl_real_positions"])
 
 
@@ -291,27 +297,41 @@ def resolve(args: argparse.Namespace, presets: dict) -> dict:
 
 
 def read_model_config(cfg: dict) -> dict:
-    """The widths of the run's model: a local checkpoint's own (its config.json), or the
-    preset's when --model-path names no folder (a hub id). Reads this node's files: a run
-    calls it on every rank and agrees on the verdict (launch.agreed)."""
-    if cfg["task"] not in CHAT_TASKS:
-        return cfg["model"]
+    """The widths of the run's model (MODEL_KEYS): a local checkpoint's own (its config.json),
+    or the preset's when the run has none (the tiny task; a hub id at --model-path). What the
+    run's configuration records and the nodes compare; the memory plan takes the whole
+    config.json (run_plan). Reads this node's files: a run calls it on every rank and agrees on
+    the verdict (launch.agreed)."""
+    hf = checkpoint_config(cfg)
+    return cfg["model"] if hf is None else {k: hf[k] for k in MODEL_KEYS if k in hf}
+
+
+def checkpoint_config(cfg: dict):
+    """The whole config.json of the run's local checkpoint (--model-path DIR), as a dict, its
+    family checked (architectures.py); None when the run has no local checkpoint: the tiny task
+    (a model built from the preset's widths), or a --model-path that names no folder (a hub id,
+    or --dry-run's placeholder) where the preset has widths. A folder without a readable
+    config.json is refused in one line."""
+    if cfg.get("task") not in CHAT_TASKS or not cfg.get("model_path"):
+        return None
     config_json = os.path.join(cfg["model_path"], "config.json")
     if not os.path.isfile(config_json):
         if os.path.isdir(cfg["model_path"]) or cfg["model"] is None:
             raise OptionError(f"--model-path {cfg['model_path']}: no config.json there (a Hugging Face checkpoint "
                               f"folder, on every node)")
-        return cfg["model"]
+        return None
     try:
         with open(config_json) as f:
             hf = json.load(f)
     except (ValueError, OSError) as e:
         raise OptionError(f"--model-path {cfg['model_path']}: its config.json cannot be read as JSON") from e
+    if not isinstance(hf, dict):
+        raise OptionError(f"--model-path {cfg['model_path']}: its config.json is not a JSON object")
     try:
         architectures.check_config(hf)  # before its widths are read: a family without a row stops here
     except architectures.ArchitectureError as e:
         raise OptionError(f"--model-path {cfg['model_path']}: {e}") from e
-    return {k: hf[k] for k in MODEL_KEYS if k in hf}
+    return hf
 
 
 def engine_gpus(cfg: dict):
@@ -437,42 +457,6 @@ def check_model(cfg: dict):
         raise OptionError(f"vLLM's CPU attention needs a head_dim that is a multiple of 32; this model has {head_dim}")
 
 
-def check_run_dir(cfg: dict, run_dir: str, resume=None, resume_from=None):
-    """What the run directory holds, only read (a refused resume changes nothing in it); returns
-    the directory to resume, or None for a new run. A resume needs the run's config.json, the
-    same options (but MAY_CHANGE: a resume may run on other nodes, ranks and engine GPUs, with
-    other timeouts) and a checkpoint. Without --resume, a directory that holds this run (its
-    config.json, the same options, a checkpoint) is continued, so that the same command run
-    again after a crash, a preemption or torchrun's restart of every rank goes on from the
-    newest checkpoint; one that holds another run is refused. A run calls it on every rank
-    once the directory is known to be shared."""
-    resume_dir = resume or run_dir
-    latest = os.path.join(resume_dir, "latest")
-    if not resume and not os.path.exists(latest):
-        return None  # a new run
-    path = os.path.join(resume_dir, "config.json")
-    if not os.path.exists(path) or not (os.path.exists(latest) or resume_from):
-        raise OptionError(f"--resume {resume}: no config.json and checkpoint there" if resume else
-                          f"{run_dir} holds checkpoints but no config.json: pass another --run-dir")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except ValueError:  # not JSON (nor UTF-8)
-        saved = None
-    if not isinstance(saved, dict):
-        raise OptionError(f"{resume_dir}: {path} is damaged (not a JSON object); it holds the run's options")
-    if isinstance(saved.get("model"), dict) and "model_type" in (cfg.get("model") or {}):  # a run from
-        saved["model"].setdefault("model_type", cfg["model"]["model_type"])  # before model_type was recorded
-    diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k) and k not in MAY_CHANGE)
-    if diff and resume:
-        raise OptionError(f"--resume {resume}: the run was made with a different configuration "
-                          f"({', '.join(diff)}); pass the same options as the original run")
-    if diff:
-        raise OptionError(f"{run_dir} holds another run (its options differ: {', '.join(diff)}): pass the same "
-                          f"options to continue it, or another --run-dir")
-    return resume_dir
-
-
 def launch_commands(cfg: dict, layout: launch.Layout, preset_engine_gpus=None) -> list[str]:
     """The command that starts a preset as it is meant to run (several nodes: the line for every
     node, and the same under Slurm): torchrun with one process per training rank, and the model
@@ -491,20 +475,40 @@ def launch_commands(cfg: dict, layout: launch.Layout, preset_engine_gpus=None) -
 # The layout planned by --dry-run, and the checks made once the process group exists
 
 def planned_layout(nodes, cfg: dict) -> launch.Layout:
-    """What --dry-run plans: `nodes` nodes (default 1) of the paper's kind, a training rank per
-    engine GPU (or WORLD_SIZE / nodes ranks per node when WORLD_SIZE is set)."""
+    """What --dry-run plans: `nodes` nodes (--nodes) of the paper's kind. Without torchrun's
+    variables, a training rank per engine GPU on each node, 1 node unless --nodes says more.
+    Under torchrun, its WORLD_SIZE ranks: over WORLD_SIZE / LOCAL_WORLD_SIZE nodes when
+    LOCAL_WORLD_SIZE is set (as the run itself takes them, launch.Layout.from_env), so that 2
+    nodes x 4 plan as --nodes 2 does, not as 1 node x 8 training ranks, which would leave no
+    GPU of a node of 8 for the engines; else over --nodes (default 1). A --nodes that
+    contradicts the variables, or variables that split into no whole number of ranks per node,
+    are refused in one line."""
     engines = launch.parse_gpus(engine_gpus(cfg))
+    world = int(os.environ.get("WORLD_SIZE", 0))
+    if not world:  # not under torchrun
+        return launch.Layout(nodes or 1, len(engines) or 1, engines)
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        if local < 1 or world % local:
+            raise OptionError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}: every node must run "
+                              f"the same number of training ranks (torchrun --nproc_per_node)")
+        if nodes is not None and nodes != world // local:
+            raise OptionError(f"--nodes {nodes} contradicts torchrun's WORLD_SIZE {world} and LOCAL_WORLD_SIZE "
+                              f"{local} ({world // local} nodes): leave --nodes out, or give --nodes {world // local}")
+        nodes = world // local
     nodes = nodes or 1
-    return launch.Layout(nodes, int(os.environ.get("WORLD_SIZE", 0)) // nodes or len(engines) or 1, engines)
+    if world % nodes:
+        raise OptionError(f"--nodes {nodes} does not divide torchrun's WORLD_SIZE {world}: every node runs the same "
+                          f"number of training ranks")
+    return launch.Layout(nodes, world // nodes, engines)
 
 
-def check_nodes(cfg: dict, run_dir: str, resume=None, resume_from=None):
+def check_nodes(cfg: dict, run_dir: str, resume=None) -> launch.Layout:
     """What may differ between nodes, checked once the process group exists, with every rank
     stopping on the same one-line refusal (launch.py, "Agreement"): the layout (the same number
     of ranks on every node, each node's GPUs), vLLM and the model's checkpoint on each node, one
-    configuration on every node, the run directory shared by every node, and what it holds.
-    Sets cfg["model"] to the checkpoint's widths; returns the layout and the directory to
-    resume (check_run_dir), or None."""
+    configuration on every node, the run directory shared by every node (what it holds:
+    run_dir.inspect). Sets cfg["model"] to the checkpoint's widths; returns the layout."""
     layout = launch.agreed_layout(os.environ, engine_gpus(cfg))
     cfg["model"] = launch.agreed(check_node, cfg, layout)
     configs = {hashlib.sha256(json.dumps(f["cfg"], sort_keys=True).encode()).hexdigest(): f["host"]
@@ -518,7 +522,7 @@ def check_nodes(cfg: dict, run_dir: str, resume=None, resume_from=None):
     launch.check_shared_folder(run_dir, option="--resume" if resume else "--run-dir")
     if cfg["task"] == "arithmetic" and cfg["warmup_steps"]:  # the base policy is cached next to the run directory
         launch.check_shared_folder(os.path.dirname(os.path.abspath(run_dir)), option="the folder of --run-dir")
-    return layout, launch.agreed(check_run_dir, cfg, run_dir, resume, resume_from)
+    return layout
 
 
 def check_node(cfg: dict, layout: launch.Layout) -> dict:

@@ -67,15 +67,17 @@ def base_policy_path(cfg: dict, task, run_dir: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
 
 
-def base_policy(model, task, path: str, *, steps: int, batch: int, lr: float, unboxed: float, seed: int, log):
-    """The tiny task's base policy: the cached warm-up, or the warm-up made and cached."""
+def base_policy(model, task, path: str, *, steps: int, batch: int, lr: float, unboxed: float, seed: int, log,
+                interrupt=None):
+    """The tiny task's base policy: the cached warm-up, or the warm-up made and cached.
+    `interrupt()` runs after every warm-up step and may raise to abandon it (nothing cached)."""
     device = next(model.parameters()).device  # on the GPU for the smoke preset
     if os.path.exists(path):
         model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
         log(f"base policy: loaded {path}")
         return
     t0 = time.time()
-    bar = metrics.Progress(steps, "base policy: warm-up steps")
+    bar = metrics.Progress(steps, "base policy: warm-up steps", interrupt=interrupt)
     tasks.warmup(model, task, steps=steps, batch=batch, lr=lr, unboxed=unboxed, seed=seed, progress=bar.update)
     bar.close()
     buffer = io.BytesIO()
@@ -85,15 +87,15 @@ def base_policy(model, task, path: str, *, steps: int, batch: int, lr: float, un
 
 
 
-def tiny_policy(cfg: dict, task, run_dir: str, *, rank: int, world: int, device, log):
+def tiny_policy(cfg: dict, task, run_dir: str, *, rank: int, world: int, device, log, interrupt=None):
     """The tiny presets' policy on every rank: built from the preset's widths, then its base
     policy, which rank 0 loads from the cache or makes and caches, and the others then read,
-    each step agreed (a failure on one rank stops all)."""
+    each step agreed (a failure on one rank stops all). `interrupt`: base_policy's."""
     model = build_model(cfg["model"], task.vocab_size, cfg["seed"]).to(device)
     if cfg["warmup_steps"]:
         path = base_policy_path(cfg, task, run_dir)
         warm = dict(steps=cfg["warmup_steps"], batch=cfg["warmup_batch"], lr=cfg["warmup_lr"],
-                    unboxed=cfg["warmup_unboxed"], seed=cfg["seed"], log=log)
+                    unboxed=cfg["warmup_unboxed"], seed=cfg["seed"], log=log, interrupt=interrupt)
         launch.agreed(lambda: base_policy(model, task, path, **warm) if rank == 0 else None)
         if world > 1:
             launch.agreed(lambda: model.load_state_dict(torch.load(path, weights_only=True, map_location=device))

@@ -13,6 +13,7 @@ def env(**extra) -> dict:
     e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
              TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # torchrun's restarts meet at a fresh store (README)
     e.pop("WORLD_SIZE", None)
+    e.pop("LOCAL_WORLD_SIZE", None)
     e.update(extra)
     return e
 

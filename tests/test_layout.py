@@ -117,6 +117,9 @@ CALLS = {
     "infra.vllm_engine": ("import sys; env = vllm_engine.engine_env(None, {'HOME': '/root', 'RANK': '3'}); "
                           "assert 'RANK' not in env and 'vllm' not in sys.modules"),
     "infra.lifecycle": "assert lifecycle.Run.stop_if_signalled.__doc__",
+    "infra.run_dir": ("import os, tempfile; d = os.path.join(tempfile.mkdtemp(), 'run'); h = run_dir.hold(d); "
+                      "assert os.path.exists(os.path.join(d, 'run.lock')) and not run_dir.inspect({}, d).continues; "
+                      "h.release(undo=True); assert not os.path.exists(d)"),
 }
 
 

@@ -1,11 +1,21 @@
 """The memory plan (memory_plan.py): the 7B plan against the shapes counted by hand, the
-paper's targets for it, and the estimate against the tensors measured on 2 gloo ranks."""
+paper's targets for it, the estimate against the tensors measured on 2 gloo ranks, and a
+local checkpoint's plan built from its own config.json."""
 
+import contextlib
+import io
+import json
+import math
 import os
 import sys
+from unittest import mock
 
+import pytest
+
+import tiny_families
+import tiny_math
 import train
-from infra import memory_plan
+from infra import architectures, memory_plan
 from subproc import ROOT
 
 
@@ -70,3 +80,31 @@ def test_update_cost_runs_at_tiny_widths():
     assert logra["payload"] < adam["payload"] and logra["state"] < adam["state"]
     assert logra["params"] == adam["params"] > 0
     assert "x16" in out.stdout and "LoGRA / AdamW" in out.stdout
+
+
+@pytest.mark.parametrize("family", sorted(architectures.ARCHITECTURES))
+def test_dry_run_plans_a_local_checkpoint_from_its_own_config(family, tmp_path):
+    """`train.py --model tiny-math --model-path DIR --dry-run` on a tiny checkpoint of each
+    family (tests/tiny_families.py: a vocabulary of 128, pad_token_id 0): the plan's model is
+    built from DIR's whole config.json, so that it plans, and it counts the parameters that
+    DIR's weights hold. Built from the widths alone, with transformers' defaults, Phi-3's took
+    Phi3Config's pad_token_id 32000 and no embedding of 128 (or 300) rows could be built
+    (issue 32, item 8)."""
+    folder = tmp_path / "model"
+    tiny_families.model(family).save_pretrained(folder)  # untied: the file holds every parameter
+    train_path, eval_path = tiny_math.write_data(str(tmp_path), *tiny_math.problems(0))
+    argv = ["--model", "tiny-math", "--model-path", str(folder), "--train-data", train_path,
+            "--eval-data", eval_path, "--context", "64", "--dry-run"]  # the family's 64 positions
+    out = io.StringIO()
+    with mock.patch.dict(os.environ), contextlib.redirect_stdout(out):
+        for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(name, None)
+        plan = train.run([*argv, "--json"])
+        train.run(argv)
+    printed, text = out.getvalue().split("\n", 1)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:  # the weights in DIR: the reference
+        weights = sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    assert plan["params"] == json.loads(printed)["params"] == weights > 0
+    assert f"checkpoint {folder}" in text and "layout: 1 node x 1 training rank" in text

@@ -4,6 +4,7 @@ that no run can take are always refused."""
 
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -41,15 +42,18 @@ float_values = st.one_of(st.sampled_from(["nan", "inf", "-inf", "0", "-0.0", "1e
                          st.floats().map(repr))
 
 
-def configure(argv, world=None):
+def configure(argv, world=None, environ=None):
     """(exit code, stdout, stderr) of options.configure(argv, train.PRESETS) as train.main
     ends it: WORLD_SIZE as torchrun would set it for `world` ranks, or unset (a process started
-    without torchrun); a RunError becomes its one line and exit code."""
+    without torchrun), and the variables of `environ`; a RunError becomes its one line and exit
+    code."""
     out, err = io.StringIO(), io.StringIO()
     with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         os.environ.pop("WORLD_SIZE", None)
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
         if world:
             os.environ["WORLD_SIZE"] = world
+        os.environ.update(environ or {})
         try:
             options.configure(argv, train.PRESETS)
             code = 0
@@ -180,3 +184,48 @@ def test_checkpointing_flag_overrides_the_preset_either_way():
     assert checkpointing() is False and checkpointing("--checkpointing") is True  # tiny: off
     assert checkpointing("--model", "smoke-0.5b") is True
     assert checkpointing("--model", "smoke-0.5b", "--no-checkpointing") is False
+
+
+def dry_run(argv, environ):
+    """What train.run prints for `--dry-run argv` under torchrun's variables `environ` (none: a
+    process started without torchrun)."""
+    out = io.StringIO()
+    with mock.patch.dict(os.environ), contextlib.redirect_stdout(out):
+        os.environ.pop("WORLD_SIZE", None)
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.update(environ)
+        train.run(["--dry-run", *argv])
+    return out.getvalue()
+
+
+def test_dry_run_under_torchrun_plans_its_nodes():
+    """`train.py --model 7b --dry-run` under torchrun's variables for 2 nodes x 4 (WORLD_SIZE 8,
+    LOCAL_WORLD_SIZE 4) plans 2 nodes x 4 training ranks, each node with its 4 engine GPUs,
+    exactly as --nodes 2 does, not 1 node x 8 (issue 32, item 11); variables that split into
+    no whole number of ranks per node, and a --nodes that contradicts them, are refused in one
+    line."""
+    two_by_four = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    plan = json.loads(dry_run(["--model", "7b", "--json"], two_by_four))
+    assert plan["layout"] == {"nodes": 2, "ranks_per_node": 4, "world": 8, "engine_gpus": [4, 5, 6, 7]}
+    assert plan["world"] == 8
+    assert plan == json.loads(dry_run(["--model", "7b", "--nodes", "2", "--json"], {}))
+    assert plan == json.loads(dry_run(["--model", "7b", "--nodes", "2", "--json"], two_by_four))  # agrees
+    text = dry_run(["--model", "7b"], two_by_four)
+    assert "FSDP2 over 8 training ranks" in text
+    assert ("layout: 2 nodes x 4 training ranks; on each node, training ranks on GPUs 0..3 and their vLLM engines "
+            "on GPUs 4,5,6,7") in text
+    assert "launch: on each of the 2 nodes: torchrun --nnodes 2 --nproc_per_node 4 " in text
+    # One node of 4 (torchrun --nproc_per_node 4), and WORLD_SIZE alone: one node, as before.
+    for environ in ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, {"WORLD_SIZE": "4"}):
+        layout = json.loads(dry_run(["--model", "7b", "--json"], environ))["layout"]
+        assert layout == {"nodes": 1, "ranks_per_node": 4, "world": 4, "engine_gpus": [4, 5, 6, 7]}, environ
+    for environ, argv, words in [
+        ({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, [], "WORLD_SIZE 6 is not a multiple of LOCAL_WORLD_SIZE 4"),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "0"}, [], "WORLD_SIZE 8 is not a multiple of LOCAL_WORLD_SIZE 0"),
+        (two_by_four, ["--nodes", "1"], "--nodes 1 contradicts torchrun's WORLD_SIZE 8 and LOCAL_WORLD_SIZE 4 "
+                                        "(2 nodes): leave --nodes out, or give --nodes 2"),
+        ({"WORLD_SIZE": "8"}, ["--nodes", "3"], "--nodes 3 does not divide torchrun's WORLD_SIZE 8"),
+    ]:
+        code, out, err = configure(["--model", "7b", "--dry-run", *argv], environ=environ)
+        assert code == 2 and out == "" and err.startswith("train.py: error: ") and err.count("\n") == 1, err
+        assert words in err, (environ, argv, err)

@@ -7,6 +7,8 @@ it; `.ci/run` does). They are not skipped when it is missing: they fail.
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -107,6 +109,49 @@ def test_missing_data_says_how_to_get_it(tiny_math, tmp_path):
     assert out.returncode == 2
     assert "hf download --repo-type dataset nobody/no-such-dataset" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("damage", ["a bad json line", "no tokenizer files"])
+def test_a_bad_input_file_stops_before_the_run_directory(tiny_math, tmp_path, damage):
+    """A training file with a line that is not JSON, a model folder without its tokenizer: one
+    line, exit 2, no traceback, and no run directory (the inputs are read before it is made)."""
+    model, train_data = tiny_math["model"], tiny_math["train"]
+    if damage == "a bad json line":
+        train_data = str(tmp_path / "train.jsonl")
+        lines = open(tiny_math["train"]).read().splitlines(True)
+        open(train_data, "w").write("".join(lines[:2]) + '{"prompt": [}\n' + "".join(lines[2:]))
+    else:
+        model = str(tmp_path / "model")
+        shutil.copytree(tiny_math["model"], model,
+                        ignore=lambda d, names: [n for n in names if n.startswith(("tokenizer", "vocab", "merges",
+                                                                                   "special_tokens"))])
+    out = subprocess.run([sys.executable, "train.py", "--model", "tiny-math", "--model-path", model, "--train-data",
+                          train_data, "--eval-data", tiny_math["eval"], "--run-dir", str(tmp_path / "r")], cwd=ROOT,
+                         capture_output=True, text=True, env=env(), timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("train.py:")]
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert (train_data + " line 3" if damage == "a bad json line" else model) in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.vllm
+def test_sigterm_during_the_engine_start_stops_within_seconds(tiny_math, tmp_path):
+    """vLLM's CPU start takes tens of seconds; SIGTERM during it stops the run in the start's
+    wait (at its next tick, a second at most), exit 75, with its engine's processes gone:
+    nothing was trained, nothing to save."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", *math_args(tiny_math), "--run-dir", str(run_dir)], cwd=ROOT,
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = run_dir / "engine-0.log"
+    deadline = time.time() + 120
+    while not (log.exists() and log.stat().st_size) and time.time() < deadline:  # vLLM is starting
+        time.sleep(0.2)
+    assert proc.poll() is None and log.exists()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, (proc.returncode, err[-3000:])
+    assert err.strip().splitlines()[-1].startswith("train.py: stopped: stopped on SIGTERM during the engine's start")
+    assert "Traceback" not in err and engine_processes(str(run_dir)) == []
 
 
 def test_engine_gpu_translated_through_the_parents_devices():
