@@ -122,6 +122,10 @@ def load_pretrained_sharded(model_path: str, optimizer: str, device, world: int,
         except ArchitectureError:
             raise
         except Exception as e:
+            if os.path.isdir(model_path):  # the folder is there: its files are missing or damaged
+                words = (str(e).strip().splitlines() or [""])[0][:200]
+                raise ModelError(f"--model-path {model_path}: its weights do not load ({type(e).__name__}: {words}): "
+                                 f"copy the checkpoint's files (*.safetensors and their index) again") from e
             raise ModelError(f"no checkpoint at {model_path} ({type(e).__name__}). Download it once with "
                              f"network access (hf download {model_path}) or pass --model-path DIR, on "
                              f"every node") from e

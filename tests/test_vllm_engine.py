@@ -111,26 +111,35 @@ def test_missing_data_says_how_to_get_it(tiny_math, tmp_path):
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("damage", ["a bad json line", "no tokenizer files"])
+@pytest.mark.parametrize("damage", ["a bad json line", "no tokenizer files", "truncated weights"])
 def test_a_bad_input_file_stops_before_the_run_directory(tiny_math, tmp_path, damage):
-    """A training file with a line that is not JSON, a model folder without its tokenizer: one
-    line, exit 2, no traceback, and no run directory (the inputs are read before it is made)."""
+    """A training file with a line that is not JSON, a model folder without its tokenizer or
+    with its weights cut short: one line, exit 2, no traceback, and no run directory (the
+    inputs are read before it is made)."""
     model, train_data = tiny_math["model"], tiny_math["train"]
     if damage == "a bad json line":
         train_data = str(tmp_path / "train.jsonl")
         lines = open(tiny_math["train"]).read().splitlines(True)
         open(train_data, "w").write("".join(lines[:2]) + '{"prompt": [}\n' + "".join(lines[2:]))
-    else:
+    elif damage == "no tokenizer files":
         model = str(tmp_path / "model")
         shutil.copytree(tiny_math["model"], model,
                         ignore=lambda d, names: [n for n in names if n.startswith(("tokenizer", "vocab", "merges",
                                                                                    "special_tokens"))])
+    else:
+        model = str(tmp_path / "model")
+        shutil.copytree(tiny_math["model"], model)
+        weights = os.path.join(model, "model.safetensors")
+        data = open(weights, "rb").read()
+        open(weights, "wb").write(data[: len(data) // 2])
     out = subprocess.run([sys.executable, "train.py", "--model", "tiny-math", "--model-path", model, "--train-data",
                           train_data, "--eval-data", tiny_math["eval"], "--run-dir", str(tmp_path / "r")], cwd=ROOT,
                          capture_output=True, text=True, env=env(), timeout=120)
     lines = [line for line in out.stderr.splitlines() if line.startswith("train.py:")]
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert (train_data + " line 3" if damage == "a bad json line" else model) in lines[0]
+    assert {"a bad json line": f"--train-data {train_data} line 3: not valid JSON",
+            "no tokenizer files": f"--model-path {model}: no tokenizer files there",
+            "truncated weights": f"--model-path {model}: its weights do not load"}[damage] in lines[0]
     assert not (tmp_path / "r").exists()
 
 
