@@ -13,22 +13,38 @@ https://github.com/skzhang1/labs-molt/tree/logra/examples/scripts/logra.
 
 Use
 ---
-One update, in the order train.py's `logra_step` runs it. `layers` are sketch.attach's, `opt`
-a rowadam.RowAdam over them after the loss's backward into the sketches, `ids` (B, T) the
-rollout's tokens, `mask` (B, T) 1 on its generated tokens, `temperature` the sampling
-temperature, and `mismatch` a `Mismatch` that has observed this rollout's log-probs:
+    import kl_control
+    import ppo
+    import sketch
+    from rowadam import RowAdam
 
-    budget = mismatch.adjust(kl_control.kl_budget(update))   # this update's KL budget
-    opt.prepare()                                            # RowAdam's directions U (d, r)
-    probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=temperature,
-                             keep_positions=256)             # KL1, and the logits "before"
-    alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
-    opt.merge(alpha)                                         # W -= alpha U A
-    kl_real = kl_control.realised_kl(probe.logits, model, ids, mask, temperature=temperature)
+    temperature = 1.0                                  # the rollout's sampling temperature
+    layers = sketch.attach(model, rank=16, seed=0)     # S and A on every target nn.Linear (the paper: rank 256)
+    opt = RowAdam(layers, base_seed=0)                 # the seed attach drew A from
+    # One update. The loss's backward goes into the sketches S = G A^T; no weight gradient exists.
+    logp = ppo.response_logprobs(model(input_ids=ids).logits, ids, temperature)  # (B, T)
+    loss, _ = ppo.policy_loss(logp, advantages, mask, num_tokens=ppo.global_token_count(mask))
+    loss.backward()
+    opt.prepare()                                      # RowAdam's directions U (d, r): opt.directions
+    try:
+        probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=temperature,
+                                 keep_positions=256)   # KL1, and the logits "before" at 256 positions
+        budget = kl_control.kl_budget(opt.update)      # 2e-4 -> 2e-5 nats per token over 300 updates
+        alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
+    except Exception:
+        opt.discard()                                  # nothing merged: weights and RowAdam as they were
+        raise
+    factors = opt.merge(alpha)                         # W -= F A, F = bf16(alpha U): what engines receive
+    kl_real = kl_control.realised_kl(probe, model, ids, mask)  # the merged step's exact KL per token
 
-If `probe` or `solve_alpha` raises, `opt.discard()` leaves weights and optimizer state as they
-were. Every trainer process makes the same calls (FSDP all-gathers inside), with the same
-`max_responses` for `probe` and `realised_kl` (train.py passes `probe_count`'s).
+`model` is a causal LM with fp32 weights (RowAdam merges into them), `ids` (B, T) prompt and
+response tokens, `mask` (B, T) True on response tokens, `advantages` (B,). The `Probe` that
+`probe` returns records what it scored (which responses, the token limit, the temperature)
+and the logits it kept, so `realised_kl` repeats none of it. With a separate rollout engine,
+also subtract the mismatch: `mismatch.observe(rollout_logprobs, logp.detach(), mask, eos)`
+after the backward and `budget = mismatch.adjust(kl_control.kl_budget(opt.update))` (a
+`Mismatch`, kept and checkpointed with the optimizer). Every trainer process makes the same
+calls (FSDP all-gathers inside).
 
 The math
 --------
@@ -50,21 +66,22 @@ With temperature T,
     kl1 = 0.5 * sum_v p_v (q_v - sum_w p_w q_w)^2                (half the variance of q under p)
 
 which is the second-order term of KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3). KL1 is the
-mean of kl1 over the generated tokens of the first `max_responses` responses of each trainer
-process (sums and counts reduced across processes); then
+mean of kl1 over the generated tokens of the probed responses of every trainer process (the
+paper's first 2 of each process, and more until they hold 512 scored tokens: departure 3;
+sums and counts reduced across processes); then
 
     alpha  = min(alpha_max, sqrt(budget / KL1))        alpha_max = 3.0; KL1 = 0 gives 1.0
     budget = end + (start - end) * 0.5 (1 + cos(pi min(n / (H - 1), 1)))
              start = 2e-4, end = 2e-5, H = 300 updates
 
 `plain_probe` computes KL1 exactly as written here: dW, forward-mode AD through the model's
-own forward, kl1 at every scored position. `probe`, which train.py calls, is the fast path
-(`fast_probe`): the same numbers without the dense dW and without the whole (B, T, V) logits.
+own forward, kl1 at every scored position. `probe` is the fast path (`fast_probe`): the
+same numbers without the dense dW and without the whole (B, T, V) logits.
 
 Mismatch subtraction (part of the LoGRA recipe in Table 1's setup: RowAdam with mismatch
 subtraction and predicted-KL annealing): the rollout engine and the trainer disagree a little
 on the log-probs of the same tokens (kernels, bf16). On the response tokens of samples that
-ended with EOS,
+ended with EOS (or of every sample: departure 4),
 
     observed = max(0, mean(rollout_logprob - trainer_logprob))   (a Monte-Carlo KL(engine || trainer))
     m        <- 0.7 m + 0.3 observed
@@ -75,6 +92,38 @@ state and is checkpointed.
 
 Shape legend: B batch, T time, V vocab, N tokens, d out rows, k in columns, r rank, h hidden
 width, M scored positions, c positions of one output-head chunk.
+
+Defaults, and how to choose them
+--------------------------------
+The paper's, for its 7B run: budget 2e-4 -> 2e-5 nats per token over H = 300 updates,
+alpha_max = 3, the first 2 responses of each process probed (and more until they hold 512
+scored tokens: departure 3), each cut to 4096 tokens; `temperature` is the sampling one.
+
+The budget and alpha. RowAdam (rowadam.py) scales U so that ||U A|| = update_ratio ||W||,
+and KL1 is quadratic in U, so with K the KL1 of the same direction scaled to ||U A|| = ||W||
+
+    KL1         = update_ratio^2 K
+    alpha       = min(alpha_max, sqrt(budget / KL1))
+    alpha^2 KL1 = min(alpha_max^2 KL1, budget)          the step's predicted KL
+
+- While alpha is capped (alpha = alpha_max: alpha_max^2 KL1 < budget), the budget does not
+  bind: the step is alpha_max U, set by update_ratio, and spends less KL than budgeted.
+- Once the budget binds (alpha < alpha_max), update_ratio stops mattering: the merged step
+  alpha U = sqrt(budget / KL1) U is the same for any update_ratio, and its predicted KL is
+  the budget. It binds once update_ratio is at least its present value times
+  sqrt(budget / (alpha_max^2 KL1)).
+(tests/test_kl_control.py::test_update_ratio_sets_the_step_only_while_alpha_is_capped.)
+
+Rule: the budget is the KL, in nats per generated token, that one update may move the policy,
+not tied to the model's size: keep the paper's 2e-4 -> 2e-5 for a pretrained LLM (this
+repository's presets use it from 135M to 27B parameters); a toy policy that must move far in
+few updates takes about 100x (train.py's toy presets, "tiny" and "tiny-math": 2e-2 -> 5e-3
+over 150 updates, with update_ratio 2e-3).
+
+What to watch: alpha, every update. alpha = alpha_max in every update means the budget never
+binds (every step is update_ratio's, unbudgeted): raise update_ratio by the factor above. And
+the realised KL (`realised_kl`) against the prediction alpha^2 KL1, which is second order: a
+realised KL far from it means a step beyond that regime, so lower the budget.
 
 Departures from the paper
 -------------------------
@@ -91,6 +140,16 @@ Departures from the paper
    zero there; the authors' code returns 1.0, even when `alpha_max` < 1. `alpha_max` is the
    user's bound on every step, and here it holds without exception. Test:
    tests/test_kl_control.py::test_solve_alpha.
+3. The probe scores, by default, the paper's first 2 responses of each process and more
+   until they hold 512 scored tokens (`probe_count`; all of them if they hold fewer). The
+   paper's responses run to thousands of tokens, where 2 responses already hold 512 and
+   this is the paper's rule; on short responses 2 of them are a few tokens (12 on 6-token
+   responses), and KL1 from those is noise. `max_responses=n` scores exactly the first n.
+   Test: tests/test_kl_control.py::test_the_default_probe_scores_512_tokens.
+4. `Mismatch.observe(..., ended_with_eos=None)` counts every response. The paper's rule
+   counts only responses that ended with EOS (pass their flags for it); fixed-length
+   responses never do, and under that rule the mismatch would never be observed nor
+   subtracted. Test: tests/test_kl_control.py::test_mismatch_without_eos_flags.
 
 Implementation notes
 --------------------
@@ -106,15 +165,21 @@ Implementation notes
   path runs Python meta kernels, ~0.1 ms an op on a CPU. Bit for bit PyTorch's numbers
   (tests/test_kl_control.py::test_constant_operand_tangents_are_pytorch_own). With the two
   notes above, and the realised KL's "before" taken from the probe's own forward instead of
-  one more forward, the tiny preset's probe phase went from 24-25 ms to 14 ms (median over
-  40 updates on a 2-core CPU). tests/test_kl_control.py::test_the_fast_path_is_the_plain_probe
-  checks the fast path against `plain_probe`.
+  one more forward, the probe phase of train.py's tiny preset (a 2-layer Qwen2 of width 64)
+  went from 24-25 ms to 14 ms (median over 40 updates on a 2-core CPU).
+  tests/test_kl_control.py::test_the_fast_path_is_the_plain_probe checks the fast path
+  against `plain_probe`.
 - The realised KL's "before" is the probe's own logits at its first `keep_positions` scored
-  positions; `scored_logits` gives the same bits for the same weights
+  positions (all of them when there are fewer: `Probe.kept` says how many); `scored_logits`
+  gives the same bits for the same weights
   (tests/test_kl_control.py::test_the_kept_logits_are_the_realised_kls_before).
 - `max_tokens` (default 4096) cuts each probed sequence, prompt included, to its first
   `max_tokens` tokens: the paper's "at most 4096 tokens" read as the sequence the probe's
   forward holds. At the paper's context of 4096 tokens (prompt and response) it cuts nothing.
+- The probe refuses, before its forward, what it cannot use: no directions yet (None:
+  `RowAdam.prepare()` makes them), directions that are not one (n, r) per layer, a bad
+  temperature or count. On any error it leaves no hook, no forward-AD level and no torch
+  function mode behind, and the model in its mode (tests/test_kl_control.py::test_probe_errors).
 - The cosine schedule is written as the weighted mean `w start + (1 - w) end`, which gives
   exactly `start` at update 0 and exactly `end` from update H - 1 on
   (tests/test_kl_control.py::test_kl_budget_schedule).
@@ -139,6 +204,11 @@ BYTES_PER_VOCAB_ENTRY = 56
 # Positions per block of the realised KL's float64 work (two log-softmaxes, a product: about
 # 32 V bytes a position, 311 MiB at a vocabulary of 152k).
 KL_CHUNK_POSITIONS = 64
+# What the probe scores by default: the paper's first 2 responses of each process, and more
+# until they hold 512 scored tokens (departure 3); each sequence cut to the paper's 4096 tokens.
+PROBE_RESPONSES = 2
+PROBE_TOKENS = 512
+MAX_TOKENS = 4096
 
 
 # -----------------------------------------------------------------------------
@@ -178,25 +248,63 @@ def probe_mode(model):
         model.train(was_training)
 
 
-def _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask):
-    """The probed part of the batch: (ids (B', T'), scored positions (B', T' - 1), attention mask):
-    the first `max_responses` responses, each cut to its first `max_tokens` tokens; position t
-    is scored when token t + 1 was generated."""
-    if input_ids.shape != response_mask.shape:
+def _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask):
+    """The probed part of the batch: (ids (B', T'), scored positions (B', T' - 1), attention mask
+    (B', T') or None). Every sequence is cut to its first `max_tokens` tokens, and position t is
+    scored when token t + 1 was generated. B' = `max_responses` (all when fewer), or with None
+    the first PROBE_RESPONSES and more until they hold `min_tokens` scored positions (departure 3)."""
+    if input_ids.dim() != 2 or input_ids.shape != response_mask.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} differ in shape")
-    ids = input_ids[:max_responses, :max_tokens]
-    scored = response_mask[:max_responses, :max_tokens].bool()[:, 1:]
-    am = None if attention_mask is None else attention_mask[:max_responses, :max_tokens]
-    return ids, scored, am
+                         f"{tuple(response_mask.shape)} differ in shape, or are not (B, T)")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} and input_ids "
+                         f"{tuple(input_ids.shape)} differ in shape")
+    if not max_tokens >= 2:
+        raise ValueError(f"max_tokens must be >= 2 (a token and the generated one it scores), got {max_tokens}")
+    if max_responses is not None and not max_responses >= 1:
+        raise ValueError(f"max_responses must be >= 1, or None for the default rule, got {max_responses}")
+    if not min_tokens >= 0:
+        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+    scored = response_mask[:, :max_tokens].bool()[:, 1:]  # (B, T' - 1)
+    n = probe_count(scored, PROBE_RESPONSES, min_tokens) if max_responses is None else max_responses
+    am = None if attention_mask is None else attention_mask[:n, :max_tokens]
+    return input_ids[:n, :max_tokens], scored[:n], am
 
 
-@dataclass
+def _check_probe_inputs(layers, directions, temperature, keep_positions):
+    """Refuse, before any forward or hook, what the probe cannot use (implementation notes)."""
+    if directions is None:
+        raise ValueError("directions is None: the probe needs RowAdam's directions U; call opt.prepare() "
+                         "first (after the loss's backward) and pass opt.directions")
+    if len(directions) != len(layers):
+        raise ValueError(f"{len(layers)} layers but {len(directions)} directions: pass the directions that "
+                         f"prepare() made for these layers (opt.directions of the RowAdam over them)")
+    for layer, u in zip(layers, directions):
+        # U has the sketch's shape: (d, r), or this process's (n, r) rows of a row-sharded layer
+        if not isinstance(u, torch.Tensor) or u.shape != layer.sketch.shape:
+            got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
+            raise ValueError(f"{layer.name}: direction {got}, but the layer's U is {tuple(layer.sketch.shape)} "
+                             f"(its sketch's shape): pass opt.directions, in the order of `layers`")
+    _check_temperature(temperature)
+    if not keep_positions >= 0:
+        raise ValueError(f"keep_positions must be >= 0, got {keep_positions}")
+
+
+def _check_temperature(temperature):
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature}")
+
+
+@dataclass(frozen=True)
 class Probe:
-    """What one probe gives: KL1 (reduced over processes) and, when asked for, the policy's
-    logits at its first scored positions, for `realised_kl` after the merge."""
+    """What one probe gives: KL1 (reduced over processes), what it scored, and the logits it
+    kept for `realised_kl`, which reads all of it from here and so cannot disagree with it."""
     kl1: float
-    logits: torch.Tensor | None  # (M', V), this process's
+    logits: torch.Tensor | None  # (kept, V): this process's, at its first scored positions; None: keep_positions=0
+    kept: int  # rows of `logits`: min(keep_positions, this process's scored positions)
+    responses: int  # this process's first `responses` responses were scored,
+    max_tokens: int  # each cut to its first `max_tokens` tokens,
+    temperature: float  # at this temperature
 
 
 @torch.no_grad()
@@ -204,9 +312,8 @@ def probe_logits(model, layers, directions, input_ids, attention_mask=None):
     """(logits z, logit tangent u = dz/dalpha) (B, T, V) of the model's own forward, with the
     tangent dW = -U A on every target layer's weight, by `torch.func.jvp`. One process, whole
     directions (d, r); dense (d, k) tangents: for reading and for tests (the JVP is checked
-    against finite differences). train.py does not call it."""
-    if len(layers) != len(directions):
-        raise ValueError(f"{len(layers)} layers but {len(directions)} directions")
+    against finite differences)."""
+    _check_probe_inputs(layers, directions, 1.0, 0)
     if any(layer.group is not None for layer in layers):
         raise ValueError("the plain probe runs on one process with whole directions; "
                          "layers attached with a group need probe(...)")
@@ -227,14 +334,15 @@ def probe_logits(model, layers, directions, input_ids, attention_mask=None):
 
 
 @torch.no_grad()
-def plain_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=2,
-                max_tokens=4096, attention_mask=None, keep_positions=0) -> Probe:
+def plain_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=None,
+                min_tokens=PROBE_TOKENS, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0) -> Probe:
     """`probe` as the module docstring's math reads, on one process: the logits and their
     tangent at every position (`probe_logits`), then KL1 = the mean of kl1 over the scored
     positions. `probe`'s arguments (but `group`) and result, to rounding; it holds a dense
     (d, k) tangent per target layer and the (B, T, V) logits with their tangent, which the fast
     path avoids."""
-    ids, scored, am = _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask)
+    _check_probe_inputs(layers, directions, temperature, keep_positions)
+    ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     z, u = probe_logits(model, layers, directions, ids, am)  # (B', T', V) each
     # (M, V) each: the positions that sampled a generated token
     z, u = z[:, :-1][scored], u[:, :-1][scored]
@@ -242,7 +350,8 @@ def plain_probe(model, layers, directions, input_ids, response_mask, *, temperat
         raise ValueError("no generated token to score: response_mask has no position after the first")
     # KL1 = mean over the scored positions of kl1 = 0.5 Var_p(u / T)
     kl1 = token_kl(z, u, temperature).mean().item()
-    return Probe(kl1, z[:keep_positions] if keep_positions > 0 else None)
+    kept = z[:keep_positions] if keep_positions > 0 else None  # (kept, V)
+    return Probe(kl1, kept, 0 if kept is None else kept.shape[0], ids.shape[0], max_tokens, float(temperature))
 
 
 # -----------------------------------------------------------------------------
@@ -294,8 +403,7 @@ def injected_tangents(layers, directions):
 
         return strip, inject
 
-    if len(layers) != len(directions):
-        raise ValueError(f"{len(layers)} layers but {len(directions)} directions")
+    _check_probe_inputs(layers, directions, 1.0, 0)
     handles = []
     try:
         for layer, u in zip(layers, directions):
@@ -362,11 +470,12 @@ def _head_chunks(model, hidden, tangent=None):
     """The output head on the scored rows (M, h), a chunk of positions at a time: yields (logits,
     logit tangent or None), (c, V) each. The head's tangent is dH W_head^T, formed here as the
     target layers' are. Gemma 2's cap tanh(z / cap) cap, which its forward applies after the
-    head, is applied here too, with its derivative 1 - tanh^2(z / cap)."""
+    head, is applied here too, with its derivative 1 - tanh^2(z / cap). No rows give one empty
+    chunk (0, V): a process without a scored position still has its (0, V) logits."""
     head = model.get_output_embeddings()
     chunk = max(1, HEAD_CHUNK_BYTES // (BYTES_PER_VOCAB_ENTRY * head.weight.shape[0]))  # positions
     cap = getattr(model.config, "final_logit_softcapping", None)
-    for start in range(0, hidden.shape[0], chunk):
+    for start in range(0, max(hidden.shape[0], 1), chunk):
         z = head(hidden[start:start + chunk])  # (c, V)
         u = None if tangent is None else F.linear(tangent[start:start + chunk], head.weight)  # (c, V)
         if cap:
@@ -377,18 +486,26 @@ def _head_chunks(model, hidden, tangent=None):
 
 
 @torch.no_grad()
-def fast_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=2,
-               max_tokens=4096, attention_mask=None, keep_positions=0, group=None) -> Probe:
+def fast_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=None,
+               min_tokens=PROBE_TOKENS, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0,
+               group=None) -> Probe:
     """KL1, the mean second-order KL per generated token for the direction alpha = 1, from one
-    forward pass with tangents over the first `max_responses` responses of this process: the
-    fast path (above), the same numbers as `plain_probe`.
+    forward pass with tangents over this process's probed responses: the fast path (above), the
+    same numbers as `plain_probe`. Weights are not touched.
 
-    `response_mask` (B, T) marks generated tokens; the token at t is scored on the logits at
-    t - 1. Weights are not touched. With `keep_positions`, the logits (the forward's primal) at
-    the first `keep_positions` scored positions are kept: the "before" of the realised KL, at no
-    extra forward. Every trainer process must call this (FSDP all-gathers inside).
+    `directions`: RowAdam's U, one (d, r) per layer of `layers` (this process's (n, r) rows of a
+    row-sharded layer), as `opt.prepare()` leaves them in `opt.directions`. `response_mask`
+    (B, T) marks generated tokens; the token at t is scored on the logits at t - 1, at
+    `temperature` (the sampling one). Probed: the first 2 responses and more until they hold
+    `min_tokens` scored tokens (all of them if they hold fewer; departure 3), or, given
+    `max_responses`, exactly the first `max_responses`; each cut to its first `max_tokens` tokens.
+    `keep_positions` > 0 keeps the logits (the forward's primal) at the first `keep_positions`
+    scored positions, or at all of them when there are fewer (`Probe.kept` says how many): the
+    "before" of `realised_kl`, at no extra forward. Every trainer process must call this (FSDP
+    all-gathers inside).
     """
-    ids, scored, am = _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask)
+    _check_probe_inputs(layers, directions, temperature, keep_positions)
+    ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     decoder = model.get_decoder()
     total = torch.zeros(2, dtype=torch.float64, device=ids.device)  # (sum kl1, count)
     kept = []
@@ -411,10 +528,12 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
     kl_sum, count = total.tolist()
     if count == 0:
         raise ValueError("no generated token to score: response_mask has no position after the first")
-    return Probe(kl_sum / count, torch.cat(kept) if kept else None)
+    logits = torch.cat(kept) if keep_positions > 0 else None  # (kept, V)
+    return Probe(kl_sum / count, logits, 0 if logits is None else logits.shape[0], ids.shape[0], max_tokens,
+                 float(temperature))
 
 
-# The probe train.py calls: the fast path.
+# The probe to call: the fast path.
 probe = fast_probe
 
 
@@ -427,31 +546,64 @@ def predict_kl(model, layers, directions, input_ids, response_mask, **kwargs) ->
 # The realised KL of a merged step
 
 @torch.no_grad()
-def scored_logits(model, input_ids, response_mask, *, max_responses=2, max_positions=512, max_tokens=4096,
-                  attention_mask=None) -> torch.Tensor:
-    """The policy's logits (M', V) at the probe's first `max_positions` scored positions, by the
-    probe's path without tangents (eager attention, the decoder, the head on those rows): the
-    same numbers as the probe's own primal for the same weights, bit for bit."""
-    ids, scored, am = _scored(input_ids, response_mask, max_responses, max_tokens, attention_mask)
+def scored_logits(model, input_ids, response_mask, *, max_responses=None, min_tokens=PROBE_TOKENS,
+                  max_positions=512, max_tokens=MAX_TOKENS, attention_mask=None) -> torch.Tensor:
+    """The policy's logits (M', V) at the probe's first `max_positions` scored positions (all of
+    them when there are fewer), the probe's arguments choosing the positions, by the probe's path
+    without tangents (eager attention, the decoder, the head on those rows): the same numbers as
+    the probe's own primal for the same weights, bit for bit."""
+    ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     with _root_gathered(model), probe_mode(model):
         hidden = model.get_decoder()(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state
         return torch.cat([z for z, _ in _head_chunks(model, hidden[:, :-1][scored][:max_positions])])
 
 
 @torch.no_grad()
-def realised_kl(old_logits, model, input_ids, response_mask, *, temperature=1.0, max_responses=2,
-                max_tokens=4096, attention_mask=None, group=None) -> float:
+def realised_kl(probe, model, input_ids, response_mask, *, attention_mask=None, group=None, temperature=None,
+                max_responses=None, max_tokens=None) -> float:
     """Exact KL(pi_old || pi_new) per scored token, full vocabulary, in float64 (a step's KL is
-    far below fp32's resolution of a log-prob), averaged over the positions of `old_logits`
-    (the probe's kept logits, before the merge) and reduced across processes: what the
-    prediction alpha^2 KL1 stands for."""
-    new_logits = scored_logits(model, input_ids, response_mask, max_responses=max_responses,
-                               max_positions=old_logits.shape[0], max_tokens=max_tokens, attention_mask=attention_mask)
+    far below fp32's resolution of a log-prob), at the positions whose logits `probe` kept
+    before the merge, reduced across processes: what the prediction alpha^2 KL1 stands for.
+
+    `probe` is the `Probe` that `probe(...)` returned before the merge: it records the
+    responses, token limit and temperature it scored and the logits it kept, so pass the same
+    `input_ids`, `response_mask` (and `attention_mask`) and nothing else. It must have kept
+    logits (`keep_positions` > 0). `temperature`, `max_responses` and `max_tokens` are for the
+    older form, `realised_kl(probe.logits, ...)`, which repeats the probe's arguments by hand
+    (defaults: the probe's); given with a Probe, each must be the probe's own. Inputs that do
+    not give the kept positions back are refused, before any collective.
+    """
+    if isinstance(probe, torch.Tensor):  # the older form: the kept logits, with the probe's arguments repeated
+        limit = MAX_TOKENS if max_tokens is None else max_tokens
+        temperature = 1.0 if temperature is None else temperature
+        _check_temperature(temperature)
+        ids, _, _ = _scored(input_ids, response_mask, max_responses, PROBE_TOKENS, limit, attention_mask)
+        probe = Probe(math.nan, probe, probe.shape[0], ids.shape[0], limit, temperature)
+    elif isinstance(probe, Probe):
+        given = (("temperature", temperature, probe.temperature), ("max_tokens", max_tokens, probe.max_tokens),
+                 ("max_responses", None if max_responses is None else min(max_responses, len(input_ids)),
+                  probe.responses))
+        for name, value, own in given:
+            if value is not None and value != own:
+                raise ValueError(f"realised_kl got {name}={value}, but the probe scored with {name}={own}: "
+                                 f"drop the argument (the Probe records it)")
+    elif probe is not None:
+        raise TypeError(f"realised_kl takes the Probe that probe(...) returned, got {type(probe).__name__}")
+    if probe is None or probe.logits is None:
+        raise ValueError("the probe kept no logits (keep_positions=0), so there is no 'before' to compare with: "
+                         "pass keep_positions > 0 to probe(...)")
+    new_logits = scored_logits(model, input_ids, response_mask, max_responses=probe.responses,
+                               max_positions=probe.kept, max_tokens=probe.max_tokens,
+                               attention_mask=attention_mask)  # (kept, V)
+    if new_logits.shape != probe.logits.shape:
+        raise ValueError(f"the probe kept logits {tuple(probe.logits.shape)}, but these inputs give "
+                         f"{tuple(new_logits.shape)} at its positions: pass the probe's own input_ids, "
+                         f"response_mask and attention_mask (and, in the older form, its max_responses)")
     total = torch.zeros(2, dtype=torch.float64, device=new_logits.device)
     for start in range(0, new_logits.shape[0], KL_CHUNK_POSITIONS):
         stop = start + KL_CHUNK_POSITIONS
-        old = torch.log_softmax(old_logits[start:stop].double() / temperature, dim=-1)  # (c, V)
-        new = torch.log_softmax(new_logits[start:stop].double() / temperature, dim=-1)
+        old = torch.log_softmax(probe.logits[start:stop].double() / probe.temperature, dim=-1)  # (c, V)
+        new = torch.log_softmax(new_logits[start:stop].double() / probe.temperature, dim=-1)
         # KL = sum_v p_old (log p_old - log p_new)
         total[0] += (old.exp() * (old - new)).sum()
         total[1] += old.shape[0]
@@ -485,27 +637,36 @@ def kl_budget(update, *, start=2e-4, end=2e-5, horizon=300) -> float:
 
 
 class Mismatch:
-    """EMA of the engine-vs-trainer log-prob gap on EOS-terminated responses; shrinks the budget."""
+    """EMA m of the engine-vs-trainer log-prob gap on the responses that count; shrinks the budget."""
 
     def __init__(self, momentum=0.7):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.momentum = momentum
         self.m = 0.0
-        self.active = False  # whether the last observed global batch had an EOS response
+        self.active = False  # whether a response of the last observed global batch counted
 
     @torch.no_grad()
-    def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos, group=None):
-        """observed = max(0, mean(rollout - trainer)) over EOS responses; m <- 0.7 m + 0.3 observed.
+    def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos=None, group=None):
+        """observed = max(0, mean(rollout - trainer)) over the response tokens of the responses
+        that count, summed and counted across processes; m <- 0.7 m + 0.3 observed.
 
-        Returns the observed value (None, and m unchanged, when no response ended with EOS).
+        `ended_with_eos` (B,) bool: only responses that ended with EOS count (the paper's rule);
+        None: every response counts (fixed-length responses, which never end with EOS;
+        departure 4). Returns the observed value. A global batch in which no response counts
+        (none ended with EOS, or no response token) returns None and leaves the estimate m as it
+        was; `adjust` then leaves this update's budget whole, and the next batch in which one
+        counts subtracts again.
         """
         if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape):
             raise ValueError("rollout log-probs, trainer log-probs and mask must have one shape (B, T)")
-        if ended_with_eos.shape != response_mask.shape[:1]:
-            raise ValueError(f"ended_with_eos must be ({response_mask.shape[0]},)")
-        keep = response_mask.bool() & ended_with_eos.bool()[:, None]  # (B, T)
-        gap = (rollout_logprobs.double() - trainer_logprobs.double())[keep]  # (M,)
+        counts = response_mask.bool()  # (B, T)
+        if ended_with_eos is not None:
+            if ended_with_eos.shape != response_mask.shape[:1]:
+                raise ValueError(f"ended_with_eos must be ({response_mask.shape[0]},), or None to count every "
+                                 f"response, got {tuple(ended_with_eos.shape)}")
+            counts = counts & ended_with_eos.bool()[:, None]  # (B, T)
+        gap = (rollout_logprobs.double() - trainer_logprobs.double())[counts]  # (M,)
         if not torch.isfinite(gap).all():
             raise FloatingPointError("non-finite log-probs in the mismatch estimate")
         total = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), dtype=torch.float64,
@@ -522,8 +683,8 @@ class Mismatch:
 
     def adjust(self, budget) -> float:
         """budget <- max(budget - m, 0.5 budget); unchanged when no response of the last observed
-        global batch ended with EOS (then m was not updated either, as in the authors' code
-        linked in the module docstring)."""
+        global batch counted (then m was not updated either, as in the authors' code linked in
+        the module docstring)."""
         return max(budget - self.m, 0.5 * budget) if self.active else budget
 
     def state_dict(self):
@@ -534,10 +695,11 @@ class Mismatch:
 
 
 def probe_count(mask, responses: int, tokens: int) -> int:
-    """How many of this rank's responses the KL probe scores: the first `responses` (the
-    paper's 2), and more until they hold at least `tokens` generated tokens (all if need be).
-    The paper's responses run to thousands of tokens; a tiny task's are a few, and KL1 from
-    2 of them would be noise (train.py's departure 2)."""
+    """How many of this process's responses to probe: the first `responses` (the paper's 2), and
+    more until they hold at least `tokens` generated tokens (all of them if they hold fewer);
+    `mask` (B, T) marks the generated tokens. The probe's default is this rule with 2 and 512
+    (departure 3): the paper's responses run to thousands of tokens, where it gives the paper's
+    2; on short responses KL1 from 2 of them would be noise. `tokens=0` gives the paper's 2."""
     per_response = mask.sum(dim=1).tolist()  # generated tokens of each response
     count, seen = 0, 0
     for n in per_response:

@@ -10,6 +10,27 @@ this simple setup for Table 1's runs (one response per prompt, a global running 
 baseline) on purpose: it isolates the memory method from gains that a more elaborate RL
 algorithm would add.
 
+Use
+---
+    import ppo
+
+    rewards = ppo.outcome_reward(correct)                  # (B,) 1 if correct, else -0.01
+    baseline = ppo.RunningBaseline()                       # b: kept from batch to batch (and checkpointed)
+    advantages = baseline.advantages(rewards)              # (B,) A = r - b; then b moves toward the mean
+    num_tokens = ppo.global_token_count(mask)              # response tokens of the global batch
+    logprobs = ppo.response_logprobs(model(input_ids=ids).logits, ids)  # (B, T) log pi(y_t), with grad
+    loss, metrics = ppo.policy_loss(logprobs, advantages, mask, rollout_logprobs=rollout_logprobs,
+                                    num_tokens=num_tokens)  # REINFORCE with TIS
+    loss.backward()
+
+`model` is the policy (a Hugging Face causal LM, its target layers sketched by sketch.attach in
+LoGRA), `ids` (B, T) the rollout's prompt and response tokens, `mask` (B, T) True on the response
+tokens, `correct` (B,) the outcomes (1 or 0, or a verifier's score) and `rollout_logprobs` (B, T)
+the rollout engine's log-probs of `ids`; tests/test_ppo.py runs this block on a tiny Qwen2. With
+micro-batches, the last three statements run once per micro-batch, on its rows of `ids`,
+`advantages`, `mask` and `rollout_logprobs`, with the one `num_tokens` (as train.py does).
+`metrics` are 0-dim tensors; `check_finite` checks the inputs once per update.
+
 The math
 --------
     reward     r = 1 if the final answer is correct else failure_reward (-0.01)

@@ -11,18 +11,40 @@ do not line up; per-row statistics do.
 
 Use
 ---
-`RowAdam`'s class docstring shows one update end to end (attach, backward, `prepare()`, the
-step multiplier alpha, `merge(alpha)`, `discard()`); tests/test_rowadam.py runs that block.
+    import sketch
+    from rowadam import RowAdam
+    layers = sketch.attach(model, rank=8, seed=0)  # S and A_0 on every target nn.Linear; weights frozen
+    opt = RowAdam(layers)                          # the layers' seed (base_seed=0 would be checked)
+    loss_fn(model, ids).backward()                 # into the sketches S = G A^T; no weight gradient
+    opt.prepare()                                  # U = c D per layer in opt.directions; nothing changed
+    try:
+        alpha = choose_alpha(layers, opt.directions)
+    except Exception:
+        opt.discard()                              # the batch dropped: S zeroed; W, v, counter kept
+        raise
+    factors = opt.merge(alpha)                     # W -= F A_0, F = bf16(alpha U); v set; update 1; S = 0; A_1
 
-The math, per target layer, update t (1-based)
-----------------------------------------------
+One update, given a Hugging Face causal LM `model` with fp32 weights, a batch `ids` (B, T),
+a `loss_fn(model, ids)` (train.py: ppo.py's policy loss) and a `choose_alpha(layers,
+directions)` that returns the step multiplier alpha >= 0 (train.py: kl_control.py's probe
+and solve_alpha; kl_control.py's Use block is the whole update with them). `factors`, this
+process's rows of each layer's F, is what sync.py sends to the rollout engines. The next
+update runs the same lines from the backward on: `merge` has zeroed the sketches and moved
+every layer to A_1. `RowAdam`'s docstring says what each call does and refuses;
+tests/test_rowadam.py::test_the_use_block_runs runs this block on the tiny Qwen2.
+
+The math, per target layer, at update t
+---------------------------------------
 The paper's method section on RowAdam (arXiv:2610.06647) keeps Adam's adaptive scaling, but
 per row of the sketch instead of per element, and merges the update straight into the full
 weight as `W <- W - alpha eta U A`. Below, the paper's `U` is `D` and its learning rate eta
-is the global scale `c`, so this file's `U = c D` stands for the paper's `eta U`:
+is the global scale `c`, so this file's `U = c D` stands for the paper's `eta U`. The update
+t is the project's one counter (sketch.py, "The update counter"): the 0-based count of
+updates merged before this one, `RowAdam.update`; update t uses A_t, and the bias
+correction's step is t + 1, the number of sketches v has averaged, this one included:
 
     v     <- beta2 * v + (1 - beta2) * mean_j S[i, j]^2         row-wise over the r columns
-    root  <- sqrt(v / (1 - beta2^t))
+    root  <- sqrt(v / (1 - beta2^(t + 1)))
     den   <- root + max(eps * mean(root), tiny)
     s     <- min(den) / den                     inverse row scale in (0, 1], no overflow
     s     <- s / sqrt(mean(s^2))                RMS-normalise the row scales
@@ -37,16 +59,30 @@ is the global scale `c`, so this file's `U = c D` stands for the paper's `eta U`
 (`RowAdam.prepare`), and the merge, for the step multiplier alpha chosen by kl_control.py:
 
     F = bf16(alpha * U)                         what the rollout engines receive
-    W <- W - F @ A                              fp32 master weights, in row chunks
+    W <- W - F @ A_t                            fp32 master weights, in row chunks
 
-(`RowAdam.merge`, `merge_rows`).
+(`RowAdam.merge`, `merge_rows`), after which the layers move to A_{t+1}.
 
 Defaults, and how to choose them
 --------------------------------
 The paper's: beta2 = 0.95, eps = 1e-8, update_ratio = 6e-5, factor dtype bf16.
-- update_ratio sets the step before alpha. kl_control.py's KL1 grows as c^2, so the merged
-  alpha U = sqrt(budget / KL1) U does not depend on it, until alpha reaches its cap
-  `alpha_max`: choose update_ratio large enough that alpha stays below the cap.
+- update_ratio and the KL budget. `prepare` scales U so that ||U A|| = update_ratio ||W||,
+  and kl_control.py's KL1 is quadratic in U: KL1 = update_ratio^2 K, where K is the KL1 of
+  the same direction scaled to ||U A|| = ||W||. alpha = min(alpha_max, sqrt(budget / KL1))
+  then makes the merged step, relative to the weights,
+
+      ||alpha U A|| / ||W|| = min(alpha_max * update_ratio, sqrt(budget / K))
+
+  While alpha is at its cap, the step is alpha_max * update_ratio and the predicted KL
+  alpha^2 KL1 stays below the budget, which then does nothing. Once the budget binds (alpha <
+  alpha_max, predicted KL = budget), the step is sqrt(budget / K): update_ratio no longer
+  matters. So choose update_ratio for the budget to bind from the first updates: from one
+  update's logged KL1 and budget (the budget after the mismatch), any update_ratio above
+  update_ratio * sqrt(budget / (alpha_max^2 KL1)) does, and twice that starts alpha near
+  alpha_max / 2. Log alpha to check: alpha = alpha_max means the budget is not binding and
+  update_ratio alone is the step. The paper pairs 6e-5 with its budget 2e-4 -> 2e-5 for its
+  Qwen models; train.py's tiny and tiny-math presets take 2e-3 with 2e-2 -> 5e-3 (the
+  README's tiny run has alpha at its cap of 3 at its first steps, 0.74 at step 150).
 - beta2: v averages the squared sketch rows over about 1 / (1 - beta2) = 20 updates.
 - eps is relative to mean(root), so it does not depend on the scale of the loss.
 - factor dtype: what the engines receive and merge; fp32 would double the sync payload.
@@ -70,11 +106,16 @@ Departures from the paper
    tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.
 2. No bf16 ties in the master weights. The paper merges `W <- W - F A`. Here, after every
    fp32 merge, a weight that lies exactly halfway between two bf16 values moves one fp32 ulp
-   (at most 2^-23 relative) toward zero (`avoid_bf16_ties_`, about 1 weight in 65536).
-   Reason: fp32 is then bf16(fp32) plus an int16 count of fp32 ulps, exactly, so a rollout
-   engine can hold the trainer's fp32 master as vLLM's bf16 weight plus a 2-byte residual
-   (sync.py) instead of a 4-byte copy; both sides apply the same rule to the same bits.
+   (at most 2^-23 relative) toward zero (`avoid_bf16_ties_`, about 1 weight in 65536), in
+   every row the merge moves: a row whose factor row is zero is left bit for bit (W - 0 A is
+   W), so that `merge(0.0)` changes no weight. Reason: fp32 is then bf16(fp32) plus an int16
+   count of fp32 ulps, exactly, so a rollout engine can hold the trainer's fp32 master as
+   vLLM's bf16 weight plus a 2-byte residual (sync.py) instead of a 4-byte copy; both sides
+   apply the same rule to the same bits, and weights that start without a tie (train.py
+   applies `avoid_bf16_ties_` before the engines' start-up sync) never hold one. The engine
+   needs no rule of its own for rows it does not move: its master cannot hold a tie.
    Tests: tests/test_rowadam.py::test_merge_moves_bf16_ties_one_ulp_toward_zero,
+   tests/test_rowadam.py::test_merge_of_alpha_zero_changes_no_weight_here_or_on_the_engine,
    tests/test_sync.py::test_compact_state_is_the_masters_bits_over_1000_updates.
 
 Implementation notes
@@ -104,10 +145,19 @@ Implementation notes
   tests/test_rowadam.py::test_sharded_merge_equals_unsharded.
 - `prepare` computes the new moments but `merge` commits them, together with the update
   counter: a step abandoned between the two (`discard()`, e.g. when the KL probe fails)
-  leaves the optimizer exactly as it was; a non-finite sketch raises before anything
-  changes. Test: tests/test_rowadam.py::test_failures_change_nothing.
+  leaves the weights, moments and counter exactly as they were and zeroes the sketches (the
+  batch is dropped, so the next backward starts a new one). Every refusal (no backward
+  since the last merge, a second `prepare`, a non-finite sketch, a bad alpha or factor)
+  raises before anything changes, except that `prepare(group)` sums whole sketches in place
+  before it finds their sum non-finite (`discard()` then drops it). Tests:
+  tests/test_rowadam.py::test_failures_change_nothing,
+  tests/test_rowadam.py::test_prepare_without_a_backward_is_refused,
+  tests/test_rowadam.py::test_discard_drops_the_batch_and_keeps_the_optimizer.
 - A layer whose sketch is zero gets D = 0 (no 0/0), and if every D A is zero, c = 0: the
-  merge then changes nothing. Test: tests/test_rowadam.py::test_zero_sketch_gives_zero_direction.
+  merge then changes no weight (departure 2). A backward of a zero loss (every advantage
+  zero) gives such sketches and is a batch like any other, not refused as a missing backward.
+  Tests: tests/test_rowadam.py::test_zero_sketch_gives_zero_direction,
+  tests/test_rowadam.py::test_prepare_without_a_backward_is_refused.
 - float64 weights are accepted (for tests against float64 references); bf16/fp16 weights
   are refused: an update of 6e-5 relative is far below their resolution. Test:
   tests/test_rowadam.py::test_bf16_weights_refused.
@@ -129,7 +179,8 @@ MERGE_CHUNK_ROWS = 1024
 def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8, out=None):
     """RowAdam's direction D (d, r) of one layer from its sketch S (d, r) and row moments
     v (d,), this process holding every row; returns (D, new v) and changes nothing in place.
-    `out`: a preallocated (d, r) buffer for D (no transient copy)."""
+    `step`: the bias correction's step, update + 1. `out`: a preallocated (d, r) buffer for D
+    (no transient copy)."""
     _check_direction_inputs([S], [v], step, beta2, eps)
     # d as a float64 tensor on S's device, divided by as the sharded path does (implementation notes)
     d = torch.tensor(S.shape[0], dtype=torch.float64, device=S.device)  # ()
@@ -158,7 +209,7 @@ def _check_direction_inputs(sketches, moments, step, beta2, eps):
         if v.shape != (S.shape[0],):
             raise ValueError(f"second moment must have shape ({S.shape[0]},), got {tuple(v.shape)}")
     if step < 1:
-        raise ValueError(f"step is 1-based, got {step}")
+        raise ValueError(f"step is 1-based (update + 1), got {step}")
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
     if not eps > 0:
@@ -174,30 +225,39 @@ def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_RO
 
     F @ A is computed in float64 and rounded once to W's dtype (implementation notes), so the
     result does not depend on the chunking or the device: FSDP row shards and the engines'
-    merges (sync.py) give the same bits as an unsharded merge. `avoid_ties=False` leaves bf16
-    ties (departure 2) to the caller: the engines move them as they split the result.
+    merges (sync.py) give the same bits as an unsharded merge. A row whose factor row is zero
+    is left bit for bit, ties included (departure 2); `avoid_ties=False` leaves the bf16 ties
+    of the moved rows to the caller: the engines move them as they split the result.
     """
     n = rows.shape[0]
+    # (n,) the rows it moves: F's row is not zero. A mask, never read back to the host: the
+    # engines merge chunk by chunk on the GPU and must not wait on it. W - 0 A = W, ties and
+    # all, so merge(0.0) changes no weight.
+    moved = factor[row_offset:row_offset + n].ne(0).any(dim=1)
     a = projection.to(torch.float64)  # (r, k)
     for start in range(0, n, chunk_rows):
         stop = min(start + chunk_rows, n)
         f = factor[row_offset + start:row_offset + stop].to(torch.float64)  # (m, r)
-        # Shapes: (m, r) @ (r, k) -> (m, k)
+        # Shapes: (m, r) @ (r, k) -> (m, k); a row of F that is zero gives +0: W - 0 A = W
         rows[start:stop].sub_((f @ a).to(rows.dtype))
-        if avoid_ties and rows.dtype == torch.float32:
-            avoid_bf16_ties_(rows[start:stop])  # departure 2
+        if avoid_ties and rows.dtype == torch.float32:  # departure 2, in the moved rows only
+            avoid_bf16_ties_(rows[start:stop], rows=moved[start:stop])
 
 
-def avoid_bf16_ties_(w):
+def avoid_bf16_ties_(w, *, rows=None):
     """Move every fp32 value that lies exactly halfway between two bf16 values (low 16 bits
-    0x8000) one fp32 ulp toward zero, in place (departure 2).
+    0x8000) one fp32 ulp toward zero, in place (departure 2); `rows` (n,) bool: only in those
+    rows (all by default).
 
     An fp32 weight is then exactly its bf16 rounding plus a residual in [-32767, 32767] fp32
     ulps, which an int16 holds: the rollout engines keep that residual next to vLLM's bf16
     weight instead of a whole fp32 copy (sync.py). Both sides apply it after every merge.
     """
     bits = w.view(torch.int32)  # (n, k) raw fp32 words
-    bits.sub_(((bits & 0xFFFF) == 0x8000).to(torch.int32))
+    tie = (bits & 0xFFFF) == 0x8000  # (n, k)
+    if rows is not None:
+        tie &= rows[:, None]
+    bits.sub_(tie.to(torch.int32))
     return w
 
 
@@ -207,43 +267,39 @@ def avoid_bf16_ties_(w):
 class RowAdam:
     """RowAdam over the sketched target layers of one model: `prepare()` turns their sketches S
     into directions U (`directions`), `merge(alpha)` writes `W -= bf16(alpha U) A` into the
-    fp32 master weights and moves every layer on to its next projection A.
+    fp32 master weights and moves every layer on to its next projection A. The module
+    docstring's Use block shows one update.
 
-    One update, given a causal LM `model` with fp32 weights, a batch `ids` (B, T), a `loss_fn`
-    (train.py: ppo.py's policy loss) and a `choose_alpha(layers, directions)` that picks the
-    step multiplier (train.py: kl_control.py's probe and solve_alpha, whose Use block shows the
-    calls); tests/test_rowadam.py runs this block on the tiny Qwen2:
-
-        import sketch
-        from rowadam import RowAdam
-
-        layers = sketch.attach(model, rank=8, seed=0)  # S and A on every target nn.Linear
-        opt = RowAdam(layers, base_seed=0)
-        loss_fn(model, ids).backward()                 # into the sketches S = G A^T, no weight gradient
-        opt.prepare()                                  # U = c D per layer in opt.directions; nothing changed
-        try:
-            alpha = choose_alpha(layers, opt.directions)
-        except Exception:
-            opt.discard()                              # abandon the update: weights, moments, counter as they were
-            raise
-        factors = opt.merge(alpha)                     # W -= F A, F = bf16(alpha U); S zeroed; A_t -> A_{t+1}
-
-    `factors` (this process's rows of each layer's F) is what sync.py sends to the rollout
-    engines. `discard()` is for any failure between `prepare()` and `merge()`: it drops the
-    prepared directions, and since `prepare()` commits nothing, the weights, the moments v
-    and the update counter stay as they were.
+    An update is `prepare()` and then `merge(alpha)`, or `discard()`:
+    - `prepare()` computes every layer's U = c D and the new moments v, and changes nothing
+      (with `group`, whole sketches are first summed over the processes in place). It refuses
+      when no backward reached any sketch since the last `merge` or `discard` (sketch.py's
+      `LayerSketch.backwards`): the directions would be zero and `merge` would still count an
+      update. A backward of a zero loss is a backward: its zero sketch gives U = 0. Called
+      again before `merge` or `discard`, it refuses too: the first call's directions stand,
+      and with `group` a second call would sum the sketches twice.
+    - `merge(alpha)`, alpha finite and >= 0: W -= F A_t with F = bf16(alpha U), then v is
+      committed, the counter goes from t to t + 1, the sketches are zeroed and every layer
+      moves to A_{t+1}. `merge(0.0)` changes no weight bit (departure 2), here or on the
+      engines that merge its zero factors, and is an update all the same: v takes in the
+      batch, the counter and A move on. To drop a batch instead, `discard()`.
+    - `discard()`: the batch is abandoned. The directions are dropped and the sketches zeroed
+      (the next backward starts a new batch); the weights, v and the counter stay as they
+      were. Also without `prepare()`, to drop a half-accumulated batch.
+    Every refusal raises before anything changes (the module docstring's implementation notes).
 
     Arguments:
         layers: `sketch.attach(model, ...)`'s layers: one model, one seed, one update number
             and one process group (or none); their weights fp32 (or float64, for tests).
-        base_seed: the seed they were attached with (checked); A_t is drawn from it.
+        base_seed: optional, the seed they were attached with (`attach`'s `seed`), which they
+            hold; given, it is checked against theirs. A_t is drawn from it.
         beta2: decay of the row second moments v (0.95).
         eps: added to each row's root as eps * mean(root), with the root's tiny as a floor (1e-8).
         update_ratio: ||U A|| / ||W|| over all target layers, before alpha (6e-5).
         factor_dtype: the dtype of F = alpha U, as merged here and sent to the engines (bf16).
     """
 
-    def __init__(self, layers: list[LayerSketch], *, base_seed, beta2=0.95, eps=1e-8,
+    def __init__(self, layers: list[LayerSketch], *, base_seed=None, beta2=0.95, eps=1e-8,
                  update_ratio=6e-5, factor_dtype=torch.bfloat16):
         if not layers:
             raise ValueError("RowAdam needs at least one LayerSketch")
@@ -257,15 +313,17 @@ class RowAdam:
             raise ValueError("all layers must share one base seed and update number")
         if len({id(layer.group) for layer in layers}) != 1:
             raise ValueError("all layers must share one process group (or none)")
-        if layers[0].base_seed != base_seed:
-            raise ValueError(f"layers were attached with seed {layers[0].base_seed}, not {base_seed}")
+        if base_seed is not None and layers[0].base_seed != base_seed:
+            raise ValueError(f"layers were attached with seed {layers[0].base_seed}, not base_seed={base_seed}: "
+                             f"pass attach's seed, or leave base_seed out (the layers hold it)")
         if not 0.0 <= beta2 < 1.0 or not eps > 0 or not update_ratio > 0:
             raise ValueError("need 0 <= beta2 < 1, eps > 0, update_ratio > 0")
         self.layers = layers
         self.group = layers[0].group  # rows are sharded over it (departure 1), or None
-        self.base_seed, self.beta2, self.eps = base_seed, beta2, eps
+        self.base_seed, self.beta2, self.eps = layers[0].base_seed, beta2, eps
         self.update_ratio, self.factor_dtype = update_ratio, factor_dtype
-        self.update = layers[0].update  # completed updates; the formulas' t is update + 1
+        # t, the 0-based count of merged updates (sketch.py, "The update counter"); step t + 1
+        self.update = layers[0].update
         # v: one fp32 second moment per output row this process holds, per layer.
         self.moments = [torch.zeros(l.sketch.shape[0], dtype=l.sketch.dtype, device=l.sketch.device)
                         for l in layers]  # (n,) each
@@ -285,16 +343,20 @@ class RowAdam:
     def prepare(self, group=None) -> float:
         """Compute every layer's U = c D (this process's rows) into `directions`; return ||S||
         over all layers. Weights, moments and the update counter are not touched (`merge`
-        commits, `discard` abandons).
+        commits, `discard` abandons). Refused without a backward since the last merge or
+        discard, and when called twice (the class docstring).
 
         The sketches were already summed over processes: in backward (row-sharded layers) or, for
         whole sketches held by several processes, here with one all_reduce each over `group`.
         """
         if self.directions is not None:
-            raise RuntimeError("prepare() was already called for this update: merge() or discard() first")
-        if group is not None and self.group is None:
-            for l in self.layers:  # whole sketches on every process: sum them (in place)
-                dist.all_reduce(l.sketch, group=group)
+            raise RuntimeError("prepare() was already called for this update and its directions are in "
+                               "opt.directions: merge(alpha) them, or discard() the batch and run a new backward")
+        whole = group is not None and self.group is None  # whole sketches on every process: summed here
+        self._check_a_backward_ran(group if whole else None)
+        if whole:
+            for l in self.layers:
+                dist.all_reduce(l.sketch, group=group)  # in place: the summed sketch is the batch's
         sketches = [l.sketch for l in self.layers]  # (n, r) each, summed over processes
         # ||S||^2 of each layer in float64 over all its rows: the norm returned, and the check
         # that S is finite (and that the directions' own ||S||^2 does not overflow)
@@ -303,9 +365,9 @@ class RowAdam:
             dist.all_reduce(S_sq, group=self.group)  # this process's rows -> all rows (departure 1)
         if not torch.isfinite(S_sq).all():
             raise FloatingPointError("summed sketch is not finite (or its squared norm overflows float64): "
-                                     "nothing was changed")
+                                     "weights, moments and counter unchanged; discard() drops the batch")
 
-        t = self.update + 1  # the formulas' 1-based update
+        t = self.update + 1  # the bias correction's step: update + 1 (the module docstring's math)
         if self.group is None:  # every row here: the formulas as written
             D, moments = map(list, zip(*(row_adam_direction(S, v, step=t, beta2=self.beta2, eps=self.eps, out=u)
                                          for S, v, u in zip(sketches, self.moments, self._u))))
@@ -334,31 +396,59 @@ class RowAdam:
         self._pending_moments = moments
         return math.sqrt(S_sq.sum().item())
 
+    def _check_a_backward_ran(self, group):
+        """Refuse a batch that no backward reached. sketch.py's `LayerSketch.backwards` counts
+        the backwards into a layer's sketch since its last `zero_()`, which `merge` and
+        `discard` call; a sketch.py without that count (None) is not checked. `group`: whole
+        sketches summed over its processes, each counting its own backwards, so the counts are
+        summed too and every process refuses or none (the row-sharded backward is itself a
+        collective: every process counts the same)."""
+        counts = [getattr(l, "backwards", None) for l in self.layers]
+        if any(c is None for c in counts):
+            return
+        total = sum(int(c) for c in counts)
+        if group is not None:
+            total_t = torch.tensor(total, dtype=torch.int64, device=self.layers[0].sketch.device)  # ()
+            dist.all_reduce(total_t, group=group)
+            total = int(total_t)
+        if total == 0:
+            raise ValueError("prepare(): no backward reached any sketch since the last merge() or discard(), so the "
+                             "directions would be zero and merge() would still count an update; call "
+                             "loss.backward() between merges (nothing was changed)")
+
     def discard(self) -> None:
-        """Abandon a prepared update: directions dropped, moments and counter unchanged."""
+        """Abandon the batch: directions dropped and sketches zeroed (the next backward starts a
+        new batch); weights, moments and the update counter unchanged. Also without prepare()."""
         self.directions = self._pending_moments = None
+        for layer in self.layers:
+            layer.zero_()
 
     # -- merge: W -= bf16(alpha U) A ----------------------------------------------------
 
     @torch.no_grad()
     def merge(self, alpha: float) -> list[torch.Tensor]:
-        """Merge bf16(alpha U) @ A into this process's rows of every weight; return this
-        process's rows of the factors F exactly as merged (`sketch.gather_rows` completes them)."""
+        """Merge bf16(alpha U) @ A_t into this process's rows of every weight, commit the moments,
+        count the update and move to A_{t+1}; return this process's rows of the factors F exactly
+        as merged (`sketch.gather_rows` completes them). alpha = 0 changes no weight (departure 2)."""
         if self.directions is None:
             raise RuntimeError("merge() needs prepare() first")
         alpha = float(alpha)
         if not math.isfinite(alpha) or alpha < 0:
             raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
         factors = [(alpha * u).to(self.factor_dtype) for u in self.directions]  # F (n, r) each
-        for layer, f in zip(self.layers, factors):
-            rows, _ = local_rows(layer.module.weight)
-            if rows.shape[0] != f.shape[0]:
-                raise RuntimeError(f"{layer.name}: {rows.shape[0]} local weight rows but {f.shape[0]} sketch rows "
+        # Every check before the first weight changes: a finite alpha can still overflow F.
+        rows = [local_rows(layer.module.weight)[0] for layer in self.layers]  # (n, k) each
+        for layer, w, f in zip(self.layers, rows, factors):
+            if w.shape[0] != f.shape[0]:
+                raise RuntimeError(f"{layer.name}: {w.shape[0]} local weight rows but {f.shape[0]} sketch rows "
                                    f"(attach(..., group=...) must match the FSDP2 sharding)")
-            merge_rows(rows, f, layer.projection)
+        if not torch.stack([torch.isfinite(f).all() for f in factors]).all():
+            raise ValueError(f"alpha = {alpha:g} makes F = alpha U overflow {self.factor_dtype}: nothing was merged")
+        for layer, w, f in zip(self.layers, rows, factors):
+            merge_rows(w, f, layer.projection)
         for v, new in zip(self.moments, self._pending_moments):
             v.copy_(new)
-        self.discard()
+        self.directions = self._pending_moments = None
         self.update += 1
         for layer in self.layers:
             layer.zero_()

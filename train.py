@@ -324,8 +324,7 @@ def logra_step(model, opt, layers, rollout, budget, cfg, timer) -> dict:
     # "an estimate used for control, not a guarantee", so every step's is measured and logged.
     kl_real = math.nan
     if probe.logits is not None:
-        kl_real = kl_control.realised_kl(probe.logits, model, rollout.ids, rollout.mask, temperature=temperature,
-                                         max_responses=probed)
+        kl_real = kl_control.realised_kl(probe, model, rollout.ids, rollout.mask)  # the probe's own positions
         timer("kl_real")
     return dict(kl1=kl1, alpha=alpha, budget=budget, sketch_norm=sketch_norm, kl_real=kl_real, probed=probed,
                 factors=factors)

@@ -137,6 +137,7 @@ def engine_sync(reps, rank):
             for i in range(reps + 1):
                 for layer in layers:  # a stand-in for backward: random sketches, then RowAdam's step
                     layer.sketch.normal_(generator=g)
+                    layer.backwards += 1  # what a backward into the sketch counts (RowAdam checks it)
                 opt.prepare()
                 factors = opt.merge(1.0)
                 t0 = time.perf_counter()

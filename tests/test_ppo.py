@@ -1,15 +1,19 @@
 """ppo.py: hand-derived gradients, micro-batch invariance, the baseline across 2 processes, no
-host read in the loss, and one in the finite check."""
+host read in the loss, one in the finite check, and the Use block against a written-out loss."""
 
+import copy
 import math
 import os
+import textwrap
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import ppo
+import sketch
 from distributed import run_gloo
+from tiny import tiny_batch, tiny_qwen2
 
 F64 = torch.float64
 
@@ -219,3 +223,59 @@ def test_response_logprobs_chunks_and_gradient():
         torch.testing.assert_close(out[:, 1:], direct, rtol=1e-12, atol=1e-12)
         (g_out,) = torch.autograd.grad(out.sum(), z)
         torch.testing.assert_close(g_out, g_direct, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# The Use block, on the tiny Qwen2 with sketched targets
+
+def use_block(doc):
+    """A module docstring's Use block: the indented lines directly after the lines `Use` and
+    `---`, up to the first line that is not indented (blank lines inside kept), dedented."""
+    lines = doc.splitlines()
+    start = next(i for i in range(len(lines) - 1) if lines[i] == "Use" and lines[i + 1] == "---") + 2
+    end = next((i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    ")), len(lines))
+    assert start < end and lines[start].startswith("    "), "the block must follow the underline directly"
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def test_the_use_block_runs():
+    """ppo.py's Use block on the tiny Qwen2 (fp32, targets sketched): its advantages, loss and
+    every target's sketch are those of the objective written out here, in float64 on a copy
+    of the model, with dense autograd's gradient G (sketch S = G A_0^T)."""
+    model = tiny_qwen2()
+    reference = copy.deepcopy(model).double()
+    layers = sketch.attach(model, rank=8, seed=0)
+    ids = tiny_batch(batch=4, length=9)
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    mask[:, 5:] = True  # 5 prompt tokens, then 4 response tokens
+    mask[3, 7:] = False  # one shorter response (padding after it)
+    correct = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    with torch.no_grad():
+        trainer = ppo.response_logprobs(model(input_ids=ids).logits, ids)  # (B, T)
+    noise = 0.5 * torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+    rollout_logprobs = torch.where(mask, trainer + noise, 0.0)  # an engine that differs a little
+    run = dict(torch=torch, model=model, ids=ids, mask=mask, correct=correct, rollout_logprobs=rollout_logprobs)
+    exec(use_block(ppo.__doc__), run)
+
+    # The objective, written out: r = 1 or -0.01; A = r - mean(r) (a first batch is its own
+    # baseline); w = min(exp(logp - rollout), 2); loss = -sum over responses of w A logp / N.
+    logits = reference(input_ids=ids).logits  # (B, T, V) float64
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T - 1)
+    logp = torch.cat([torch.zeros(4, 1, dtype=F64), logp], 1)  # (B, T)
+    r = torch.tensor([1.0, -0.01, 1.0, -0.01], dtype=F64)
+    adv = r - r.mean()  # (B,)
+    w = torch.exp(logp.detach() - rollout_logprobs.double()).clamp(max=2.0)  # (B, T)
+    loss = -torch.where(mask, w * adv[:, None] * logp, 0.0).sum() / mask.sum()
+    loss.backward()
+
+    assert run["num_tokens"] == int(mask.sum()) == 14
+    torch.testing.assert_close(run["advantages"].double(), adv, rtol=1e-6, atol=1e-7)
+    assert math.isclose(run["baseline"].value, r.mean().item(), rel_tol=1e-6)
+    assert math.isfinite(run["loss"].item()) and math.isclose(run["loss"].item(), loss.item(), rel_tol=1e-5)
+    assert 0 < float(run["metrics"]["tis_weight"]) <= 2.0
+    modules = dict(reference.named_modules())
+    for layer in layers:
+        ref = modules[layer.name].weight.grad @ layer.projection.double().t()  # (d, r)
+        assert layer.backwards == 1 and ref.abs().max() > 0, layer.name
+        torch.testing.assert_close(layer.sketch.double(), ref, rtol=0, atol=2e-5 * ref.abs().max().item())
+    assert all(p.grad is None for p in model.parameters())

@@ -2,7 +2,7 @@
 
 import contextlib
 import copy
-import inspect
+import itertools
 import math
 import os
 import re
@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 import kl_control
 import rowadam
 import sketch
+import sync
 from distributed import run_gloo
 from tiny import tiny_batch, tiny_qwen2
 
@@ -96,12 +97,13 @@ def lm_loss(model, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def docstring_block(doc):
-    """The first indented block of a docstring (its example), dedented."""
-    lines = inspect.cleandoc(doc).splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("    "))
-    end = next((i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    ")), len(lines))
-    return textwrap.dedent("\n".join(lines[start:end]))
+def use_block():
+    """The module docstring's Use block: the indented lines right after `Use` and `---`, up to
+    the first line that is not indented, dedented."""
+    after = rowadam.__doc__.split("\nUse\n---\n", 1)[1].splitlines()
+    block = list(itertools.takewhile(lambda line: line.startswith("    "), after))
+    assert len(block) >= 8, block
+    return textwrap.dedent("\n".join(block))
 
 
 def kl_probe_alpha(model, ids, mask):
@@ -112,12 +114,13 @@ def kl_probe_alpha(model, ids, mask):
     return choose_alpha
 
 
-def test_the_class_docstring_runs():
-    """RowAdam's docstring block, run on the tiny Qwen2: it merges W - F A_0, with F the factors
-    it returns and A_0 drawn again from the seed rule (dense, float64), and counts one update.
-    On a batch with no generated token the probe raises, and `discard()` has left the weights,
-    moments and counter as they were."""
-    block = docstring_block(rowadam.RowAdam.__doc__)
+def test_the_use_block_runs():
+    """The module docstring's Use block, run on the tiny Qwen2: the optimizer takes the layers'
+    seed; it merges W - F A_0, with F the factors it returns and A_0 drawn again from the seed
+    rule (dense, float64), counts one update, and leaves zeroed sketches on A_1. On a batch with
+    no generated token the probe raises, and `discard()` has left the weights, moments and
+    counter as they were and dropped the batch: a prepare() without a new backward is refused."""
+    block = use_block()
     ids = tiny_batch(batch=3, length=9)
     mask = torch.zeros_like(ids)
     mask[:, 5:] = 1  # the last 4 tokens of each sequence are "generated"
@@ -125,7 +128,8 @@ def test_the_class_docstring_runs():
     before = {n: m.weight.detach().clone() for n, m in sketch.target_modules(model).items()}
     run = dict(model=model, ids=ids, loss_fn=lm_loss, choose_alpha=kl_probe_alpha(model, ids, mask))
     exec(block, run)
-    assert run["opt"].update == 1 and 0 < run["alpha"] <= 3.0
+    opt, layers = run["opt"], run["layers"]
+    assert opt.base_seed == 0 and opt.update == 1 and 0 < run["alpha"] <= 3.0
     for (name, m), f in zip(sketch.target_modules(model).items(), run["factors"]):
         w0, w = before[name], m.weight.detach()
         a0 = sketch.make_projection(8, w0.shape[1], sketch.projection_seed(0, 0, name), dtype=F64)  # (r, k)
@@ -133,15 +137,21 @@ def test_the_class_docstring_runs():
         tol = 2 * torch.finfo(w.dtype).eps * w0.abs().max().item()  # fp32 rounding, and a tie's one ulp
         torch.testing.assert_close(w.double(), expect, rtol=0, atol=tol)
         assert not torch.equal(w, w0), name
+    for layer in layers:
+        a1 = sketch.make_projection(8, layer.module.in_features, sketch.projection_seed(0, 1, layer.name))
+        assert torch.equal(layer.projection, a1) and not layer.sketch.any() and layer.backwards == 0
 
     model = tiny_qwen2()
     no_tokens = torch.zeros_like(ids)
     run = dict(model=model, ids=ids, loss_fn=lm_loss, choose_alpha=kl_probe_alpha(model, ids, no_tokens))
     with pytest.raises(ValueError, match="no generated token"):
         exec(block, run)
-    opt = run["opt"]
+    opt, layers = run["opt"], run["layers"]
     assert opt.directions is None and opt.update == 0 and not any(v.any() for v in opt.moments)
     assert all(torch.equal(m.weight, before[n]) for n, m in sketch.target_modules(model).items())
+    assert not any(layer.sketch.any() for layer in layers)  # the batch dropped
+    with pytest.raises(ValueError, match="no backward"):
+        opt.prepare()
 
 
 def test_the_module_docstring_cites_tests_that_exist():
@@ -207,33 +217,93 @@ def test_sharded_merge_equals_unsharded():
     assert torch.equal(full, w - (f.double() @ a.double()).float())
 
 
+def bits(x):
+    """The raw fp32 words of `x`: torch.equal on them tells -0 from +0, which torch.equal on x does not."""
+    return x.contiguous().view(torch.int32)
+
+
 def test_merge_moves_bf16_ties_one_ulp_toward_zero():
-    """Departure 2: after the merge every fp32 weight that W - F A (float64, rounded once) left
-    exactly halfway between two bf16 values is one ulp closer to zero (numpy's nextafter), and
-    the rest are W - F A; each is then bf16(w) plus at most 32767 fp32 ulps, what an int16
-    holds. `avoid_ties=False` leaves W - F A, ties and all."""
+    """Departure 2: after the merge every fp32 weight of a row the merge moves (its factor row
+    not zero) that W - F A (float64, rounded once) left exactly halfway between two bf16 values
+    is one ulp closer to zero (numpy's nextafter), and the rest of those rows are W - F A; each
+    is then bf16(w) plus at most 32767 fp32 ulps, what an int16 holds. A row whose factor row is
+    zero (+0 and -0 entries) is left bit for bit, its ties and a -0 weight included, also in a
+    chunk that holds both kinds of rows. `avoid_ties=False` leaves W - F A, ties and all."""
     g = torch.Generator().manual_seed(2)
     d, k, r = 40, 24, 16
+    still, faint = d // 4, d // 2  # rows [0, 10) not moved, rows [10, 20) moved by far less than an ulp
     w = torch.randn(d, k, generator=g)
     f = torch.randn(d, r, generator=g).to(torch.bfloat16)
-    f[:d // 2] = 0  # rows the merge leaves as they are...
-    bits = w.view(torch.int32)
-    bits[:d // 2] = (bits[:d // 2] & ~0xFFFF) | 0x8000  # ...on bf16 ties
+    f[:still] = 0.0
+    f[:still, ::2] = -0.0
+    f[still:faint] *= 1e-20  # W - F A rounds back to W: on a tie, as W is
+    bits(w)[:faint] = (bits(w)[:faint] & ~0xFFFF) | 0x8000  # rows [0, 20) on bf16 ties...
+    w[0, 0] = w[still, 0] = -0.0  # ...but for two signed zeros
     a = sketch.make_projection(r, k, 4)
     plain = (w.double() - f.double() @ a.double()).float().numpy()  # (d, k) W - F A
     tie = (plain.view(np.uint32) & 0xFFFF) == 0x8000
-    assert tie.sum() >= d // 2 * k
+    tie[:still] = False
+    assert tie[still:faint].sum() == (faint - still) * k - 1
+    plain[:still] = w[:still].numpy()  # the rows not moved: W itself, bit for bit (-0 included)
     expect = np.where(tie, np.nextafter(plain, np.float32(0)), plain)
 
     def ulps_from_bf16(x):
         return (x.view(torch.int32).long() - x.to(torch.bfloat16).float().view(torch.int32).long()).abs()
 
     merged, kept = w.clone(), w.clone()
-    rowadam.merge_rows(merged, f, a, chunk_rows=7)
+    rowadam.merge_rows(merged, f, a, chunk_rows=7)  # chunks: [0, 7) not moved, [7, 14) both kinds, ...
     rowadam.merge_rows(kept, f, a, chunk_rows=7, avoid_ties=False)
     np.testing.assert_array_equal(merged.numpy().view(np.uint32), expect.view(np.uint32))
     np.testing.assert_array_equal(kept.numpy().view(np.uint32), plain.view(np.uint32))
-    assert ulps_from_bf16(merged).max() <= 32767 and ulps_from_bf16(kept).max() == 32768
+    assert ulps_from_bf16(merged[still:]).max() <= 32767 and ulps_from_bf16(kept).max() == 32768
+    assert ulps_from_bf16(merged[:still]).max() == 32768  # the ties of the rows not moved are kept
+    assert bits(merged)[0, 0] == bits(torch.tensor(-0.0))  # -0 in a row not moved stays -0
+
+
+def test_merge_of_alpha_zero_changes_no_weight_here_or_on_the_engine():
+    """Departure 2: merge(0.0) leaves every weight bit for bit, bf16 ties and signed zeros
+    included, and is an update all the same: the counter goes to 1, every layer to A_1 with a
+    zeroed sketch, and the moments are those merge(1.0) commits on the same batch. An engine
+    (sync.py) that merges its zero factors holds the trainer's master bit for bit, through it
+    and through the next update, which moves the weights."""
+    model, layers, opt = setup()
+    twin_model, twin_layers, twin = setup()
+    with torch.no_grad():
+        for m in (model, twin_model):
+            w = sketch.target_modules(m)["model.layers.0.self_attn.q_proj"].weight
+            bits(w)[0, :8] = (bits(w)[0, :8] & ~0xFFFF) | 0x8000  # bf16 ties, which a merge moving W would move
+            w[1, 0] = -0.0
+    for m, o in ((model, opt), (twin_model, twin)):
+        lm_loss(m, tiny_batch()).backward()
+        o.prepare()
+    before = weights(layers)
+    factors = opt.merge(0.0)
+    twin.merge(1.0)
+    assert not any(f.any() for f in factors) and opt.update == twin.update == 1
+    assert all(torch.equal(bits(w), bits(b)) for w, b in zip(weights(layers), before))
+    assert sum(sync.bf16_ties(w) for w in weights(layers)) >= 8
+    assert all(torch.equal(v, u) for v, u in zip(opt.moments, twin.moments))
+    for l, t in zip(layers, twin_layers):
+        assert torch.equal(l.projection, t.projection) and not l.sketch.any() and l.backwards == 0
+
+    # The engine: from the trainer's tie-free master, as train.py starts it (no tie to move).
+    model, layers, opt = setup(update_ratio=1e-3)
+    with torch.no_grad():
+        for l in layers:
+            rowadam.avoid_bf16_ties_(l.module.weight)
+    engine = sync.EngineWeights(tiny_qwen2(torch.bfloat16), base_seed=5, rank=8)
+    engine.load_full(sync.full_payload({l.name: l.module.weight for l in layers}, update=0, base_seed=5, rank=8,
+                                       dtype=torch.float32))
+    for alpha in (0.0, 1.0):
+        lm_loss(model, tiny_batch(seed=3 + opt.update)).backward()
+        opt.prepare()
+        before, update = weights(layers), opt.update
+        payload = sync.Payload(update, 5, 8, {l.name: f for l, f in zip(layers, opt.merge(alpha))})
+        engine.apply(sync.decode(sync.encode(payload)))
+        assert engine.update == opt.update
+        for l, b in zip(layers, before):
+            assert torch.equal(bits(engine.master(l.name)), bits(l.module.weight.detach())), (alpha, l.name)
+            assert torch.equal(bits(l.module.weight.detach()), bits(b)) == (alpha == 0.0), (alpha, l.name)
 
 
 def test_refresh_after_merge():
@@ -273,12 +343,83 @@ def test_failures_change_nothing():
     opt.prepare()
     with pytest.raises(RuntimeError, match="already"):
         opt.prepare()
-    for bad in (-0.1, float("nan"), float("inf")):
+    for bad in (-0.1, float("nan"), float("inf"), 1e300):  # 1e300: finite, but F = alpha U overflows
         with pytest.raises(ValueError, match="alpha"):
             opt.merge(bad)
     assert_same(before, snapshot(layers, opt))
-    opt.discard()  # an abandoned step leaves everything as it was
+    opt.discard()  # an abandoned step: weights, moments and counter as they were, the batch dropped
+    after = snapshot(layers, opt)
+    assert_same((before[0], [], before[2], before[3]), (after[0], [], after[2], after[3]))
+    assert not any(S.any() for S in after[1])
+
+
+def test_prepare_without_a_backward_is_refused():
+    """prepare() with no backward into any sketch since the optimizer was made, or since the
+    last merge or discard, raises naming the fix and changes nothing (weights, sketches,
+    moments, counter). A backward of a zero loss (every advantage zero) is not refused: its
+    zero sketches give zero directions, whose merge changes no weight and counts the update."""
+    model, layers, opt = setup()
+    before = snapshot(layers, opt)
+    with pytest.raises(ValueError, match=r"no backward .* call loss\.backward\(\) between merges"):
+        opt.prepare()
     assert_same(before, snapshot(layers, opt))
+    assert opt.directions is None
+
+    (0.0 * lm_loss(model, tiny_batch())).backward()  # every advantage zero
+    assert all(l.backwards == 1 for l in layers) and not any(l.sketch.any() for l in layers)
+    assert opt.prepare() == 0.0 and not any(u.any() for u in opt.directions)
+    before = weights(layers)
+    opt.merge(1.0)
+    assert opt.update == 1 and all(torch.equal(bits(w), bits(b)) for w, b in zip(weights(layers), before))
+
+    for end in ("merge", "discard"):
+        if end == "discard":
+            lm_loss(model, tiny_batch()).backward()
+            opt.prepare()
+            opt.discard()
+        before = snapshot(layers, opt)
+        with pytest.raises(ValueError, match="no backward"):
+            opt.prepare()
+        assert_same(before, snapshot(layers, opt))
+    lm_loss(model, tiny_batch()).backward()
+    opt.prepare()  # a backward since: accepted
+    assert any(u.any() for u in opt.directions)
+
+
+def test_discard_drops_the_batch_and_keeps_the_optimizer():
+    """discard() after prepare(), or without it, zeroes the sketches and their backward counts
+    and keeps the weights, moments and counter as they were: the next batch's update is then
+    bitwise that of an optimizer that never saw the discarded batches."""
+    model, layers, opt = setup(update_ratio=1e-3)
+    twin_model, twin_layers, twin = setup(update_ratio=1e-3)
+    run_updates(model, layers, opt, 1, first=0)  # moments and a counter that are not the initial ones
+    run_updates(twin_model, twin_layers, twin, 1, first=0)
+    kept = snapshot(layers, opt)
+    lm_loss(model, tiny_batch(seed=50)).backward()
+    opt.prepare()
+    opt.discard()
+    lm_loss(model, tiny_batch(seed=51)).backward()
+    opt.discard()  # without prepare(): a half-accumulated batch dropped too
+    after = snapshot(layers, opt)
+    assert_same((kept[0], [], kept[2], kept[3]), (after[0], [], after[2], after[3]))
+    assert opt.directions is None and not any(l.sketch.any() or l.backwards for l in layers)
+    for m, ls, o in ((model, layers, opt), (twin_model, twin_layers, twin)):
+        lm_loss(m, tiny_batch(seed=52)).backward()
+        o.prepare()
+        o.merge(0.7)
+    assert opt.update == twin.update == 2
+    assert all(torch.equal(a, b) for a, b in zip(weights(layers), weights(twin_layers)))
+    assert all(torch.equal(a, b) for a, b in zip(opt.moments, twin.moments))
+
+
+def test_base_seed_is_the_layers_and_checked_when_given():
+    """RowAdam takes the seed the layers were attached with; a base_seed that is given must be
+    that seed (refused otherwise, naming both and the fix)."""
+    _, layers, _ = setup(seed=7)
+    assert rowadam.RowAdam(layers).base_seed == rowadam.RowAdam(layers, base_seed=7).base_seed == 7
+    assert rowadam.RowAdam(layers).state_dict()["base_seed"] == 7
+    with pytest.raises(ValueError, match=r"attached with seed 7, not base_seed=8.*leave base_seed out"):
+        rowadam.RowAdam(layers, base_seed=8)
 
 
 def test_bf16_weights_refused():
@@ -371,6 +512,28 @@ def _fsdp_updates(rank):
             "dirs": dirs, "moments": {n: v.full_tensor() for n, v in state["moments"].items()}}
 
 
+def _whole_sketches(rank):
+    """Whole sketches on each process, summed by prepare(group): one update to which only rank 1
+    contributes a backward (accepted on both ranks: the backward counts are summed too), then a
+    prepare() with no backward anywhere, refused on both (no rank left waiting in an all_reduce).
+    Returns the directions of the update and the refusal's message."""
+    model = tiny_qwen2()
+    layers = sketch.attach(model, rank=8, seed=3)
+    opt = rowadam.RowAdam(layers, update_ratio=1e-3)
+    if rank == 1:
+        lm_loss(model, tiny_batch(seed=20)).backward()
+    group = torch.distributed.group.WORLD
+    opt.prepare(group)
+    dirs = [u.clone() for u in opt.directions]
+    opt.merge(0.7)
+    try:
+        opt.prepare(group)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"dirs": dirs, "refused": refused, "update": opt.update}
+
+
 @contextlib.contextmanager
 def one_thread():
     """One intra-op thread, in the workers and in the one-process reference: a CPU matmul's bits
@@ -388,7 +551,7 @@ def _two_ranks(rank, world, out_dir):
     alone = [torch.distributed.new_group([r]) for r in range(world)]  # every rank creates every group
     result = {"directions": _directions_across_ranks(torch.distributed.group.WORLD),
               "alone": _directions_across_ranks(alone[rank]),  # the same path with world size 1
-              "fsdp": _fsdp_updates(rank)}
+              "fsdp": _fsdp_updates(rank), "whole": _whole_sketches(rank)}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -433,6 +596,17 @@ def test_row_sharded_state_equals_one_process_bitwise(two_ranks):
         assert torch.equal(a, b)
     for l, v in zip(layers, opt.moments):
         assert torch.equal(v, got["moments"][l.name])
+
+
+def test_whole_sketches_refuse_a_missing_backward_on_every_rank_together(two_ranks):
+    """prepare(group) over whole sketches: the backward counts are summed over the group, so
+    an update with a backward on one rank only is accepted by both (each rank then holds the
+    same directions) and one with no backward anywhere is refused by both, naming the fix."""
+    whole = [r["whole"] for r in two_ranks]
+    assert all(w["update"] == 1 for w in whole)
+    assert all(torch.equal(a, b) for a, b in zip(whole[0]["dirs"], whole[1]["dirs"]))
+    assert any(d.any() for d in whole[0]["dirs"])
+    assert all(w["refused"] and "loss.backward()" in w["refused"] for w in whole)
 
 
 def test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss():

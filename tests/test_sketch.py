@@ -4,8 +4,10 @@ import copy
 import hashlib
 import math
 import os
+import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -142,6 +144,220 @@ def test_tiny_qwen2_sketches_equal_dense(checkpointing):
         assert (layer.sketch - ref).abs().max() <= 1e-10 * ref.abs().max(), layer.name
     assert all(p.grad is None for p in model.parameters())
     assert not any(p.requires_grad for p in model.parameters())
+    assert all(layer.backwards == 1 for layer in layers)  # one backward, however checkpointing recomputes
+
+
+def use_block(doc):
+    """A module docstring's Use block: the indented lines directly after the lines `Use` and
+    `---`, up to the first line that is not indented (blank lines inside kept), dedented."""
+    lines = doc.splitlines()
+    start = next(i for i in range(len(lines) - 1) if lines[i] == "Use" and lines[i + 1] == "---") + 2
+    end = next((i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    ")), len(lines))
+    assert start < end and lines[start].startswith("    "), "the block must follow the underline directly"
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def test_the_use_block_runs():
+    """sketch.py's Use block, run on the tiny Qwen2 (fp32): every target's sketch is dense
+    autograd's G A_0^T of the same loss, filled by one backward, and the model is detached."""
+    model = tiny_qwen2()
+    dense = copy.deepcopy(model)
+    ids = tiny_batch()
+    run = {"torch": torch, "model": model, "ids": ids}
+    exec(use_block(sketch.__doc__), run)
+    layers = run["layers"]
+    assert len(layers) == 2 * 7 and list(run["sketches"]) == [layer.name for layer in layers]
+    lm_loss(dense, ids).backward()
+    modules = dict(dense.named_modules())
+    for layer in layers:
+        a0 = sketch.make_projection(8, layer.module.in_features, sketch.projection_seed(0, 0, layer.name), dtype=F64)
+        ref = modules[layer.name].weight.grad.double() @ a0.t()  # (d, r)
+        assert ref.abs().max() > 0 and layer.backwards == 1 and layer.sketch.dtype == torch.float32
+        assert run["sketches"][layer.name] is layer.sketch
+        torch.testing.assert_close(layer.sketch.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
+    assert not model.get_input_embeddings()._forward_hooks
+
+
+def test_the_module_docstring_cites_tests_that_exist():
+    """Each `tests/<file>, <test>` that sketch.py's docstring gives for a departure or a note is
+    a test defined in that file."""
+    cited = re.findall(r"tests/(test_\w+\.py),\s+(test_\w+)", sketch.__doc__)
+    assert len(cited) >= 7
+    for file, name in cited:
+        with open(os.path.join(ROOT, "tests", file)) as source:
+            assert re.search(rf"^def {name}\(", source.read(), re.M), (file, name)
+
+
+# ---------------------------------------------------------------------------
+# Any nn.Module: a plain one, against dense autograd; refused attaches change nothing
+
+class Block(nn.Module):
+    """Issue 33's kind of module: Hugging Face's target names, no get_input_embeddings, and a
+    norm before the first target, whose output (frozen) requires no grad."""
+
+    def __init__(self, k=12, h=10, d=7, dtype=F64):
+        super().__init__()
+        self.norm = nn.LayerNorm(k, dtype=dtype)
+        self.q_proj = nn.Linear(k, h, dtype=dtype)
+        self.down_proj = nn.Linear(h, d, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(torch.tanh(self.q_proj(self.norm(x))))
+
+
+class NoEmbedding(Block):
+    """As a Hugging Face PreTrainedModel without an input embedding answers."""
+
+    def get_input_embeddings(self):
+        raise NotImplementedError
+
+
+def sequential(dtype=F64):
+    return nn.Sequential(nn.Linear(12, 11, dtype=dtype), nn.Tanh(), nn.Linear(11, 7, dtype=dtype))
+
+
+PLAIN = {  # (model, targets): default names, a subclass, names of nn.Sequential's parts, a mapping
+    "block": (Block, sketch.TARGETS),
+    "no-embedding": (NoEmbedding, sketch.TARGETS),
+    "sequential": (sequential, ("0", "2")),
+    "mapping": (sequential, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAIN))
+def test_plain_module_sketches_equal_dense(case):
+    """On a module without Hugging Face's embedding hook, two micro-batches' backward fill each
+    target's sketch with dense autograd's G A^T (float64), no parameter gets a .grad, and the
+    first target, whose input requires no grad, forms no dX (no (.., k) tensor in backward)."""
+    make, targets = PLAIN[case]
+    torch.manual_seed(0)
+    model = make()
+    dense = copy.deepcopy(model)
+    if targets is None:
+        targets = {"first": model[0], "second": model[2]}
+    layers = sketch.attach(model, rank=5, seed=3, targets=targets)
+    assert len(layers) == 2
+    g = torch.Generator().manual_seed(1)
+    shapes = set()
+    for _ in range(2):
+        x = torch.randn(3, 5, 12, generator=g, dtype=F64)  # requires no grad
+        target = torch.randn(3, 5, 7, generator=g, dtype=F64)
+        loss = ((model(x) - target) ** 2).sum()
+        with ShapeRecorder() as rec:
+            loss.backward()
+        shapes |= rec.shapes
+        ((dense(x) - target) ** 2).sum().backward()
+    assert not any(s[-1:] == (12,) for s in shapes)  # the first target's dX was never formed
+    modules = dict(dense.named_modules())
+    for layer, path in zip(layers, [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]):
+        ref = modules[path].weight.grad @ layer.projection.t()  # (d, r)
+        assert ref.abs().max() > 0 and layer.backwards == 2, layer.name
+        assert (layer.sketch - ref).abs().max() <= 1e-12 * ref.abs().max(), layer.name
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+    if case == "mapping":
+        assert [layer.name for layer in layers] == ["first", "second"]
+    sketch.detach(model)
+    assert all("forward" not in vars(m) for m in model.modules()) and all(p.requires_grad for p in model.parameters())
+    assert len(sketch.attach(model, rank=5, seed=3, targets=targets)) == 2  # and again: issue 33 failed here
+
+
+def model_state(model):
+    """What attach changes: each module's instance forward and hooks, each parameter's
+    requires_grad flag, and the attachment record."""
+    modules = [(n, "forward" in vars(m), list(m._forward_hooks), list(m._forward_pre_hooks))
+               for n, m in model.named_modules()]
+    return modules, [(n, p.requires_grad) for n, p in model.named_parameters()], getattr(model, "_logra_attached", None)
+
+
+def test_refused_attach_changes_nothing():
+    """Each misuse raises before anything changed, on a plain module and on the tiny Qwen2."""
+    block = Block()
+    block.norm.bias.requires_grad_(False)  # not every flag True: the flags are compared, not assumed
+    patched = Block()
+    patched.down_proj.forward = patched.down_proj.forward  # an instance forward, as a hook library leaves
+    misuse = [
+        (block, dict(targets=("q_proj", "norm")), TypeError, "norm is a LayerNorm, not nn.Linear"),
+        (block, dict(rank=11), ValueError, "rank 11 exceeds in_features 10 of down_proj"),  # q_proj (k = 12) passed
+        (block, dict(rank=0), ValueError, "rank must be a positive int"),
+        (block, dict(targets=("nothing",)), ValueError, "no nn.Linear named one of"),
+        (sequential(), {}, ValueError, "pass `targets`"),  # the default names match nothing in nn.Sequential
+        (block, dict(targets={"q": block.q_proj, "other": nn.Linear(10, 7)}), ValueError, "not a module of"),
+        (block, dict(targets={"q": block.q_proj, "again": block.q_proj}), ValueError, "twice"),
+        (block, dict(targets={}), ValueError, "empty mapping"),
+        (patched, {}, RuntimeError, "down_proj already has its own forward"),
+    ]
+    qwen = tiny_qwen2()
+    misuse += [
+        (qwen, dict(rank=49), ValueError, "exceeds in_features 48"),  # q_proj has k = 48; the MLP's down_proj 80
+        (qwen, dict(targets=("q_proj", "mlp")), TypeError, "not nn.Linear"),
+    ]
+    for model, kw, error, message in misuse:
+        before = model_state(model)
+        with pytest.raises(error, match=message):
+            sketch.attach(model, **{"rank": 4, "seed": 0, **kw})
+        assert model_state(model) == before, (type(model).__name__, kw)
+    assert not qwen.get_input_embeddings()._forward_hooks
+    with pytest.raises(TypeError, match="nn.Module"):
+        sketch.attach(object(), rank=4, seed=0)
+    for model in (Block(), tiny_qwen2()):  # attached twice: the second attach changes nothing either
+        sketch.attach(model, rank=4, seed=0)
+        before = model_state(model)
+        with pytest.raises(RuntimeError, match="already has sketches attached"):
+            sketch.attach(model, rank=4, seed=0)
+        assert model_state(model) == before
+    assert len(model.get_input_embeddings()._forward_hooks) == 1  # the Qwen2's one hook
+
+
+def test_a_moved_model_is_refused_and_a_cast_one_still_sketches():
+    """A model moved after attach (here to the meta device) is refused in every forward, with
+    or without gradients, naming the layer, both devices and the fix; detach and attach again
+    is that fix. A dtype cast (bf16 weights, as FSDP2 mixed precision hands each forward) is
+    not refused: the sketch stays fp32 and is still dense autograd's G A^T at bf16 accuracy."""
+    model = sequential(torch.float32)
+    layers = sketch.attach(model, rank=4, seed=0, targets=("0", "2"))
+    model.to("meta")
+    x = torch.randn(6, 12, device="meta")
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=r"^0: the weight is on meta but its "
+                                                         r"sketch and signs are on cpu.*move the model before attach"):
+            model(x)
+    assert all(layer.backwards == 0 for layer in layers)
+    sketch.detach(model)
+    layers = sketch.attach(model, rank=4, seed=0, targets=("0", "2"))
+    model(x).sum().backward()
+    assert all(layer.sketch.device.type == "meta" and layer.backwards == 1 for layer in layers)
+
+    model = sequential(torch.float32)
+    dense = copy.deepcopy(model).to(torch.bfloat16).double()  # the bf16 weights, exactly, in float64
+    layers = sketch.attach(model, rank=4, seed=0, targets=("0", "2"))
+    model.to(torch.bfloat16)
+    x = torch.randn(9, 12, generator=torch.Generator().manual_seed(2))
+    model(x.to(torch.bfloat16)).float().square().sum().backward()
+    dense(x.double()).square().sum().backward()
+    for layer, ref in zip(layers, (dense[0].weight.grad, dense[2].weight.grad)):
+        ref = ref @ layer.projection.double().t()  # (d, r)
+        assert layer.sketch.dtype == torch.float32 and layer.backwards == 1
+        assert ((layer.sketch.double() - ref).norm() / ref.norm()).item() < 3e-2
+
+
+def test_backwards_counts_the_passes_since_zero():
+    """`backwards` counts backward passes into the sketch: not forwards without one, not
+    forwards without gradients; zero_() resets it with the sketch."""
+    model = tiny_qwen2()
+    layers = sketch.attach(model, rank=4, seed=0)
+    ids = tiny_batch()
+    with torch.no_grad():
+        model(input_ids=ids)
+    lm_loss(model, ids)  # a forward whose backward never runs
+    assert all(layer.backwards == 0 for layer in layers)
+    for _ in range(3):
+        lm_loss(model, ids).backward()
+    assert all(layer.backwards == 3 and layer.sketch.any() for layer in layers)
+    for layer in layers:
+        layer.zero_()
+    assert all(layer.backwards == 0 and not layer.sketch.any() for layer in layers)
 
 
 def test_attach_errors_and_detach():

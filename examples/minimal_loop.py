@@ -1,0 +1,149 @@
+"""
+examples/minimal_loop.py: LoGRA in a plain PyTorch + transformers REINFORCE loop, beside AdamW.
+
+    python examples/minimal_loop.py                # both optimizers, 60 updates, a few seconds each
+    python examples/minimal_loop.py --updates 20   # fewer
+
+No train.py, no process group, no engine: one process samples from its own policy, scores
+the responses, and takes one policy-gradient step per batch, once with LoGRA (sketch.py,
+rowadam.py, kl_control.py) and once with torch.optim.AdamW, from the same initial weights on
+the same prompts. It prints both reward curves and the median time of each optimizer's
+update (backward to merged weights; the rollout is the same code for both and is left out).
+
+The task is a toy that a few updates can move: a 2-layer Qwen2 built from a config (random
+weights drawn at std 0.2, so that its hidden states, not only its output head, decide its
+tokens; 32 tokens) is rewarded for the share of its 6 response tokens that are token 7
+(chance: 1/32). Both optimizers train the same weights, LoGRA's targets (the attention and
+MLP projections; embeddings, norms and the head stay frozen, as in the paper). Copy the
+LoGRA lines of `update_logra` into your own loop: the rest is the loop any REINFORCE trainer
+already has.
+
+The LoGRA settings: rank 32 (the model's widths are 64 and 128), update_ratio 1e-2 and a KL
+budget of 5e-2 -> 1e-2 nats per token over the run (kl_control.py's and rowadam.py's
+docstrings say how to choose them: the budget is what moves the policy; update_ratio only has
+to be large enough that alpha starts below its cap of 3).
+"""
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the method files, flat
+
+import kl_control  # noqa: E402
+import ppo  # noqa: E402
+import sketch  # noqa: E402
+from rowadam import RowAdam  # noqa: E402
+
+VOCAB, PROMPT, RESPONSE, GOOD = 32, 4, 6, 7
+
+
+def tiny_model(seed: int):
+    """A 2-layer Qwen2 from a config: fp32 weights, random, the same for both optimizers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                         initializer_range=0.2)
+    return Qwen2ForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def rollout(model, prompts, generator):
+    """Sample RESPONSE tokens after each prompt at temperature 1: (ids (B, P+R), mask (B, P+R))."""
+    ids = prompts
+    for _ in range(RESPONSE):
+        probs = torch.softmax(model(input_ids=ids).logits[:, -1].float(), dim=-1)  # (B, V)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, PROMPT:] = True
+    return ids, mask
+
+
+def loss_of(model, ids, mask, advantages):
+    """REINFORCE on the global mean per response token (ppo.py); on-policy, so no TIS."""
+    logp = ppo.response_logprobs(model(input_ids=ids).logits, ids)  # (B, T)
+    loss, _ = ppo.policy_loss(logp, advantages, mask, num_tokens=int(mask.sum()))
+    return loss
+
+
+def update_logra(model, layers, opt, ids, mask, advantages, update, updates):
+    """One LoGRA update: backward into the sketches, RowAdam, the KL probe picks alpha for this
+    update's budget, the merge; returns (alpha, predicted KL, realised KL)."""
+    loss_of(model, ids, mask, advantages).backward()  # into S = G A^T; no weight gradient exists
+    opt.prepare()  # RowAdam's directions U (d, r) per layer; nothing changed yet
+    budget = kl_control.kl_budget(update, start=5e-2, end=1e-2, horizon=updates)
+    try:
+        probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=ids.numel())
+        alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
+    except Exception:
+        opt.discard()  # weights, moments and counter as they were
+        raise
+    opt.merge(alpha)  # W -= bf16(alpha U) A_t, then A_t -> A_{t+1}
+    return alpha, alpha**2 * probe.kl1, kl_control.realised_kl(probe, model, ids, mask)
+
+
+def update_adamw(model, opt, ids, mask, advantages):
+    loss_of(model, ids, mask, advantages).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def train(method: str, *, updates: int, batch: int, seed: int, log=print) -> dict:
+    """One run of `method` ("logra" or "adamw"): its reward per update and update times."""
+    model = tiny_model(seed)
+    if method == "logra":
+        layers = sketch.attach(model, rank=32, seed=seed)  # every weight frozen; the targets sketched
+        opt = RowAdam(layers, base_seed=seed, update_ratio=1e-2)
+    else:
+        targets = [m.weight for m in sketch.target_modules(model).values()]  # what LoGRA trains, no more
+        for p in model.parameters():
+            p.requires_grad_(any(p is t for t in targets))
+        opt = torch.optim.AdamW(targets, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    baseline = ppo.RunningBaseline(weight=0.1)
+    prompts_gen, sample_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+    rewards, times = [], []
+    for update in range(updates):
+        prompts = torch.randint(0, VOCAB, (batch, PROMPT), generator=prompts_gen)
+        ids, mask = rollout(model, prompts, sample_gen)
+        reward = (ids[:, PROMPT:] == GOOD).float().mean(dim=1)  # (B,) the share of good tokens
+        advantages = baseline.advantages(reward)
+        t0 = time.perf_counter()
+        if method == "logra":
+            alpha, kl_pred, kl_real = update_logra(model, layers, opt, ids, mask, advantages, update, updates)
+            info = f"alpha {alpha:.2f} | kl {kl_pred:.1e} (real {kl_real:.1e})"
+        else:
+            update_adamw(model, opt, ids, mask, advantages)
+            info = f"lr {opt.param_groups[0]['lr']:.0e}"
+        times.append(time.perf_counter() - t0)
+        rewards.append(reward.mean().item())
+        if update % 10 == 0 or update == updates - 1:
+            log(f"{method:5s} update {update:3d} | reward {rewards[-1]:.3f} | {info} | {1e3 * times[-1]:.0f} ms")
+    return {"rewards": rewards, "times": times, "model": model}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--updates", type=int, default=60)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # small matmuls: threads only add overhead, and the timing is steadier
+    runs = {m: train(m, updates=args.updates, batch=args.batch, seed=args.seed) for m in ("logra", "adamw")}
+    for method, run in runs.items():
+        first, last = run["rewards"][:5], run["rewards"][-5:]
+        print(f"{method}: reward {statistics.mean(first):.3f} (first 5) -> {statistics.mean(last):.3f} (last 5); "
+              f"update {1e3 * statistics.median(run['times']):.1f} ms (median)")
+    ratio = statistics.median(runs["logra"]["times"]) / statistics.median(runs["adamw"]["times"])
+    print(f"LoGRA's update takes {ratio:.2f}x AdamW's (median, rollout excluded)")
+    return runs
+
+
+if __name__ == "__main__":
+    main()
