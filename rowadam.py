@@ -83,6 +83,10 @@ The paper's: beta2 = 0.95, eps = 1e-8, update_ratio = 6e-5, factor dtype bf16.
   update_ratio alone is the step. The paper pairs 6e-5 with its budget 2e-4 -> 2e-5 for its
   Qwen models; train.py's tiny and tiny-math presets take 2e-3 with 2e-2 -> 5e-3 (the
   README's tiny run has alpha at its cap of 3 at its first steps, 0.74 at step 150).
+  Measured (bench/README.md, `defaults_sweep.py`: examples/minimal_loop.py's toy, 40 updates,
+  seeds 0-2; the paper's sizes not measured): with a toy budget of 5e-2 or 2e-1 per token,
+  update_ratio 6e-5 left alpha at its cap in 100% of updates and the reward at chance at both
+  sizes; 1e-2 put it below the cap in every update.
 - beta2: v averages the squared sketch rows over about 1 / (1 - beta2) = 20 updates.
 - eps is relative to mean(root), so it does not depend on the scale of the loss.
 - factor dtype: what the engines receive and merge; fp32 would double the sync payload.

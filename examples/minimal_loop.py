@@ -43,13 +43,15 @@ from rowadam import RowAdam  # noqa: E402
 VOCAB, PROMPT, RESPONSE, GOOD = 32, 4, 6, 7
 
 
-def tiny_model(seed: int):
-    """A 2-layer Qwen2 from a config: fp32 weights, random, the same for both optimizers."""
+def tiny_model(seed: int, *, hidden: int = 64, num_layers: int = 2):
+    """A Qwen2 from a config (2 layers of width 64 here; bench/defaults_sweep.py also builds a
+    larger one): fp32 weights, random, the same for both optimizers; attention heads of 32."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=num_layers, num_attention_heads=hidden // 32,
+                         num_key_value_heads=max(1, hidden // 64), max_position_embeddings=32,
                          initializer_range=0.2)
     return Qwen2ForCausalLM(config).eval()
 
@@ -73,12 +75,12 @@ def loss_of(model, ids, mask, advantages):
     return loss
 
 
-def update_logra(model, layers, opt, ids, mask, advantages, update, updates):
+def update_logra(model, layers, opt, ids, mask, advantages, update, updates, kl_start=5e-2, kl_end=1e-2):
     """One LoGRA update: backward into the sketches, RowAdam, the KL probe picks alpha for this
     update's budget, the merge; returns (alpha, predicted KL, realised KL)."""
     loss_of(model, ids, mask, advantages).backward()  # into S = G A^T; no weight gradient exists
     opt.prepare()  # RowAdam's directions U (d, r) per layer; nothing changed yet
-    budget = kl_control.kl_budget(update, start=5e-2, end=1e-2, horizon=updates)
+    budget = kl_control.kl_budget(update, start=kl_start, end=kl_end, horizon=updates)
     try:
         probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=ids.numel())
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
@@ -95,12 +97,15 @@ def update_adamw(model, opt, ids, mask, advantages):
     opt.zero_grad(set_to_none=True)
 
 
-def train(method: str, *, updates: int, batch: int, seed: int, log=print) -> dict:
-    """One run of `method` ("logra" or "adamw"): its reward per update and update times."""
-    model = tiny_model(seed)
+def train(method: str, *, updates: int, batch: int, seed: int, log=print, update_ratio: float = 1e-2,
+          kl_start: float = 5e-2, kl_end: float = 1e-2, hidden: int = 64, num_layers: int = 2) -> dict:
+    """One run of `method` ("logra" or "adamw"): its reward per update and update times (and,
+    for LoGRA, alpha and the predicted and realised KL per update). The keyword arguments after
+    `log` are the example's settings (bench/defaults_sweep.py varies them)."""
+    model = tiny_model(seed, hidden=hidden, num_layers=num_layers)
     if method == "logra":
         layers = sketch.attach(model, rank=32, seed=seed)  # every weight frozen; the targets sketched
-        opt = RowAdam(layers, base_seed=seed, update_ratio=1e-2)
+        opt = RowAdam(layers, base_seed=seed, update_ratio=update_ratio)
     else:
         targets = [m.weight for m in sketch.target_modules(model).values()]  # what LoGRA trains, no more
         for p in model.parameters():
@@ -108,7 +113,7 @@ def train(method: str, *, updates: int, batch: int, seed: int, log=print) -> dic
         opt = torch.optim.AdamW(targets, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     baseline = ppo.RunningBaseline(weight=0.1)
     prompts_gen, sample_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
-    rewards, times = [], []
+    rewards, times, alphas, kls = [], [], [], []
     for update in range(updates):
         prompts = torch.randint(0, VOCAB, (batch, PROMPT), generator=prompts_gen)
         ids, mask = rollout(model, prompts, sample_gen)
@@ -116,7 +121,10 @@ def train(method: str, *, updates: int, batch: int, seed: int, log=print) -> dic
         advantages = baseline.advantages(reward)
         t0 = time.perf_counter()
         if method == "logra":
-            alpha, kl_pred, kl_real = update_logra(model, layers, opt, ids, mask, advantages, update, updates)
+            alpha, kl_pred, kl_real = update_logra(model, layers, opt, ids, mask, advantages, update, updates,
+                                                   kl_start, kl_end)
+            alphas.append(alpha)
+            kls.append((kl_pred, kl_real))
             info = f"alpha {alpha:.2f} | kl {kl_pred:.1e} (real {kl_real:.1e})"
         else:
             update_adamw(model, opt, ids, mask, advantages)
@@ -125,7 +133,7 @@ def train(method: str, *, updates: int, batch: int, seed: int, log=print) -> dic
         rewards.append(reward.mean().item())
         if update % 10 == 0 or update == updates - 1:
             log(f"{method:5s} update {update:3d} | reward {rewards[-1]:.3f} | {info} | {1e3 * times[-1]:.0f} ms")
-    return {"rewards": rewards, "times": times, "model": model}
+    return {"rewards": rewards, "times": times, "model": model, "alphas": alphas, "kls": kls}
 
 
 def main(argv=None):

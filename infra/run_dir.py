@@ -214,9 +214,10 @@ def inspect(cfg: dict, run_dir: str, resume=None) -> Verdict:
         raise RunDirError(f"{run_dir} holds another run (its options differ: {', '.join(diff)}): pass the same "
                           f"options to continue it, or another --run-dir")
     if not kept:
-        last = f", to update {rows_last_update(os.path.join(run_dir, 'metrics.jsonl'))}" if rows else ""
-        raise RunDirError(f"{option} holds this run's metrics.jsonl ({rows} rows{last}) but no checkpoint to "
-                          f"continue from: remove it to start anew (rm -r {run_dir}), or pass another --run-dir")
+        what = (f"metrics.jsonl ({rows} rows, to update {rows_last_update(os.path.join(run_dir, 'metrics.jsonl'))})"
+                if rows else "latest pointer")
+        raise RunDirError(f"{option} holds this run's {what} but no checkpoint to continue from: remove it to start "
+                          f"anew (rm -r {run_dir}), or pass another --run-dir")
     return Verdict(True, rows, kept)
 
 

@@ -113,6 +113,9 @@ def test_what_a_directory_holds(tmp_path):
     make_run(tmp_path / "rows-only", rows=5)  # metrics of a run and no checkpoint: never started anew silently
     m = refused(tmp_path / "rows-only", r"holds this run's metrics.jsonl \(5 rows, to update 4\) but no checkpoint")
     assert f"rm -r {tmp_path / 'rows-only'}" in m
+    make_run(tmp_path / "latest-only")  # every checkpoint removed by hand, the pointer kept
+    (tmp_path / "latest-only" / "latest").write_text("checkpoint-3")
+    refused(tmp_path / "latest-only", "holds this run's latest pointer but no checkpoint to continue from")
     make_run(tmp_path / "no-config", checkpoints=(1,), config=None)
     refused(tmp_path / "no-config", "holds a run's checkpoints or metrics but no config.json")
     for kind in ("symlink", "folder"):
