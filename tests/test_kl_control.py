@@ -4,10 +4,8 @@ the Use block as written."""
 
 import copy
 import dataclasses
-import inspect
 import math
 import re
-import textwrap
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 import kl_control
 import rowadam
 import sketch
-from tiny import VOCAB, tiny_batch, tiny_qwen2
+from tiny import VOCAB, tiny_batch, tiny_qwen2, use_block
 
 F64 = torch.float64
 
@@ -539,16 +537,6 @@ def test_kl1_in_bf16_against_float64(how):
 # ---------------------------------------------------------------------------
 # The module docstring: its Use block, its citations
 
-def use_block():
-    """The indented block directly after the module docstring's "Use" heading, to its first
-    line that is not indented, dedented."""
-    lines = inspect.cleandoc(kl_control.__doc__).splitlines()
-    start = lines.index("Use") + 2
-    assert lines[start - 1] == "---" and lines[start].startswith("    ")
-    end = next((i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    ")), len(lines))
-    return textwrap.dedent("\n".join(lines[start:end]))
-
-
 def test_the_use_block_runs_one_update():
     """The Use block, run as written on the tiny Qwen2 (fp32) with a batch, its response mask and
     advantages: one update merged, every target weight moved by exactly -F A_0 with F the
@@ -562,7 +550,7 @@ def test_the_use_block_runs_one_update():
     mask[:, 5:] = True  # the last 6 tokens of each sequence are the response
     before = {n: m.weight.detach().clone() for n, m in sketch.target_modules(model).items()}
     ns = dict(torch=torch, model=model, ids=ids, mask=mask, advantages=torch.tensor([1.0, -0.5, 0.25, -0.75]))
-    exec(use_block(), ns)
+    exec(use_block(kl_control.__doc__), ns)
     opt, probe, alpha, budget, kl_real = (ns[k] for k in ("opt", "probe", "alpha", "budget", "kl_real"))
     assert opt.update == 1 and opt.directions is None and budget == 2e-4
     assert probe.responses == 4 and probe.kept == 24  # all 24 scored positions, fewer than the 256 asked

@@ -4,7 +4,6 @@ host read in the loss, one in the finite check, and the Use block against a writ
 import copy
 import math
 import os
-import textwrap
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 import ppo
 import sketch
 from distributed import run_gloo
-from tiny import tiny_batch, tiny_qwen2
+from tiny import tiny_batch, tiny_qwen2, use_block
 
 F64 = torch.float64
 
@@ -227,16 +226,6 @@ def test_response_logprobs_chunks_and_gradient():
 
 # ---------------------------------------------------------------------------
 # The Use block, on the tiny Qwen2 with sketched targets
-
-def use_block(doc):
-    """A module docstring's Use block: the indented lines directly after the lines `Use` and
-    `---`, up to the first line that is not indented (blank lines inside kept), dedented."""
-    lines = doc.splitlines()
-    start = next(i for i in range(len(lines) - 1) if lines[i] == "Use" and lines[i + 1] == "---") + 2
-    end = next((i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    ")), len(lines))
-    assert start < end and lines[start].startswith("    "), "the block must follow the underline directly"
-    return textwrap.dedent("\n".join(lines[start:end]))
-
 
 def test_the_use_block_runs():
     """ppo.py's Use block on the tiny Qwen2 (fp32, targets sketched): its advantages, loss and

@@ -2,11 +2,9 @@
 
 import contextlib
 import copy
-import itertools
 import math
 import os
 import re
-import textwrap
 
 import numpy as np
 import pytest
@@ -19,7 +17,7 @@ import rowadam
 import sketch
 import sync
 from distributed import run_gloo
-from tiny import tiny_batch, tiny_qwen2
+from tiny import tiny_batch, tiny_qwen2, use_block
 
 F64 = torch.float64
 
@@ -97,15 +95,6 @@ def lm_loss(model, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def use_block():
-    """The module docstring's Use block: the indented lines right after `Use` and `---`, up to
-    the first line that is not indented, dedented."""
-    after = rowadam.__doc__.split("\nUse\n---\n", 1)[1].splitlines()
-    block = list(itertools.takewhile(lambda line: line.startswith("    "), after))
-    assert len(block) >= 8, block
-    return textwrap.dedent("\n".join(block))
-
-
 def kl_probe_alpha(model, ids, mask):
     """The block's `choose_alpha`, as train.py chooses alpha: the KL probe, then solve_alpha."""
     def choose_alpha(layers, directions):
@@ -120,7 +109,8 @@ def test_the_use_block_runs():
     rule (dense, float64), counts one update, and leaves zeroed sketches on A_1. On a batch with
     no generated token the probe raises, and `discard()` has left the weights, moments and
     counter as they were and dropped the batch: a prepare() without a new backward is refused."""
-    block = use_block()
+    block = use_block(rowadam.__doc__)
+    assert len(block.splitlines()) >= 8, block
     ids = tiny_batch(batch=3, length=9)
     mask = torch.zeros_like(ids)
     mask[:, 5:] = 1  # the last 4 tokens of each sequence are "generated"

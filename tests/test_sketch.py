@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sketch
 from infra import architectures
-from tiny import tiny_batch, tiny_qwen2
+from tiny import tiny_batch, tiny_qwen2, use_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F64 = torch.float64
@@ -145,16 +144,6 @@ def test_tiny_qwen2_sketches_equal_dense(checkpointing):
     assert all(p.grad is None for p in model.parameters())
     assert not any(p.requires_grad for p in model.parameters())
     assert all(layer.backwards == 1 for layer in layers)  # one backward, however checkpointing recomputes
-
-
-def use_block(doc):
-    """A module docstring's Use block: the indented lines directly after the lines `Use` and
-    `---`, up to the first line that is not indented (blank lines inside kept), dedented."""
-    lines = doc.splitlines()
-    start = next(i for i in range(len(lines) - 1) if lines[i] == "Use" and lines[i + 1] == "---") + 2
-    end = next((i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    ")), len(lines))
-    assert start < end and lines[start].startswith("    "), "the block must follow the underline directly"
-    return textwrap.dedent("\n".join(lines[start:end]))
 
 
 def test_the_use_block_runs():

@@ -1,9 +1,12 @@
-"""A tiny Hugging Face Qwen2 built from a config (no download), shared by the tests.
+"""A tiny Hugging Face Qwen2 built from a config (no download), shared by the tests, and the
+method files' Use blocks that the tests run on it (`use_block`).
 
 Sizes are chosen distinct so that no target shape (d, k) can be confused with another
 tensor: hidden 48, intermediate 80, 4 heads of 12 (q/o 48x48), 2 KV heads (k/v 24x48),
 vocab 96. Token counts in tests avoid 24, 48 and 80.
 """
+
+import textwrap
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -35,3 +38,13 @@ def tiny_qwen2(dtype=torch.float32, seed=0, **overrides) -> Qwen2ForCausalLM:
 def tiny_batch(batch=2, length=7, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, length), generator=g)
+
+
+def use_block(doc: str) -> str:
+    """A module docstring's Use block: the indented lines directly after the lines `Use` and
+    `---`, up to the first line that is not indented (blank lines inside kept), dedented."""
+    lines = doc.splitlines()
+    start = next(i for i in range(len(lines) - 1) if lines[i] == "Use" and lines[i + 1] == "---") + 2
+    end = next((i for i in range(start, len(lines)) if lines[i] and not lines[i].startswith("    ")), len(lines))
+    assert start < end and lines[start].startswith("    "), "the block must follow the underline directly"
+    return textwrap.dedent("\n".join(lines[start:end]))
