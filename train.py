@@ -61,7 +61,6 @@ import copy
 import hashlib
 import math
 import os
-import signal
 import sys
 
 import torch
@@ -74,7 +73,7 @@ import sketch
 import sync
 from infra import checkpoint, launch, lifecycle, lora, metrics, options, policy, tasks, vllm_engine
 from infra.engine import HFEngine
-from infra.errors import RunError, os_advice, os_cause
+from infra.errors import RunError
 
 
 # -----------------------------------------------------------------------------
@@ -169,25 +168,16 @@ def main(argv=None):
     """train.py's one exit for a stop that a module raised (infra/errors.py): a refusal (exit
     2), an engine lost beyond healing (exit 1) or a stop on a signal (exit 75), as one line on
     stderr; once per node when every rank raised it. A second Ctrl-C (KeyboardInterrupt) and
-    a file-system error that no module words (an OSError) end in one line too."""
+    a file-system error that no module words (an OSError) end in one line too (launch.stop_of)."""
     try:
         return run(argv)
-    except RunError as e:
+    except (RunError, KeyboardInterrupt, OSError) as raised:
+        e = launch.stop_of(raised)
         if not (e.agreed and os.environ.get("LOCAL_RANK", "0") != "0"):
             print(e.line(), file=sys.stderr)
         if dist.is_initialized():  # every rank stops here together (the refusal was agreed)
             dist.destroy_process_group()
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:  # launch.Preemption: a second SIGINT, a second or more after the first
-        for s in (signal.SIGINT, signal.SIGTERM):  # stopping: nothing further changes the exit status
-            signal.signal(s, signal.SIG_IGN)
-        print(f"train.py: stopped: a second SIGINT: stopped at once, without a checkpoint of the updates since the "
-              f"newest one; run the same command again to continue from it (exit {launch.REQUEUE_EXIT})",
-              file=sys.stderr)
-        sys.exit(launch.REQUEUE_EXIT)
-    except OSError as e:  # a write no module expected to fail (a full or read-only file system)
-        print(f"train.py: error: {os_cause(e)}: {os_advice(e)}, then run the same command again", file=sys.stderr)
-        sys.exit(2)
 
 
 def run(argv=None):

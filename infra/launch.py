@@ -73,7 +73,7 @@ import time
 
 import torch.distributed as dist
 
-from infra.errors import RunError
+from infra.errors import RunError, os_advice, os_cause
 
 # How long a rank looks for the others' probe files before it calls the folder unshared; a
 # shared file system slower than that to show another node's file sets LOGRA_PROBE_WAIT_S.
@@ -356,6 +356,21 @@ class Preemption:
     def restore(self):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+
+def stop_of(e: BaseException) -> RunError:
+    """The RunError a run stops on for `e`: `e` itself if it is one; for Preemption's
+    KeyboardInterrupt (a second SIGINT) a Stopped (exit 75), every further signal ignored from
+    here; for an OSError that no module worded (a write on a full or read-only file system), a
+    refusal naming the path and the cause."""
+    if isinstance(e, RunError):
+        return e
+    if isinstance(e, KeyboardInterrupt):
+        for s in (signal.SIGINT, signal.SIGTERM):  # stopping: nothing further changes the exit status
+            signal.signal(s, signal.SIG_IGN)
+        return Stopped(f"a second SIGINT: stopped at once, without a checkpoint of the updates since the newest "
+                       f"one; run the same command again to continue from it (exit {REQUEUE_EXIT})")
+    return RunError(f"{os_cause(e)}: {os_advice(e)}, then run the same command again")
 
 
 def agreed_layout(environ, engine_gpus: str = None) -> Layout:
