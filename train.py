@@ -263,8 +263,10 @@ def run(argv=None):
 
         # --- log, evaluate, checkpoint ------------------------------------------------------
         completed = update + 1  # updates completed
-        row = update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats, r, sync_bytes,
-                         num_tokens, timer)
+        row = metrics.update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats,
+                                 lr=None if r.logra else opt.param_groups[0]["lr"], mismatch=r.mismatch.m,
+                                 sync_bytes=sync_bytes, num_tokens=num_tokens, seconds=sum(timer.times.values()),
+                                 device=device)
         if cfg["eval_every"] and (completed % cfg["eval_every"] == 0 or completed == cfg["updates"]):
             row["pass1"], row["passk"] = evaluate(engine, task, cfg, world, r.rank, device)
             timer("eval")
@@ -403,24 +405,6 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
-def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats, r, sync_bytes, num_tokens,
-               timer) -> dict:
-    """The metrics row of one update: rewards and accuracy over the global batch (sums and
-    counts reduced across ranks), the step's KL control, the engine/trainer log-prob gap, the
-    sync's bytes, memory and throughput."""
-    (reward_sum, correct_sum, count), _ = metrics.global_sums(
-        [rewards.sum().item(), correct.sum().item(), len(rewards)], device=r.device)
-    gap_mean, gap_max = metrics.logprob_gap(rollout.logprobs, trainer_logp, rollout.mask)
-    tis = loss_stats.get("tis_weight")
-    return {"update": completed, "reward": reward_sum / count, "accuracy": correct_sum / count,
-            "kl_pred": kl_step["alpha"]**2 * kl_step["kl1"], "kl_real": kl_step["kl_real"], "alpha": kl_step["alpha"],
-            "probe_responses": kl_step["probed"], "lr": None if r.logra else r.opt.param_groups[0]["lr"],
-            "budget": kl_step["budget"], "mismatch": r.mismatch.m, "sketch_norm": kl_step["sketch_norm"],
-            "tis_weight": None if tis is None else float(tis), "logp_gap_mean": gap_mean, "logp_gap_max": gap_max,
-            "sync_bytes": sync_bytes, "mem_gib": metrics.memory_gib(r.device), "tokens": num_tokens,
-            "tokens_per_s": num_tokens / sum(timer.times.values())}
-
-
 # -----------------------------------------------------------------------------
 # Set-up: processes, the task, the policy and its engine, the optimizer, a resume
 
@@ -449,10 +433,8 @@ def _start_run(args, cfg, world, run_dir, opened) -> lifecycle.Run:
     if opened.resume:
         r.start = r.saved = launch.agreed(checkpoint.load_run_state, opened.resume, model, opt, r.logra, r.baseline,
                                           r.mismatch, opened.layout)
-        if rank == 0:
-            torn = checkpoint.truncate_rows(r.metrics_path, r.start)
-            if torn:
-                log(torn)
+        if rank == 0 and (torn := checkpoint.truncate_rows(r.metrics_path, r.start)):  # a torn last row, dropped
+            log(torn)
         moved = launch.layout_change(checkpoint.read_manifest(opened.resume)[0], opened.layout)
         log(f"{'resumed' if args.resume else 'continued'} {run_dir} at update {r.start} "
             f"({os.path.basename(opened.resume)}, verified{'; ' + moved if moved else ''})"
@@ -469,9 +451,8 @@ def _start_run(args, cfg, world, run_dir, opened) -> lifecycle.Run:
 def setup(cfg, opened, run_dir):
     """(task, model, engine). A chat task: its tokenizer and data (each node's own, a refusal
     agreed), the checkpoint loaded once and sharded, vLLM engines. The tiny task: the model
-    built and warmed up, the in-process HF engine (or vLLM's CPU build, on a saved copy).
-    The run directory becomes the run's (opened.commit) once the inputs are read: a refusal
-    about a data file, the tokenizer or the model leaves it as it was."""
+    built and warmed up, the in-process HF engine (or vLLM's CPU build, on a saved copy). The
+    directory becomes the run's (opened.commit) once these inputs are read and pass."""
     layout, rank, device, log = opened.layout, opened.rank, opened.device, opened.log
 
     def start_vllm(**kw):  # on GPUs vLLM gets what LoGRA's engine state leaves there (the memory plan)

@@ -6,7 +6,7 @@ What it is
 ----------
 `metrics.jsonl` in the run directory holds one JSON object per line: `{"update": 0, "pass1":
 ..., "passk": ...}` for the base policy, then one row per update (`step_line` prints it; the
-keys are train.py's `update_row`), and one row per event (an engine restart). The JSON is
+keys are `update_row`'s, which train.py's loop calls), and one row per event (an engine restart). The JSON is
 strict: a value that does not apply (AdamW has no KL prediction, LoGRA no learning rate) is
 `null`, never NaN, so that `jq` and JavaScript read it. `Log` writes each row there and, when
 the packages are installed, as TensorBoard scalars under `RUN_DIR/tensorboard` and to W&B
@@ -149,6 +149,25 @@ def plot(rows: list[dict], path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats, *, lr, mismatch, sync_bytes,
+               num_tokens, seconds, device) -> dict:
+    """The metrics row of one update (train.py's loop): rewards and accuracy over the global
+    batch (sums and counts reduced across ranks), the step's KL control (`kl_step`: kl1,
+    alpha, budget, sketch_norm, kl_real, probed), the engine/trainer log-prob gap, AdamW's or
+    LoRA's `lr` (None for LoGRA), the mismatch estimate, the sync's bytes, memory and
+    throughput over the update's `seconds`."""
+    (reward_sum, correct_sum, count), _ = global_sums(
+        [rewards.sum().item(), correct.sum().item(), len(rewards)], device=device)
+    gap_mean, gap_max = logprob_gap(rollout.logprobs, trainer_logp, rollout.mask)
+    tis = loss_stats.get("tis_weight")
+    return {"update": completed, "reward": reward_sum / count, "accuracy": correct_sum / count,
+            "kl_pred": kl_step["alpha"]**2 * kl_step["kl1"], "kl_real": kl_step["kl_real"], "alpha": kl_step["alpha"],
+            "probe_responses": kl_step["probed"], "lr": lr, "budget": kl_step["budget"], "mismatch": mismatch,
+            "sketch_norm": kl_step["sketch_norm"], "tis_weight": None if tis is None else float(tis),
+            "logp_gap_mean": gap_mean, "logp_gap_max": gap_max, "sync_bytes": sync_bytes,
+            "mem_gib": memory_gib(device), "tokens": num_tokens, "tokens_per_s": num_tokens / seconds}
 
 
 # -----------------------------------------------------------------------------
