@@ -123,7 +123,12 @@ over 150 updates, with update_ratio 2e-3). Measured on examples/minimal_loop.py'
 the budget sets the pace once it binds. The paper's 2e-4 left the reward at chance; on the
 2-layer width-64 model 5e-2 -> 1e-2 raised it from 0.03 to 0.19 and 2e-1 -> 5e-2 to 0.67
 (AdamW: 0.99), with realised / predicted KL 0.85 and 0.63; on the 4-layer width-128 one no
-setting took it past 0.06 in 40 updates (AdamW: 1.00).
+setting took it past 0.06 in 40 updates (AdamW: 1.00). On an 85M-parameter model of the same
+toy (16 layers, width 768, rank 32; `--large`, 20 updates) no budget moved the reward from
+chance (0.034), the largest (2e-1 -> 5e-2) at realised / predicted KL 0.36, while AdamW went
+from 0.11 to 0.89: a random deep policy whose hidden states are chaotic spends the budget on
+directions the second-order prediction does not describe. That toy is not a pretrained LLM;
+the rule above is the paper's for one, and is not measured here on a real ~100M model.
 
 What to watch: alpha, every update. alpha = alpha_max in every update means the budget never
 binds (every step is update_ratio's, unbudgeted): raise update_ratio by the factor above. And
@@ -150,7 +155,11 @@ Departures from the paper
    paper's responses run to thousands of tokens, where 2 responses already hold 512 and
    this is the paper's rule; on short responses 2 of them are a few tokens (12 on 6-token
    responses), and KL1 from those is noise. `max_responses=n` scores exactly the first n.
-   Test: tests/test_kl_control.py::test_the_default_probe_scores_512_tokens.
+   Test: tests/test_kl_control.py::test_the_default_probe_scores_512_tokens. With several
+   responses per prompt (GRPO-style groups in contiguous rows), the first rows are one
+   prompt's: pass the rows reordered so that each group's first response comes first (for
+   groups of G, `order = torch.arange(B).view(-1, G).t().reshape(-1)`, as train.py does), and
+   the same rows to `realised_kl`.
 4. `Mismatch.observe(..., ended_with_eos=None)` counts every response. The paper's rule
    counts only responses that ended with EOS (pass their flags for it); fixed-length
    responses never do, and under that rule the mismatch would never be observed nor
@@ -240,9 +249,10 @@ def token_kl(logits, tangent, temperature=1.0):
 def probe_mode(model):
     """Eval mode and eager attention (SDPA's fused kernels have no forward AD); restored on exit.
     The realised KL's forwards run in it too, so that they see the probe's own logits."""
-    was_training = model.training
+    training = [m for m in model.modules() if m.training]  # each module's own mode comes back
     attn = model.config._attn_implementation
-    model.eval()
+    for m in training:  # model.eval(), without its walk of every module when none trains
+        m.training = False
     if attn != "eager":
         model.set_attn_implementation("eager")
     try:
@@ -250,7 +260,8 @@ def probe_mode(model):
     finally:
         if attn != "eager":
             model.set_attn_implementation(attn)
-        model.train(was_training)
+        for m in training:
+            m.training = True
 
 
 def _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask):

@@ -86,7 +86,9 @@ The paper's: beta2 = 0.95, eps = 1e-8, update_ratio = 6e-5, factor dtype bf16.
   Measured (bench/README.md, `defaults_sweep.py`: examples/minimal_loop.py's toy, 40 updates,
   seeds 0-2; the paper's sizes not measured): with a toy budget of 5e-2 or 2e-1 per token,
   update_ratio 6e-5 left alpha at its cap in 100% of updates and the reward at chance at both
-  sizes; 1e-2 put it below the cap in every update.
+  sizes; 1e-2 put it below the cap in every update. (On its 85M-parameter variant the budget
+  bound from the first update even at 6e-5, and no budget moved the reward in 20 updates:
+  kl_control.py's rule paragraph.)
 - beta2: v averages the squared sketch rows over about 1 / (1 - beta2) = 20 updates.
 - eps is relative to mean(root), so it does not depend on the scale of the loss.
 - factor dtype: what the engines receive and merge; fp32 would double the sync payload.
@@ -201,8 +203,7 @@ def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8, out=None):
     # D <- s[:, None] S, then D <- D ||S|| / ||D||
     D = torch.mul(S, s[:, None].to(S.dtype), out=out)  # (d, r)
     S_sq, D_sq = S.double().square().sum(), D.double().square().sum()
-    if D_sq > 0:
-        D.mul_((S_sq / D_sq).sqrt().to(D.dtype))
+    D.mul_(torch.where(D_sq > 0, (S_sq / D_sq).sqrt(), 1.0).to(D.dtype))  # D = 0 stays 0; no host read
     return D, v
 
 
@@ -570,7 +571,7 @@ def row_adam_directions_across_ranks(sketches, moments, *, rows, group, step, be
     norms = torch.stack([torch.stack([S.double().square().sum(), D_l.double().square().sum()])
                          for S, D_l in zip(sketches, D)])  # (L, 2): ||S||^2, ||D||^2
     dist.all_reduce(norms, group=group)
-    for D_l, (S_sq, D_sq) in zip(D, norms):
-        if D_sq > 0:
-            D_l.mul_((S_sq / D_sq).sqrt().to(D_l.dtype))
+    scale = torch.where(norms[:, 1] > 0, (norms[:, 0] / norms[:, 1]).sqrt(), 1.0)  # (L,): D = 0 stays 0
+    for D_l, c in zip(D, scale):  # no host read
+        D_l.mul_(c.to(D_l.dtype))
     return D, new_v

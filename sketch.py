@@ -357,6 +357,8 @@ class LayerSketch:
             raise RuntimeError(f"{self.name}: the weight is on {m.weight.device} but its sketch and signs are on "
                                f"{self.sketch.device}, where sketch.attach made them: move the model before "
                                f"attach, or detach(model) and attach again after the move")
+        if not torch.is_grad_enabled():  # no backward follows (a rollout, the KL probe): no A to form
+            return F.linear(x, m.weight, m.bias)
         return sketched_linear(x, m.weight, m.bias, self.projection, self.sketch, self.group, layer=self)
 
     def refresh(self, update: int) -> None:

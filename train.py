@@ -13,8 +13,10 @@ One update, in the order the paper runs it (the loop in `run`):
 
     rollout   the engine (a bf16 copy of the policy, changed only by sync payloads) samples
               one response per prompt at temperature 1.0, with per-token log-probs
+              (--group-size G: G responses per prompt, on one rank: rollout_slots)
     reward    1 for a correct boxed answer, -0.01 otherwise                      (ppo.py)
     baseline  A = r - b, b a running mean over the global batch                  (ppo.py)
+              (--advantage grpo, drgrpo, rloo: against the response's group)
     loss      REINFORCE with truncated importance sampling, / global response tokens
     backward  into the sketches S = G A^T; no weight gradient exists             (sketch.py)
     RowAdam   per-row scaling of the sketches, one global scale -> U             (rowadam.py)
@@ -48,12 +50,17 @@ Departures from the paper
    to thousands of tokens, the tiny task's to a few, and KL1 from 16 tokens is noise (the
    tiny preset scores 512, i.e. all its responses). The sample grows with the number of
    ranks. Test: tests/test_train_paper_path.py, test_probe_count_sizes_the_probe_in_tokens.
+   With groups (--group-size G > 1, not the paper's), the "first" responses are taken across
+   groups: the first response of each of the rank's groups, then the second of each, and so
+   on (`logra_step`), so that two probed responses never answer the same prompt while the
+   rank has two groups; the realised KL is measured on the same rows.
 
 Implementation notes
 --------------------
-- Rollouts draw their randomness per prompt (a seed from the run seed, the update and the
-  prompt's global index: `stable_seed`), so one process and two sample the same responses
-  and a resumed run is bitwise the run that was not interrupted (infra/engine.py).
+- Rollouts draw their randomness per response (a seed from the run seed, the update and the
+  response's global index: `rollout_slots`, `stable_seed`), so one process and two sample the
+  same responses, a prompt's G responses differ, and a resumed run is bitwise the run that was
+  not interrupted (infra/engine.py).
 """
 
 import atexit
@@ -83,7 +90,8 @@ from infra.errors import RunError
 # engines, DAPO-Math-17k for training and MATH-500 for evaluation; its hyperparameters as the
 # paper states them (rank 256, KL budget 2e-4 -> 2e-5, 128 prompts per update, AdamW at 1e-6).
 PAPER = dict(
-    task="math", sync="factors", sketch_rank=256, batch=128, micro_batch=2, updates=200, temperature=1.0,
+    task="math", sync="factors", sketch_rank=256, batch=128, micro_batch=2, group_size=1, advantage="running",
+    updates=200, temperature=1.0,
     max_new_tokens=3072, context=4096, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0,
     probe_responses=2, probe_tokens=0, kl_real_positions=256, adam_lr=1e-6, lora_lr=1e-5, lora_alpha=32.0,
     warmup_steps=0, eval_every=10,
@@ -101,7 +109,8 @@ PRESETS = {
         task="arithmetic", sync="factors",
         model=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False),
-        sketch_rank=32, batch=64, micro_batch=64, updates=150, temperature=1.0, max_new_tokens=8,
+        sketch_rank=32, batch=64, micro_batch=64, group_size=1, advantage="running", updates=150,
+        temperature=1.0, max_new_tokens=8,
         update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, alpha_max=3.0, probe_responses=2,
         probe_tokens=512, kl_real_positions=1024,
         adam_lr=1e-4, lora_lr=1e-3, lora_alpha=32.0, warmup_steps=3000, warmup_batch=128, warmup_lr=3e-3,
@@ -117,7 +126,8 @@ PRESETS = {
         model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                    num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
                    vocab_size=151936),
-        sketch_rank=256, batch=32, micro_batch=8, updates=4, temperature=1.0, max_new_tokens=8,
+        sketch_rank=256, batch=32, micro_batch=8, group_size=1, advantage="running", updates=4,
+        temperature=1.0, max_new_tokens=8,
         update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0, probe_responses=2,
         probe_tokens=0, kl_real_positions=256,
         adam_lr=1e-6, lora_lr=1e-5, lora_alpha=32.0, warmup_steps=300, warmup_batch=128, warmup_lr=3e-4,
@@ -202,9 +212,8 @@ def run(argv=None):
             torch.cuda.reset_peak_memory_stats(device)
         timer = metrics.Laps(device)
         # --- rollout ---------------------------------------------------------------------
-        first = update * cfg["batch"] + r.rank * per_rank  # global index of this rank's first prompt
-        problems = [task.train_problem(first + i) for i in range(per_rank)]
-        seeds = [stable_seed("rollout", cfg["seed"], update, first + i) for i in range(per_rank)]
+        prompts, seeds = rollout_slots(update, cfg, world, r.rank)
+        problems = [task.train_problem(i) for i in prompts]
         rollout = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["temperature"],
                                   max_new_tokens=cfg["max_new_tokens"])
         # Padded to the global batch's longest sequence (one all_reduce): a rank's trainer
@@ -218,8 +227,12 @@ def run(argv=None):
         correct = torch.tensor([task.correct(p, y) for p, y in zip(problems, rollout.responses)], device=device)
         rewards = ppo.outcome_reward(correct)  # (B,)
 
-        # --- baseline --------------------------------------------------------------------
-        advantages = r.baseline.advantages(rewards)  # (B,)
+        # --- baseline: the paper's running one, or each response against its group ----------
+        if cfg["advantage"] == "running":
+            advantages = r.baseline.advantages(rewards)  # (B,)
+        else:  # a group's responses are contiguous rows of one rank (rollout_slots)
+            advantages = ppo.GROUP_ADVANTAGES[cfg["advantage"]](rewards, cfg["group_size"])
+        flat = ppo.zero_variance_groups(rewards, cfg["group_size"]) if cfg["group_size"] > 1 else None
 
         # --- loss, backward into the sketches (LoGRA) or into .grad (AdamW, LoRA) ------------
         num_tokens = ppo.global_token_count(rollout.mask)
@@ -266,7 +279,7 @@ def run(argv=None):
         row = metrics.update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats,
                                  lr=None if r.logra else opt.param_groups[0]["lr"], mismatch=r.mismatch.m,
                                  sync_bytes=sync_bytes, num_tokens=num_tokens, seconds=sum(timer.times.values()),
-                                 device=device)
+                                 device=device, group_size=cfg["group_size"], flat_groups=flat)
         if cfg["eval_every"] and (completed % cfg["eval_every"] == 0 or completed == cfg["updates"]):
             row["pass1"], row["passk"] = evaluate(engine, task, cfg, world, r.rank, device)
             timer("eval")
@@ -295,13 +308,16 @@ def logra_step(model, opt, layers, rollout, budget, cfg, timer) -> dict:
     step's KL control (kl1, alpha, budget, sketch_norm, kl_real, probed) and the merged
     `factors` the sync sends. A failure before the merge discards the prepared update, so
     weights and optimizer state stay as they were."""
-    temperature = cfg["temperature"]
+    temperature, ids, mask = cfg["temperature"], rollout.ids, rollout.mask
     # --- RowAdam ---------------------------------------------------------------------------
     sketch_norm = opt.prepare()
     # --- KL probe --------------------------------------------------------------------------
-    probed = kl_control.probe_count(rollout.mask, cfg["probe_responses"], cfg["probe_tokens"])  # departure 2
+    if cfg["group_size"] > 1:  # the probe scores the first responses: the first of each group, then the second...
+        order = torch.arange(len(ids), device=ids.device).view(-1, cfg["group_size"]).t().reshape(-1)
+        ids, mask = ids[order], mask[order]
+    probed = kl_control.probe_count(mask, cfg["probe_responses"], cfg["probe_tokens"])  # departure 2
     try:  # KL1, and the policy's logits at the first scored positions (the realised KL's "before")
-        probe = kl_control.probe(model, layers, opt.directions, rollout.ids, rollout.mask, temperature=temperature,
+        probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=temperature,
                                  max_responses=probed, keep_positions=cfg["kl_real_positions"])
         kl1 = probe.kl1
         alpha = kl_control.solve_alpha(kl1, budget=budget, alpha_max=cfg["alpha_max"])
@@ -316,7 +332,7 @@ def logra_step(model, opt, layers, rollout, budget, cfg, timer) -> dict:
     # "an estimate used for control, not a guarantee", so every step's is measured and logged.
     kl_real = math.nan
     if probe.logits is not None:
-        kl_real = kl_control.realised_kl(probe, model, rollout.ids, rollout.mask)  # the probe's own positions
+        kl_real = kl_control.realised_kl(probe, model, ids, mask)  # the probe's own positions
         timer("kl_real")
     return dict(kl1=kl1, alpha=alpha, budget=budget, sketch_norm=sketch_norm, kl_real=kl_real, probed=probed,
                 factors=factors)
@@ -398,6 +414,20 @@ def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
     (correct, any_correct, samples, count), _ = metrics.global_sums(
         [right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems)], device=device)
     return correct / samples, any_correct / count
+
+
+def rollout_slots(update, cfg, world, rank) -> tuple[list[int], list[int]]:
+    """This rank's part of an update's rollout: the index of each response's prompt in the
+    task's training stream and its sampling seed. Response j of the update (all ranks
+    together, rank-major) answers prompt j // G of the update's batch / G prompts, so a prompt's
+    G responses are consecutive rows of one rank (options.validate: whole groups per rank), and
+    every response has its own seed, from its global index: the same on 1 or N ranks, and on
+    resume. G = 1 is the paper's one response per prompt."""
+    per_rank, G = cfg["batch"] // world, cfg["group_size"]
+    first = update * cfg["batch"] + rank * per_rank  # global index of this rank's first response
+    prompts = [(first + i) // G for i in range(per_rank)]
+    seeds = [stable_seed("rollout", cfg["seed"], update, first + i) for i in range(per_rank)]
+    return prompts, seeds
 
 
 def stable_seed(*parts) -> int:

@@ -13,6 +13,12 @@ predicted KL.
     python bench/defaults_sweep.py                 # the table, about 3 minutes on 2 CPU cores
     python bench/defaults_sweep.py --updates 10    # shorter
     python bench/defaults_sweep.py --markdown      # and write it into bench/README.md
+    python bench/defaults_sweep.py --large --markdown   # the 85M-parameter model: ~25 minutes
+
+`--large` runs the same task on a 16-layer width-768 Qwen2 (85M parameters, the examples'
+std-0.2 initialisation) for 20 updates, with the settings the rule in kl_control.py names
+for a policy that must move far (update_ratio 1e-2, the toy budgets) beside the paper's, and
+AdamW; it is a separate table (bench:defaults_sweep_85m) since one run takes minutes here.
 """
 
 import argparse
@@ -32,6 +38,9 @@ import minimal_loop  # noqa: E402
 SIZES = {"2 layers, width 64": dict(hidden=64, num_layers=2), "4 layers, width 128": dict(hidden=128, num_layers=4)}
 UPDATE_RATIOS = (6e-5, 1e-2)
 BUDGETS = ((2e-4, 2e-5), (5e-2, 1e-2), (2e-1, 5e-2))  # (start, end) nats per token
+LARGE = {"16 layers, width 768 (85M)": dict(hidden=768, num_layers=16)}
+LARGE_SETTINGS = [("logra", 6e-5, (2e-4, 2e-5)), ("logra", 1e-2, (5e-2, 1e-2)), ("logra", 1e-2, (2e-1, 5e-2)),
+                  ("adamw", None, None)]
 ALPHA_MAX = 3.0
 
 
@@ -41,17 +50,22 @@ def spread(values) -> str:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--updates", type=int, default=40)
+    p.add_argument("--updates", type=int, default=None, help="updates per run (40; 20 with --large)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    args = report.parse_args(p, "defaults_sweep")
+    p.add_argument("--large", action="store_true", help="the 85M-parameter model instead of the two toys")
+    args = report.parse_args(p, "defaults_sweep", "defaults_sweep_85m",
+                             which=lambda a: ["defaults_sweep_85m" if a.large else "defaults_sweep"])
+    args.updates = args.updates or (20 if args.large else 40)
     torch.set_num_threads(2)
-    settings = [("logra", ur, b) for ur in UPDATE_RATIOS for b in BUDGETS] + [("adamw", None, None)]
+    sizes = LARGE if args.large else SIZES
+    settings = LARGE_SETTINGS if args.large else (
+        [("logra", ur, b) for ur in UPDATE_RATIOS for b in BUDGETS] + [("adamw", None, None)])
     header = ["model", "optimizer", "update_ratio", "KL budget (nats/token)", "reward, first 5 updates",
               "reward, last 5 updates", "alpha at its cap", "realised / predicted KL (median)", "wall per run"]
     print(report.table(header, []), flush=True)  # the rows follow as the runs finish
     rows, t_all = [], time.perf_counter()
-    for size, shape in SIZES.items():
+    for size, shape in sizes.items():
         for method, ur, budget in settings:
             first, last, capped, ratios, walls = [], [], [], [], []
             for seed in args.seeds:
@@ -73,11 +87,12 @@ def main():
     note = (f"examples/minimal_loop.py's task (reward: the share of 6 response tokens that are token 7; chance "
             f"1/32), {args.updates} updates of batch {args.batch}, seeds {', '.join(map(str, args.seeds))}: mean "
             f"(min..max over seeds); LoGRA rank 32, alpha_max {ALPHA_MAX:g}, AdamW lr 3e-3 on the same target "
-            f"weights. Toy sizes only: a ~100M model and the paper's sizes are not measured here. "
+            f"weights. " + ("The paper's sizes are not measured here. " if args.large else
+                       "Toy sizes (the 85M model: the next table; the paper's sizes are not measured here). ") +
             f"Whole sweep: {total / 60:.1f} min on this CPU ({torch.get_num_threads()} threads).")
     print("\n" + note)
     if args.markdown:
-        report.publish("defaults_sweep", note + "\n\n" + report.table(header, rows))
+        report.publish("defaults_sweep_85m" if args.large else "defaults_sweep", note + "\n\n" + report.table(header, rows))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ run, then mean +- sd of the gain over the seeds per setting.
     python bench/tiny_sweep.py --sweep              # the three values of each knob
     python bench/tiny_sweep.py --out /tmp/sweep     # where the run directories go
     python bench/tiny_sweep.py --markdown           # and write the tables into the READMEs
+    python bench/tiny_sweep.py --groups --markdown  # groups: G = 8 with GRPO's and RLOO's advantages
+
+`--groups` runs LoGRA and AdamW with 8 responses per prompt (`--group-size 8`, 8 prompts of
+the batch of 64) and GRPO's or RLOO's advantages, beside the paper's one response per prompt
+and running baseline (the default runs), the same 64 responses an update, seeds 0-2.
 """
 
 import argparse
@@ -28,11 +33,14 @@ import report  # bench/report.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(out, method, seed, option=None, value=None):
-    tag = f"{method}-seed{seed}" + (f"-{option.strip('-')}{value}" if option else "")
+def run(out, method, seed, *options):
+    """One `python train.py` run with `options` (flag, value pairs), or its results if its run
+    directory already holds them."""
+    pairs = list(zip(options[::2], options[1::2]))
+    tag = f"{method}-seed{seed}" + "".join(f"-{option.strip('-')}{value}" for option, value in pairs)
     run_dir = os.path.join(out, tag)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--optimizer", method, "--seed", str(seed),
-           "--run-dir", run_dir] + ([option, str(value)] if option else [])
+           "--run-dir", run_dir] + [str(o) for o in options]
     if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         t0 = time.time()
         os.makedirs(run_dir, exist_ok=True)
@@ -46,6 +54,7 @@ def run(out, method, seed, option=None, value=None):
     wall = float(open(os.path.join(run_dir, "wall.txt")).read())
     return dict(base=passes[0], final=passes[-1], best=max(passes), gain=100 * (passes[-1] - passes[0]), wall=wall,
                 update_ms=[1e3 * r["time_s"] for r in updates], sync_bytes=[r["sync_bytes"] for r in updates],
+                zero_variance=[r["zero_variance"] for r in updates if "zero_variance" in r],
                 mem=max(r["mem_gib"] for r in updates), cmd=" ".join(["python train.py"] + cmd[2:]))
 
 
@@ -59,9 +68,14 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "sweep"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--groups", action="store_true", help="G = 8 with GRPO and RLOO beside the paper's G = 1")
     args = report.parse_args(p, "tiny_sweep", "tiny_sweep_summary", "default_run", "tiny_sweep_sweep",
+                             "tiny_sweep_groups", "groups_summary",
                              which=lambda a: ["tiny_sweep_sweep"] if a.sweep else
+                             ["tiny_sweep_groups", "groups_summary"] if a.groups else
                              ["tiny_sweep", "tiny_sweep_summary", "default_run"])
+    if args.groups:
+        return groups(args)
     settings = [("logra", None, None), ("adam", None, None), ("lora", None, None)]
     if args.sweep:
         settings = [("logra", "--kl-start", v) for v in (1e-2, 2e-2, 4e-2)] + \
@@ -73,7 +87,7 @@ def main():
     for method, option, value in settings:
         results = []
         for seed in args.seeds:
-            r = run(args.out, method, seed, option, value)
+            r = run(args.out, method, seed, *((option, value) if option else ()))
             results.append(r)
             runs.append([method, f"{option or 'default'} {value or ''}", seed, f"{r['base']:.3f}", f"{r['final']:.3f}",
                          f"{r['best']:.3f}", f"{r['gain']:+.1f}", f"{r['wall']:.0f} s"])
@@ -101,6 +115,45 @@ def main():
             for method in ("logra", "adam"):
                 shutil.copyfile(os.path.join(args.out, f"{method}-seed{args.seeds[0]}", "curves.png"),
                                 os.path.join(ROOT, "bench", "results", f"tiny-{method}-curves.png"))
+
+
+def groups(args):
+    """--groups: LoGRA and AdamW with G = 1 (the paper's running baseline) and G = 8 (GRPO,
+    RLOO), the same 64 responses an update; the gain per seed, its mean +- sd, and whether
+    LoGRA's mean lies within the seeds' spread (mean +- sd) of AdamW's with the same groups."""
+    settings = [(1, "running"), (8, "grpo"), (8, "rloo")]
+    header = ["method", "G", "advantage", *(f"gain, seed {s}" for s in args.seeds), "gain, mean +- sd", "base",
+              "final", "zero-variance groups"]
+    print(report.table(header, []))
+    rows, gains = [], {}
+    for method in ("logra", "adam"):
+        for G, advantage in settings:
+            extra = ("--group-size", G, "--advantage", advantage) if G > 1 else ()
+            results = [run(args.out, method, seed, *extra) for seed in args.seeds]
+            gains[method, G, advantage] = [r["gain"] for r in results]
+            flat = [v for r in results for v in r["zero_variance"]]
+            rows.append([method, G, advantage, *(f"{r['gain']:+.1f}" for r in results),
+                         spread([r["gain"] for r in results], "+.1f"), spread([r["base"] for r in results], ".3f"),
+                         spread([r["final"] for r in results], ".3f"),
+                         f"{100 * statistics.mean(flat):.0f}%" if flat else ""])
+            print(report.row(rows[-1]), flush=True)
+    verdicts = []
+    for G, advantage in settings:
+        logra, adam = gains["logra", G, advantage], gains["adam", G, advantage]
+        sd = statistics.stdev(adam) if len(adam) > 1 else 0.0
+        within = abs(statistics.mean(logra) - statistics.mean(adam)) <= sd
+        verdicts.append(f"G = {G}, {advantage}: LoGRA gains on {sum(g > 0 for g in logra)} of {len(logra)} seeds; "
+                        f"its mean gain {statistics.mean(logra):+.1f} is {'within' if within else 'outside'} AdamW's "
+                        f"{statistics.mean(adam):+.1f} +- {sd:.1f} points.")
+    note = (f"The tiny preset (`python train.py`, 150 updates of 64 responses), seeds "
+            f"{', '.join(map(str, args.seeds))}: held-out Pass@1 gain (points) from the base policy to the last "
+            f"evaluation; G responses per prompt, so 64 / G prompts an update. Zero-variance groups: the mean share "
+            f"of groups whose responses were all equally rewarded (no signal under GRPO or RLOO).")
+    table = report.table(header, rows)
+    print("\n" + "\n".join(verdicts))
+    if args.markdown:
+        report.publish("tiny_sweep_groups", note + "\n\n" + table + "\n\n" + "\n".join(f"- {v}" for v in verdicts))
+        report.publish("groups_summary", "\n".join(f"- {v}" for v in verdicts))
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ Shape legend: B batch (prompts), P prompt tokens, T prompt + response tokens, V 
 
 Departures from the paper
 -------------------------
-1. `HFEngine` samples with Gumbel-max noise drawn per prompt from a generator seeded by (run
-   seed, update, global prompt index): rollouts do not depend on how prompts are split across
-   trainer processes, and a resumed run samples what the uninterrupted run sampled (the paper
+1. `HFEngine` samples with Gumbel-max noise drawn per response from a generator seeded by
+   (run seed, update, global response index; train.py's rollout_slots): rollouts do not
+   depend on how prompts are split across trainer processes, the G responses of a prompt
+   (--group-size) differ, and a resumed run samples what the uninterrupted run sampled (the paper
    samples with vLLM's own seeds). Tests: tests/test_engine.py,
    test_each_prompt_draws_from_its_own_seed; tests/test_train.py,
    test_one_and_two_processes_agree.

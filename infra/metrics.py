@@ -81,6 +81,8 @@ def step_line(row: dict) -> str:
     else:
         method = f"lr {row['lr']:.2e}"
     return (f"step {row['update']} | reward {row['reward']:.3f} | "
+            + (f"G {row['group_size']} (no signal {100 * row['zero_variance']:.0f}%) | " if "zero_variance" in row
+               else "")
             + (f"pass@1 {row['pass1']:.3f} | " if "pass1" in row else "")
             + f"{method} | mismatch {row['mismatch']:.1e} | mem {row['mem_gib']:.2f} GiB | "
             f"{row['time_s'] * 1e3:.0f} ms")
@@ -99,6 +101,10 @@ def summary(rows: list[dict], *, heldout: int, engine: str) -> list[str]:
         lines.append(f"engine vs trainer log-prob per response token: mean gap "
                      f"{sum(r['logp_gap_mean'] for r in updates) / len(updates):.2e}, "
                      f"max {max(r['logp_gap_max'] for r in updates):.2e} ({engine} engine)")
+        flat = [r["zero_variance"] for r in updates if "zero_variance" in r]
+        if flat:
+            lines.append(f"groups of {updates[-1]['group_size']} responses per prompt: {100 * sum(flat) / len(flat):.0f}% "
+                         f"on average were equally rewarded (no signal), {100 * max(flat):.0f}% at most")
         mem = [r["mem_gib"] for r in updates]
         lines.append(f"memory per update: average {sum(mem) / len(mem):.2f} GiB, peak {max(mem):.2f} GiB; "
                      f"{3600 / (sum(r['time_s'] for r in updates) / len(updates)):.0f} updates/h")
@@ -152,14 +158,18 @@ def plot(rows: list[dict], path: str) -> bool:
 
 
 def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats, *, lr, mismatch, sync_bytes,
-               num_tokens, seconds, device) -> dict:
+               num_tokens, seconds, device, group_size=1, flat_groups=None) -> dict:
     """The metrics row of one update (train.py's loop): rewards and accuracy over the global
     batch (sums and counts reduced across ranks), the step's KL control (`kl_step`: kl1,
     alpha, budget, sketch_norm, kl_real, probed), the engine/trainer log-prob gap, AdamW's or
     LoRA's `lr` (None for LoGRA), the mismatch estimate, the sync's bytes, memory and
-    throughput over the update's `seconds`."""
-    (reward_sum, correct_sum, count), _ = global_sums(
-        [rewards.sum().item(), correct.sum().item(), len(rewards)], device=device)
+    throughput over the update's `seconds`; with groups of `group_size` > 1 responses per
+    prompt, the share of groups whose rewards were all equal (`flat_groups`: this rank's
+    count), which give no signal."""
+    flat = [] if flat_groups is None else [float(flat_groups)]
+    (reward_sum, correct_sum, count, *flat), _ = global_sums(
+        [rewards.sum().item(), correct.sum().item(), len(rewards), *flat], device=device)
+    groups = {"group_size": group_size, **({"zero_variance": flat[0] / (count / group_size)} if flat else {})}
     gap_mean, gap_max = logprob_gap(rollout.logprobs, trainer_logp, rollout.mask)
     tis = loss_stats.get("tis_weight")
     return {"update": completed, "reward": reward_sum / count, "accuracy": correct_sum / count,
@@ -167,7 +177,7 @@ def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss
             "probe_responses": kl_step["probed"], "lr": lr, "budget": kl_step["budget"], "mismatch": mismatch,
             "sketch_norm": kl_step["sketch_norm"], "tis_weight": None if tis is None else float(tis),
             "logp_gap_mean": gap_mean, "logp_gap_max": gap_max, "sync_bytes": sync_bytes,
-            "mem_gib": memory_gib(device), "tokens": num_tokens, "tokens_per_s": num_tokens / seconds}
+            "mem_gib": memory_gib(device), "tokens": num_tokens, "tokens_per_s": num_tokens / seconds, **groups}
 
 
 # -----------------------------------------------------------------------------

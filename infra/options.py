@@ -105,6 +105,11 @@ class Options:
     sketch_rank: int = knob("sketch rank r", flag="--rank", least=1)
     batch: int = knob("responses per update, all ranks together", least=1)
     micro_batch: int = knob("responses per forward and backward on a rank", least=1)
+    group_size: int = knob("responses per prompt, sampled with distinct seeds on one rank (1: the paper's; the batch "
+                           "stays --batch responses, so batch / G prompts an update)", least=1)
+    advantage: str = knob("the running baseline over the global batch (the paper's), or a response against its "
+                          "group: GRPO (mean and std), Dr. GRPO (mean), RLOO (leave-one-out mean); ppo.py",
+                          choices=("running", "grpo", "drgrpo", "rloo"))
     updates: int = knob("RL updates of the run", least=1)
     update_ratio: float = knob("RowAdam's step size: ||U A|| / ||W|| before alpha", positive=True)
     kl_start: float = knob("KL budget of the first update", positive=True)
@@ -438,6 +443,14 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
         raise OptionError(f"--batch {cfg['batch']} does not split across {world} ranks: use a multiple of {world}")
     if (cfg["batch"] // world) % cfg["micro_batch"] and cfg["micro_batch"] < cfg["batch"] // world:
         raise OptionError(f"--micro-batch {cfg['micro_batch']} must divide the per-rank batch {cfg['batch'] // world}")
+    if cfg["advantage"] != "running" and cfg["group_size"] < 2:
+        raise OptionError(f"--advantage {cfg['advantage']} compares a response with the others of its prompt: it "
+                          f"needs --group-size 2 or more (the paper's one response per prompt takes --advantage "
+                          f"running)")
+    if (cfg["batch"] // world) % cfg["group_size"]:
+        raise OptionError(f"--batch {cfg['batch']} does not split into whole groups of --group-size "
+                          f"{cfg['group_size']} on each of {world} rank(s): use a multiple of "
+                          f"{world * cfg['group_size']}")
     if cfg["eval_problems"] < world:
         raise OptionError(f"--eval-problems {cfg['eval_problems']} must be >= the number of ranks, {world}")
 

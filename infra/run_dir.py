@@ -58,6 +58,8 @@ STRAY = re.compile(r".+\.tmp\d+")  # checkpoint.stage's temporary names: `<file>
 # What a resume may change: where its ranks and engines run, how long a wait may last, how
 # many engine restarts it allows.
 MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout", "engine_restarts")
+# Options added after runs were saved without them, and the value those runs had.
+ADDED = {"group_size": 1, "advantage": "running"}
 
 
 class RunDirError(RunError):
@@ -206,6 +208,9 @@ def inspect(cfg: dict, run_dir: str, resume=None) -> Verdict:
         raise RunDirError(f"{option} cannot be read ({os_cause(e)})") from None
     if isinstance(saved.get("model"), dict) and "model_type" in (cfg.get("model") or {}):  # a run from
         saved["model"].setdefault("model_type", cfg["model"]["model_type"])  # before model_type was recorded
+    for key, value in ADDED.items():  # a run saved before the option existed ran with its old value
+        if key in cfg:
+            saved.setdefault(key, value)
     diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k) and k not in MAY_CHANGE)
     if diff and resume:
         raise RunDirError(f"{option}: the run was made with a different configuration ({', '.join(diff)}); pass "

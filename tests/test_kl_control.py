@@ -256,7 +256,7 @@ def test_prediction_matches_reality():
 def snapshot(model):
     """What a probe may not leave changed: the weights, the model's mode and attention, its hooks."""
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    return ({n: p.detach().clone() for n, p in model.state_dict().items()}, model.training,
+    return ({n: p.detach().clone() for n, p in model.state_dict().items()}, [m.training for m in model.modules()],
             model.config._attn_implementation, hooks)
 
 
@@ -265,7 +265,7 @@ def assert_unchanged(model, snap):
     _ConstantOperands) left open."""
     weights, training, attn, hooks = snap
     assert fwAD._current_level == -1 and torch._C._len_torch_function_stack() == 0
-    assert (model.training, model.config._attn_implementation) == (training, attn)
+    assert ([m.training for m in model.modules()], model.config._attn_implementation) == (training, attn)
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == hooks
     assert all(torch.equal(weights[n], p) for n, p in model.state_dict().items())
 
@@ -277,6 +277,19 @@ def test_probe_changes_nothing_and_restores_mode():
     kl_control.predict_kl(model, layers, opt.directions, ids, mask)
     assert model.training and model.config._attn_implementation == "sdpa"
     assert_unchanged(model, snap)
+    # Each module's own mode comes back (a submodule left in eval mode stays there), and the
+    # probe's forward runs with every module in eval mode.
+    model.model.layers[0].eval()
+    seen = []
+    h = model.model.layers[1].mlp.register_forward_hook(lambda mod, a, o: seen.append(
+        [m.training for m in model.modules()]))
+    snap = snapshot(model)
+    kl_control.predict_kl(model, layers, opt.directions, ids, mask)
+    h.remove()
+    assert seen and not any(any(modes) for modes in seen)
+    snap = (snap[0], snap[1], snap[2], snap[3] - 1)  # the hook above is gone
+    assert_unchanged(model, snap)
+    assert not model.model.layers[0].training and model.model.layers[1].training
 
     def boom(module, args, out):
         raise RuntimeError("forward failed")

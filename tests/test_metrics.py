@@ -34,6 +34,11 @@ def test_summary():
         "held-out pass@1: base 0.250 -> final 0.750 (+50.0 points, 8 problems)",
         "engine vs trainer log-prob per response token: mean gap 2.00e-03, max 5.00e-01 (hf engine)",
         "memory per update: average 0.75 GiB, peak 1.00 GiB; 3600 updates/h"]
+    grouped = [rows[0], *(dict(r, group_size=4, zero_variance=z) for r, z in zip(rows[1:], (0.25, 0.5)))]
+    assert metrics.summary(grouped, heldout=8, engine="hf")[2] == \
+        "groups of 4 responses per prompt: 38% on average were equally rewarded (no signal), 50% at most"
+    assert "| G 4 (no signal 25%) |" in metrics.step_line(grouped[1])
+    assert "| G " not in metrics.step_line(dict(ROW, group_size=1))  # the paper's one response: not shown
 
 
 def test_plot(tmp_path):

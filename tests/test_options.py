@@ -34,7 +34,7 @@ FLOATS = [f.name for f in options.KNOBS if f.type is float]
 SMALLEST = {"sketch_rank": 1, "batch": 1, "micro_batch": 1, "updates": 1, "kl_horizon": 2, "probe_responses": 1,
             "probe_tokens": 0, "kl_real_positions": 0, "warmup_steps": 0, "eval_every": 0, "eval_problems": 1,
             "save_every": 0, "seed": 0, "keep": 1, "max_new_tokens": 1, "context": 2, "eval_samples": 1,
-            "warmup_batch": 1}
+            "warmup_batch": 1, "group_size": 1}
 SHARES = {"warmup_unboxed", "eval_top_p", "gpu_memory_utilization"}  # at most 1; only warmup_unboxed may be 0
 NEVER = os.path.join(tempfile.gettempdir(), "logra-option-fuzz-never-made")
 int_values = st.one_of(st.sampled_from([0, -1, 1, 2, 7, 10**30, -(10**30)]), st.integers(-5, 400))
@@ -93,6 +93,32 @@ def test_every_option_value_is_accepted_or_refused_in_one_line(preset, world, va
         assert code == 2 and err.startswith("train.py: error: ") and err.count("\n") == 1, err
     if preset == "7b" and not values and world is None:  # this CPU machine: what to run, and where
         assert "torchrun --nproc_per_node 4 train.py --model 7b --model-path" in err
+
+
+@pytest.mark.parametrize("argv, world, says", [
+    (["--advantage", "grpo"], None, "--advantage grpo compares a response with the others of its prompt: it needs "
+                                    "--group-size 2 or more"),
+    (["--advantage", "rloo", "--group-size", "1"], None, "--advantage rloo compares a response"),
+    (["--group-size", "3"], None, "--batch 64 does not split into whole groups of --group-size 3 on each of 1 "
+                                  "rank(s): use a multiple of 3"),
+    (["--group-size", "64", "--advantage", "drgrpo"], "2", "--batch 64 does not split into whole groups of "
+                                                          "--group-size 64 on each of 2 rank(s): use a multiple of 128"),
+    (["--group-size", "0"], None, "--group-size 0 must be >= 1"),
+])
+def test_group_options_are_refused_in_one_line(argv, world, says):
+    code, out, err = configure(["--run-dir", NEVER, *argv], world)
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith(f"train.py: error: {says}"), err
+    assert not os.path.exists(NEVER)
+
+
+def test_group_options_that_fit_are_taken():
+    for argv, world in ((["--group-size", "8", "--advantage", "grpo"], None), (["--group-size", "32"], "2"),
+                        (["--model", "7b", "--dry-run", "--group-size", "16", "--advantage", "rloo"], None)):
+        code, _, err = configure(["--run-dir", NEVER, *argv], world)
+        assert code == 0 and err == "", err
+    cfg = options.resolve(options.parse([], train.PRESETS), train.PRESETS)
+    assert (cfg["group_size"], cfg["advantage"]) == (1, "running")  # the paper's, in every preset
+    assert all((p["group_size"], p["advantage"]) == (1, "running") for p in train.PRESETS.values())
 
 
 def test_context_beyond_the_models_positions_is_refused():

@@ -268,3 +268,64 @@ def test_the_use_block_runs():
         assert layer.backwards == 1 and ref.abs().max() > 0, layer.name
         torch.testing.assert_close(layer.sketch.double(), ref, rtol=0, atol=2e-5 * ref.abs().max().item())
     assert all(p.grad is None for p in model.parameters())
+
+
+# --- group advantages, against numpy ---------------------------------------------------------
+
+def numpy_group_advantages(kind, rewards, G):
+    """The estimators written out per response with numpy, one group and one response at a time."""
+    import numpy as np
+
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1, G)
+    out = np.zeros_like(r)
+    for g in range(r.shape[0]):
+        row = r[g]
+        if np.all(row == row[0]):
+            continue  # no signal: 0
+        for i in range(G):
+            if kind == "grpo":
+                out[g, i] = (row[i] - row.mean()) / (np.std(row, ddof=1) + 1e-4)
+            elif kind == "drgrpo":
+                out[g, i] = row[i] - row.mean()
+            else:  # rloo: the mean of the others
+                out[g, i] = row[i] - np.mean(np.delete(row, i))
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "drgrpo", "rloo"])
+@pytest.mark.parametrize("G, rewards", [
+    (2, [1.0, -0.01, -0.01, 1.0, 1.0, 1.0, -0.01, -0.01]),           # G = 2: one split, two equal groups
+    (4, [1.0, 1.0, -0.01, -0.01, 0.25, 0.25, 0.25, 1.0, 0.5, 0.5, 0.5, 0.5]),  # ties; an all-equal group
+    (8, torch.rand(32, generator=torch.Generator().manual_seed(3)).tolist()),
+])
+def test_group_advantages_against_numpy(kind, G, rewards):
+    import numpy as np
+
+    r = torch.tensor(rewards, dtype=torch.float32)
+    got = ppo.GROUP_ADVANTAGES[kind](r, G)
+    assert got.dtype == torch.float32 and got.shape == r.shape
+    expect = numpy_group_advantages(kind, r.double().numpy(), G)
+    np.testing.assert_allclose(got.double().numpy(), expect, rtol=1e-6, atol=1e-7)
+    equal = (r.view(-1, G) == r.view(-1, G)[:, :1]).all(dim=1)
+    assert torch.equal(got.view(-1, G)[equal], torch.zeros_like(got.view(-1, G)[equal]))  # exactly 0, no noise
+    assert int(ppo.zero_variance_groups(r, G)) == int(equal.sum())
+    if kind != "grpo":  # the mean of a group's advantages is 0 (grpo's too; drgrpo and rloo exactly scaled)
+        np.testing.assert_allclose(got.double().view(-1, G).sum(dim=1).numpy(), 0.0, atol=1e-6)
+
+
+def test_rloo_is_a_scaled_drgrpo_and_grpo_unit_variance():
+    r = torch.rand(40, generator=torch.Generator().manual_seed(0), dtype=F64)
+    G = 5
+    torch.testing.assert_close(ppo.rloo_advantages(r, G), G / (G - 1) * ppo.drgrpo_advantages(r, G))
+    std = ppo.grpo_advantages(r, G).view(-1, G).std(dim=1)
+    torch.testing.assert_close(std, torch.full_like(std, 1.0), rtol=1e-3, atol=0)  # eps 1e-4 against std ~0.3
+
+
+@pytest.mark.parametrize("kind", ["grpo", "drgrpo", "rloo"])
+def test_group_advantages_refuse_what_is_not_whole_groups(kind):
+    with pytest.raises(ValueError, match="B a multiple of G: got B = 6, G = 4"):
+        ppo.GROUP_ADVANTAGES[kind](torch.ones(6), 4)
+    with pytest.raises(ValueError, match="G >= 2"):
+        ppo.GROUP_ADVANTAGES[kind](torch.ones(6), 1)
+    with pytest.raises(ValueError, match=r"must be \(B,\)"):
+        ppo.GROUP_ADVANTAGES[kind](torch.ones(2, 4), 2)

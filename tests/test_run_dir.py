@@ -109,6 +109,12 @@ def test_what_a_directory_holds(tmp_path):
         return str(e.value)
 
     refused(tmp_path / "run", r"holds another run \(its options differ: updates\)", cfg=dict(cfg, updates=4))
+    # A run saved before --group-size and --advantage existed ran with one response per prompt
+    # and the running baseline: it continues with those, and only with those.
+    grouped = dict(cfg, group_size=1, advantage="running")
+    assert run_dir.inspect(grouped, str(tmp_path / "run")).continues
+    refused(tmp_path / "run", r"its options differ: advantage, group_size\)",
+            cfg=dict(grouped, group_size=4, advantage="rloo"))
     refused(tmp_path / "run", r"different configuration \(seed\)", cfg=dict(cfg, seed=1), resume=str(tmp_path / "run"))
     make_run(tmp_path / "rows-only", rows=5)  # metrics of a run and no checkpoint: never started anew silently
     m = refused(tmp_path / "rows-only", r"holds this run's metrics.jsonl \(5 rows, to update 4\) but no checkpoint")

@@ -113,6 +113,59 @@ def test_one_and_two_processes_agree(runs):
     assert any(r["accuracy"] > 0 for r in m1)  # some advantages were non-zero: the policy moved
 
 
+# Groups of 4 responses per prompt, RLOO's advantages: two groups, one on each rank of two.
+GROUPS = [*SMALL, "--updates", "6", "--micro-batch", "4", "--probe-responses", "8", "--save-every", "2",
+          "--group-size", "4", "--advantage", "rloo"]
+
+
+def test_groups_one_and_two_processes_and_a_killed_run_agree(runs):
+    """--group-size 4: a run on 2 ranks, and a run on 1 SIGKILLed after its fourth update and
+    continued, end with bitwise the same weights and log the same accuracy and share of flat
+    groups at every update (each rank draws its groups' responses from their own seeds)."""
+    two, killed = runs / "groups2", runs / "groups1"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          os.path.join(ROOT, "train.py"), *GROUPS, "--run-dir", str(two)],
+                         cwd=ROOT, capture_output=True, text=True, env=env(), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "G 4 (no signal " in out.stdout
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *GROUPS, "--run-dir", str(killed)],
+                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_rows(killed / "metrics.jsonl", 5)  # base row + 4 updates: checkpoint-2 at least is saved
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    again = run([*GROUPS, "--run-dir", str(killed)])
+    assert f"continued {killed} at update " in again.stdout
+    a, b = model_state(two), model_state(killed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    base = torch.load(next(runs.glob("base-tiny-*.pt")), weights_only=True)
+    assert max((a[k] - base[k]).abs().max().item() for k in a) > 0
+    m2, m1 = ([json.loads(line) for line in open(d / "metrics.jsonl")][1:] for d in (two, killed))
+    assert [r["update"] for r in m1] == list(range(1, 7))
+    assert [(r["accuracy"], r["zero_variance"], r["group_size"]) for r in m1] == \
+        [(r["accuracy"], r["zero_variance"], r["group_size"]) for r in m2]
+    assert all(r["zero_variance"] in (0.0, 0.5, 1.0) for r in m1)  # 2 groups an update
+    assert any(r["zero_variance"] < 1.0 for r in m1)  # some group had a signal: the policy moved on it
+
+
+def test_a_prompts_responses_sit_on_one_rank_with_their_own_seeds():
+    """train.rollout_slots: response j of an update answers prompt j // G; every rank holds
+    whole groups; the seeds are distinct and the same on 1, 2 or 4 ranks; G = 1 the paper's."""
+    import train
+
+    cfg = dict(batch=16, group_size=4, seed=0)
+    for update in (0, 3):
+        whole = train.rollout_slots(update, cfg, 1, 0)
+        for world in (2, 4):
+            parts = [train.rollout_slots(update, cfg, world, rank) for rank in range(world)]
+            assert [i for p, _ in parts for i in p] == whole[0] and [s for _, q in parts for s in q] == whole[1]
+            for prompts, _ in parts:  # whole groups: each prompt 4 times, only on this rank
+                assert all(prompts.count(p) == 4 for p in prompts)
+        prompts, seeds = whole
+        assert prompts == [update * 4 + j // 4 for j in range(16)]
+        assert len(set(seeds)) == 16
+    assert train.rollout_slots(2, dict(cfg, group_size=1), 1, 0)[0] == list(range(32, 48))  # one per prompt
+
+
 def wait_for_rows(metrics, rows, timeout=240):
     """Until a run's metrics.jsonl has `rows` lines (or `timeout` seconds have passed)."""
     deadline = time.time() + timeout

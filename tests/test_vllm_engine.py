@@ -385,8 +385,13 @@ def math_args(tiny_math, task="math"):
     return ["--model", "tiny-math", "--model-path", tiny_math["model"], *data, "--updates", "3", "--save-every", "3"]
 
 
+# The 2-rank math runs sample 4 responses per prompt (2 groups a rank) with GRPO's advantages.
+GROUPS = ["--group-size", "4", "--advantage", "grpo"]
+
+
 def math_run(tiny_math, run_dir, world, task="math"):
-    args = ["train.py", *math_args(tiny_math, task), "--run-dir", str(run_dir)]
+    groups = GROUPS if world == 2 else []
+    args = ["train.py", *math_args(tiny_math, task), *groups, "--run-dir", str(run_dir)]
     cmd = [sys.executable, *args] if world == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", "29541",
          *args]
@@ -405,8 +410,9 @@ def math_runs(tmp_path_factory):
 @pytest.mark.vllm
 @pytest.mark.parametrize("task, world", [("math", 2), ("reasoning-gym", 1)])
 def test_chat_tasks_with_vllm_engines(tiny_math, math_runs, task, world):
-    """The paper's path with vLLM CPU engines: the math task on 2 ranks (FSDP2, gloo), Reasoning
-    Gym's in one process (no process group), the same loop."""
+    """The paper's path with vLLM CPU engines: the math task on 2 ranks (FSDP2, gloo) with groups
+    of 4 responses per prompt (GROUPS), Reasoning Gym's in one process (no process group) with
+    one, the same loop."""
     run_dir = math_runs / f"{'math' if task == 'math' else 'gym'}-{world}"
     out, rows = math_run(tiny_math, run_dir, world, task)
     assert [r["update"] for r in rows] == [0, 1, 2, 3] and "pass1" in rows[0]
@@ -421,6 +427,8 @@ def test_chat_tasks_with_vllm_engines(tiny_math, math_runs, task, world):
     assert any(r["sketch_norm"] > 0 for r in updates)  # the policy really moved
     if task == "math":  # rewards vary: the checkpoint, warmed up on these sums, is sometimes right
         assert any(0 < r["accuracy"] < 1 for r in updates)
+        assert all(r["group_size"] == 4 and r["zero_variance"] in (0, 0.25, 0.5, 0.75, 1) for r in updates)
+        assert any(r["zero_variance"] < 1 for r in updates) and "| G 4 (no signal " in out.stdout
     else:  # its problems, from the package (as the config says), scored in [0, 1] on 20 held-out ones
         config = json.load(open(run_dir / "config.json"))
         assert (config["task"], config["gym_tasks"], config["gym_level"]) == ("reasoning-gym",
@@ -448,7 +456,7 @@ def test_two_nodes_whose_engines_die_end_bitwise_where_one_node_ends(tiny_math, 
     if not (one_node / "latest").exists():
         math_run(tiny_math, one_node, 2)
     nodes = math_runs / "math-nodes"
-    for code, out, err in two_nodes([*math_args(tiny_math), "--run-dir", str(nodes)], 29581, math_runs,
+    for code, out, err in two_nodes([*math_args(tiny_math), *GROUPS, "--run-dir", str(nodes)], 29581, math_runs,
                                     timeout=420, environ=faults("0/generate:3,1/apply:5@vllm")):
         assert code == 0, out[-2000:] + err[-4000:]
     a, b = read_checkpoint(nodes), read_checkpoint(one_node)
