@@ -87,8 +87,8 @@ The paper's: beta2 = 0.95, eps = 1e-8, update_ratio = 6e-5, factor dtype bf16.
   seeds 0-2; the paper's sizes not measured): with a toy budget of 5e-2 or 2e-1 per token,
   update_ratio 6e-5 left alpha at its cap in 100% of updates and the reward at chance at both
   sizes; 1e-2 put it below the cap in every update. (On its 85M-parameter variant the budget
-  bound from the first update even at 6e-5, and no budget moved the reward in 20 updates:
-  kl_control.py's rule paragraph.)
+  bound from the first update even at 6e-5; with std-0.02 weights, update_ratio 1e-2 and a
+  toy budget learned in 20 updates: kl_control.py's rule paragraph.)
 - beta2: v averages the squared sketch rows over about 1 / (1 - beta2) = 20 updates.
 - eps is relative to mean(root), so it does not depend on the scale of the loss.
 - factor dtype: what the engines receive and merge; fp32 would double the sync payload.

@@ -16,7 +16,8 @@ predicted KL.
     python bench/defaults_sweep.py --large --markdown   # the 85M-parameter model: ~25 minutes
 
 `--large` runs the same task on a 16-layer width-768 Qwen2 (85M parameters, the examples'
-std-0.2 initialisation) for 20 updates, with the settings the rule in kl_control.py names
+std-0.2 initialisation; `--init-std 0.02`, transformers' default, for weights at a pretrained
+LLM's scale: bench:defaults_sweep_85m_std002, without the middle budget) for 20 updates, with the settings the rule in kl_control.py names
 for a policy that must move far (update_ratio 1e-2, the toy budgets) beside the paper's, and
 AdamW; it is a separate table (bench:defaults_sweep_85m) since one run takes minutes here.
 """
@@ -54,12 +55,16 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--large", action="store_true", help="the 85M-parameter model instead of the two toys")
-    args = report.parse_args(p, "defaults_sweep", "defaults_sweep_85m",
-                             which=lambda a: ["defaults_sweep_85m" if a.large else "defaults_sweep"])
+    p.add_argument("--init-std", type=float, default=0.2, help="std of the random weights (the examples' 0.2; "
+                   "0.02 is transformers' default, the scale of a pretrained LLM's weights)")
+    block = lambda a: "defaults_sweep" + ("_85m" if a.large else "") + ("" if a.init_std == 0.2 else "_std002")  # noqa: E731
+    args = report.parse_args(p, "defaults_sweep", "defaults_sweep_85m", "defaults_sweep_85m_std002",
+                             which=lambda a: [block(a)])
     args.updates = args.updates or (20 if args.large else 40)
     torch.set_num_threads(2)
     sizes = LARGE if args.large else SIZES
-    settings = LARGE_SETTINGS if args.large else (
+    large = LARGE_SETTINGS if args.init_std == 0.2 else [x for x in LARGE_SETTINGS if x[2] != (5e-2, 1e-2)]
+    settings = large if args.large else (
         [("logra", ur, b) for ur in UPDATE_RATIOS for b in BUDGETS] + [("adamw", None, None)])
     header = ["model", "optimizer", "update_ratio", "KL budget (nats/token)", "reward, first 5 updates",
               "reward, last 5 updates", "alpha at its cap", "realised / predicted KL (median)", "wall per run"]
@@ -72,7 +77,7 @@ def main():
                 kw = dict(update_ratio=ur, kl_start=budget[0], kl_end=budget[1]) if method == "logra" else {}
                 t0 = time.perf_counter()
                 run = minimal_loop.train(method, updates=args.updates, batch=args.batch, seed=seed,
-                                         log=lambda line: None, **shape, **kw)
+                                         log=lambda line: None, init_std=args.init_std, **shape, **kw)
                 walls.append(time.perf_counter() - t0)
                 first.append(statistics.mean(run["rewards"][:5]))
                 last.append(statistics.mean(run["rewards"][-5:]))
@@ -86,13 +91,13 @@ def main():
     total = time.perf_counter() - t_all
     note = (f"examples/minimal_loop.py's task (reward: the share of 6 response tokens that are token 7; chance "
             f"1/32), {args.updates} updates of batch {args.batch}, seeds {', '.join(map(str, args.seeds))}: mean "
-            f"(min..max over seeds); LoGRA rank 32, alpha_max {ALPHA_MAX:g}, AdamW lr 3e-3 on the same target "
-            f"weights. " + ("The paper's sizes are not measured here. " if args.large else
+            f"(min..max over seeds); weights drawn at std {args.init_std:g}; LoGRA rank 32, alpha_max {ALPHA_MAX:g}, "
+            f"AdamW lr 3e-3 on the same target weights. " + ("The paper's sizes are not measured here. " if args.large else
                        "Toy sizes (the 85M model: the next table; the paper's sizes are not measured here). ") +
             f"Whole sweep: {total / 60:.1f} min on this CPU ({torch.get_num_threads()} threads).")
     print("\n" + note)
     if args.markdown:
-        report.publish("defaults_sweep_85m" if args.large else "defaults_sweep", note + "\n\n" + report.table(header, rows))
+        report.publish(block(args), note + "\n\n" + report.table(header, rows))
 
 
 if __name__ == "__main__":

@@ -43,16 +43,17 @@ from rowadam import RowAdam  # noqa: E402
 VOCAB, PROMPT, RESPONSE, GOOD = 32, 4, 6, 7
 
 
-def tiny_model(seed: int, *, hidden: int = 64, num_layers: int = 2):
-    """A Qwen2 from a config (2 layers of width 64 here; bench/defaults_sweep.py also builds a
-    larger one): fp32 weights, random, the same for both optimizers; attention heads of 32."""
+def tiny_model(seed: int, *, hidden: int = 64, num_layers: int = 2, init_std: float = 0.2):
+    """A Qwen2 from a config (2 layers of width 64 here; bench/defaults_sweep.py also builds
+    larger ones, and with the usual init_std 0.02): fp32 weights, random, the same for both
+    optimizers; attention heads of 32."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=num_layers, num_attention_heads=hidden // 32,
                          num_key_value_heads=max(1, hidden // 64), max_position_embeddings=32,
-                         initializer_range=0.2)
+                         initializer_range=init_std)
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -98,11 +99,12 @@ def update_adamw(model, opt, ids, mask, advantages):
 
 
 def train(method: str, *, updates: int, batch: int, seed: int, log=print, update_ratio: float = 1e-2,
-          kl_start: float = 5e-2, kl_end: float = 1e-2, hidden: int = 64, num_layers: int = 2) -> dict:
+          kl_start: float = 5e-2, kl_end: float = 1e-2, hidden: int = 64, num_layers: int = 2,
+          init_std: float = 0.2) -> dict:
     """One run of `method` ("logra" or "adamw"): its reward per update and update times (and,
     for LoGRA, alpha and the predicted and realised KL per update). The keyword arguments after
     `log` are the example's settings (bench/defaults_sweep.py varies them)."""
-    model = tiny_model(seed, hidden=hidden, num_layers=num_layers)
+    model = tiny_model(seed, hidden=hidden, num_layers=num_layers, init_std=init_std)
     if method == "logra":
         layers = sketch.attach(model, rank=32, seed=seed)  # every weight frozen; the targets sketched
         opt = RowAdam(layers, base_seed=seed, update_ratio=update_ratio)
