@@ -176,10 +176,14 @@ def _grouped(rewards, group_size):
     return rewards.double().view(-1, group_size)
 
 
+def _flat(r):
+    """(B / G,) True for each group (a row of r) whose rewards are all equal."""
+    return (r == r[:, :1]).all(dim=1)
+
+
 def _zero_where_equal(adv, r, dtype):
     """A group's advantages, exactly 0 where all of its rewards are equal; (B,) in `dtype`."""
-    equal = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B / G, 1)
-    return torch.where(equal, 0.0, adv).view(-1).to(dtype)
+    return torch.where(_flat(r)[:, None], 0.0, adv).view(-1).to(dtype)
 
 
 @torch.no_grad()
@@ -219,8 +223,7 @@ GROUP_ADVANTAGES = {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo"
 
 def zero_variance_groups(rewards, group_size):
     """The number of groups of G contiguous rewards that are all equal, a 0-dim tensor (no read)."""
-    r = _grouped(rewards, group_size)
-    return (r == r[:, :1]).all(dim=1).sum()
+    return _flat(_grouped(rewards, group_size)).sum()
 
 
 # -----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ One update, in the order the paper runs it (the loop in `run`):
 
     rollout   the engine (a bf16 copy of the policy, changed only by sync payloads) samples
               one response per prompt at temperature 1.0, with per-token log-probs
-              (--group-size G: G responses per prompt, on one rank: rollout_slots)
+              (--group-size G: G responses per prompt, on one rank: infra/engine.py)
     reward    1 for a correct boxed answer, -0.01 otherwise                      (ppo.py)
     baseline  A = r - b, b a running mean over the global batch                  (ppo.py)
               (--advantage grpo, drgrpo, rloo: against the response's group)
@@ -58,14 +58,13 @@ Departures from the paper
 Implementation notes
 --------------------
 - Rollouts draw their randomness per response (a seed from the run seed, the update and the
-  response's global index: `rollout_slots`, `stable_seed`), so one process and two sample the
+  response's global index: infra/engine.py's `rollout_slots`), so one process and two sample the
   same responses, a prompt's G responses differ, and a resumed run is bitwise the run that was
   not interrupted (infra/engine.py).
 """
 
 import atexit
 import copy
-import hashlib
 import math
 import os
 import sys
@@ -79,7 +78,7 @@ import rowadam
 import sketch
 import sync
 from infra import checkpoint, launch, lifecycle, lora, metrics, options, policy, tasks, vllm_engine
-from infra.engine import HFEngine
+from infra.engine import HFEngine, evaluate, rollout_slots
 from infra.errors import RunError
 
 
@@ -199,9 +198,11 @@ def run(argv=None):
     r = start_run(args, cfg, world, run_dir)  # processes, task, policy, engine, optimizer, resume
     model, engine, task, opt, device = r.model, r.engine, r.task, r.opt, r.device
     modules = sketch.target_modules(model)  # the seven projections of every decoder layer, by name
+    held_out = dict(samples=cfg["eval_samples"], temperature=cfg["eval_temperature"], top_p=cfg["eval_top_p"],
+                    max_new_tokens=cfg["max_new_tokens"], seed=cfg["seed"])  # evaluation's sampling
     per_rank = cfg["batch"] // world
     if r.start == 0:
-        first_pass, first_passk = evaluate(engine, task, cfg, world, r.rank, device)
+        first_pass, first_passk = evaluate(engine, task, **held_out, world=world, rank=r.rank, device=device)
         r.log(f"step 0 | base policy | pass@1 {first_pass:.3f} | pass@{cfg['eval_samples']} {first_passk:.3f} "
               f"on {len(task.heldout)} held-out problems")
         if r.metrics_log:
@@ -212,7 +213,8 @@ def run(argv=None):
             torch.cuda.reset_peak_memory_stats(device)
         timer = metrics.Laps(device)
         # --- rollout ---------------------------------------------------------------------
-        prompts, seeds = rollout_slots(update, cfg, world, r.rank)
+        prompts, seeds = rollout_slots(update, batch=cfg["batch"], group_size=cfg["group_size"], seed=cfg["seed"],
+                                       world=world, rank=r.rank)
         problems = [task.train_problem(i) for i in prompts]
         rollout = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["temperature"],
                                   max_new_tokens=cfg["max_new_tokens"])
@@ -281,7 +283,7 @@ def run(argv=None):
                                  sync_bytes=sync_bytes, num_tokens=num_tokens, seconds=sum(timer.times.values()),
                                  device=device, group_size=cfg["group_size"], flat_groups=flat)
         if cfg["eval_every"] and (completed % cfg["eval_every"] == 0 or completed == cfg["updates"]):
-            row["pass1"], row["passk"] = evaluate(engine, task, cfg, world, r.rank, device)
+            row["pass1"], row["passk"] = evaluate(engine, task, **held_out, world=world, rank=r.rank, device=device)
             timer("eval")
         row.update({f"time_{k}": v for k, v in timer.times.items()})
         row["time_s"] = sum(timer.times.values())
@@ -392,47 +394,6 @@ def target_weight(module):
 def fingerprint(model, cfg):
     """The trainer's fingerprint of what the engines should hold (sync.fingerprint)."""
     return sync.fingerprint(model, weight=lora.merged_weight if cfg["optimizer"] == "lora" else None)
-
-
-# -----------------------------------------------------------------------------
-# Evaluation and the metrics row
-
-def evaluate(engine, task, cfg, world, rank, device) -> tuple[float, float]:
-    """Held-out (Pass@1, Pass@k), k = eval_samples: the mean score of the k samples of a problem
-    (1 right, 0 wrong; Reasoning Gym's in [0, 1]) and their best; sums and counts over ranks."""
-    problems = task.heldout[rank::world]
-    right = torch.zeros(len(problems), cfg["eval_samples"])
-    bar = metrics.Progress(cfg["eval_samples"] * len(task.heldout), "evaluation: samples", enabled=rank == 0)
-    for s in range(cfg["eval_samples"]):
-        seeds = [stable_seed("eval", cfg["seed"], i * world + rank, s) for i in range(len(problems))]
-        rollout = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg["eval_temperature"],
-                                  top_p=cfg["eval_top_p"], max_new_tokens=cfg["max_new_tokens"])
-        right[:, s] = torch.tensor([task.correct(p, y) for p, y in zip(problems, rollout.responses)],
-                                   dtype=torch.float32)
-        bar.update(len(task.heldout))
-    bar.close()
-    (correct, any_correct, samples, count), _ = metrics.global_sums(
-        [right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems)], device=device)
-    return correct / samples, any_correct / count
-
-
-def rollout_slots(update, cfg, world, rank) -> tuple[list[int], list[int]]:
-    """This rank's part of an update's rollout: the index of each response's prompt in the
-    task's training stream and its sampling seed. Response j of the update (all ranks
-    together, rank-major) answers prompt j // G of the update's batch / G prompts, so a prompt's
-    G responses are consecutive rows of one rank (options.validate: whole groups per rank), and
-    every response has its own seed, from its global index: the same on 1 or N ranks, and on
-    resume. G = 1 is the paper's one response per prompt."""
-    per_rank, G = cfg["batch"] // world, cfg["group_size"]
-    first = update * cfg["batch"] + rank * per_rank  # global index of this rank's first response
-    prompts = [(first + i) // G for i in range(per_rank)]
-    seeds = [stable_seed("rollout", cfg["seed"], update, first + i) for i in range(per_rank)]
-    return prompts, seeds
-
-
-def stable_seed(*parts) -> int:
-    """A 63-bit seed from its parts (run seed, update, global index...): the same on every rank."""
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
 # -----------------------------------------------------------------------------

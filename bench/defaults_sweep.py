@@ -45,6 +45,11 @@ LARGE_SETTINGS = [("logra", 6e-5, (2e-4, 2e-5)), ("logra", 1e-2, (5e-2, 1e-2)), 
 ALPHA_MAX = 3.0
 
 
+def block(args) -> str:
+    """The bench/README.md block a run's table goes to: by size and initialisation."""
+    return "defaults_sweep" + ("_85m" if args.large else "") + ("" if args.init_std == 0.2 else "_std002")
+
+
 def spread(values) -> str:
     return f"{statistics.mean(values):.3f} ({min(values):.3f}..{max(values):.3f})"
 
@@ -57,7 +62,6 @@ def main():
     p.add_argument("--large", action="store_true", help="the 85M-parameter model instead of the two toys")
     p.add_argument("--init-std", type=float, default=0.2, help="std of the random weights (the examples' 0.2; "
                    "0.02 is transformers' default, the scale of a pretrained LLM's weights)")
-    block = lambda a: "defaults_sweep" + ("_85m" if a.large else "") + ("" if a.init_std == 0.2 else "_std002")  # noqa: E731
     args = report.parse_args(p, "defaults_sweep", "defaults_sweep_85m", "defaults_sweep_85m_std002",
                              which=lambda a: [block(a)])
     args.updates = args.updates or (20 if args.large else 40)

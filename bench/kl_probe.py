@@ -115,7 +115,7 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
     from infra import tasks
     from infra import policy
     import train
-    from infra.engine import HFEngine
+    from infra.engine import HFEngine, stable_seed
 
     ratios, alphas, preds = ({b: [] for b in budgets} for _ in range(3))
     for seed in seeds:
@@ -131,7 +131,7 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
         for b in range(batches):
             problems = [task.train_problem(b * cfg["batch"] + i) for i in range(cfg["batch"])]
             ro = engine.generate(task.prompt_ids(problems),
-                                 [train.stable_seed("rollout", seed, b, b * cfg["batch"] + i) for i in range(len(problems))],
+                                 [stable_seed("rollout", seed, b, b * cfg["batch"] + i) for i in range(len(problems))],
                                  temperature=cfg["temperature"], max_new_tokens=cfg["max_new_tokens"])
             rewards = ppo.outcome_reward(torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)]))
             advantages = rewards - rewards.mean()

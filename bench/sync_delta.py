@@ -73,8 +73,11 @@ def expected_gap_bytes(share: float) -> float:
     return 1 + sum((1 - share) ** (128 ** b) for b in range(1, 9))
 
 
-def targets_of(state: dict, method: str) -> dict:
-    """{name: fp32 weight the engine runs} of every target in a checkpoint's model state."""
+def targets_of(state: dict, method: str, lora_scaling: float) -> dict:
+    """{name: fp32 weight the engine runs} of every target in a checkpoint's model state; for
+    LoRA W + scaling B A (scaling = lora_alpha / r, as infra/lora.py's merged_weight)."""
+    import sketch
+
     out = {}
     if method == "lora":
         for key, a in state.items():
@@ -82,10 +85,9 @@ def targets_of(state: dict, method: str) -> dict:
                 base = key[:-len(".lora_A.default.weight")]
                 b = state[base + ".lora_B.default.weight"]
                 w = state[base + ".base_layer.weight"]
-                out[base] = torch.addmm(w.float(), b.float(), a.float())  # scaling alpha / r = 32 / 32
+                out[base] = torch.addmm(w.float(), b.float(), a.float(), alpha=lora_scaling)
         return out
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    return {k: v.float() for k, v in state.items() if k.endswith(".weight") and k.split(".")[-2] in names}
+    return {k: v.float() for k, v in state.items() if k.endswith(".weight") and k.split(".")[-2] in sketch.TARGETS}
 
 
 def tiny_runs(out: str) -> list[list]:
@@ -101,6 +103,8 @@ def tiny_runs(out: str) -> list[list]:
                             "--keep", "1000", "--eval-every", "0", "--run-dir", run_dir], check=True, cwd=ROOT,
                            stdout=subprocess.DEVNULL)
         metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        config = json.load(open(os.path.join(run_dir, "config.json")))
+        scaling = config["lora_alpha"] / config["sketch_rank"]  # LoRA's rank is the sketch rank (--rank)
         sync_bytes = [r["sync_bytes"] for r in metrics if "sync_bytes" in r]
         shares, deltas, previous = [], [], None
         for n in range(1, 151):
@@ -109,7 +113,7 @@ def tiny_runs(out: str) -> list[list]:
             dcp_to_torch_save(path, flat)
             state = torch.load(flat, weights_only=False)["model"]
             os.remove(flat)
-            now = {k: v.to(torch.bfloat16) for k, v in targets_of(state, method).items()}
+            now = {k: v.to(torch.bfloat16) for k, v in targets_of(state, method, scaling).items()}
             if previous is not None:
                 changed = total = size = 0
                 for k, w in now.items():

@@ -14,6 +14,10 @@ the same five methods:
     fingerprint() -> dict        what it holds, for sync.check_fingerprints
     close(), take_events()       stop it; the restarts since the last call (heal.py)
 
+Whatever the engine, `rollout_slots` says which prompt and seed each response of an update
+gets (a prompt's G responses on one rank), and `evaluate` samples the held-out problems
+through it for Pass@1 and Pass@k.
+
 `HFEngine` is that interface over a Hugging Face model in this process (the tiny preset on a
 CPU, the GPU smoke run), and reads whole here. vLLM engine processes, their supervision and
 their weight channel are in vllm_engine.py; heal.py restarts an engine that dies.
@@ -23,7 +27,7 @@ Shape legend: B batch (prompts), P prompt tokens, T prompt + response tokens, V 
 Departures from the paper
 -------------------------
 1. `HFEngine` samples with Gumbel-max noise drawn per response from a generator seeded by
-   (run seed, update, global response index; train.py's rollout_slots): rollouts do not
+   (run seed, update, global response index: `rollout_slots`): rollouts do not
    depend on how prompts are split across trainer processes, the G responses of a prompt
    (--group-size) differ, and a resumed run samples what the uninterrupted run sampled (the paper
    samples with vLLM's own seeds). Tests: tests/test_engine.py,
@@ -36,10 +40,54 @@ Implementation notes
   enough at that size.
 """
 
+import hashlib
+
 import torch
 
 import sync
+from infra import metrics
 from infra.errors import RunError
+
+
+def rollout_slots(update: int, *, batch: int, group_size: int, seed: int, world: int, rank: int):
+    """This rank's part of an update's rollout: (the index of each response's prompt in the
+    task's training stream, its sampling seed). Response j of the update (all ranks together,
+    rank-major) answers prompt j // G of the update's batch / G prompts, so a prompt's G
+    responses are consecutive rows of one rank (options.validate: whole groups per rank), and
+    every response has its own seed, from its global index: the same on 1 or N ranks, and on
+    resume. G = 1 is the paper's one response per prompt."""
+    per_rank = batch // world
+    first = update * batch + rank * per_rank  # global index of this rank's first response
+    prompts = [(first + i) // group_size for i in range(per_rank)]
+    seeds = [stable_seed("rollout", seed, update, first + i) for i in range(per_rank)]
+    return prompts, seeds
+
+
+def evaluate(engine, task, *, samples, temperature, top_p, max_new_tokens, seed, world, rank,
+             device) -> tuple[float, float]:
+    """Held-out (Pass@1, Pass@k), k = `samples`: the mean score of the k samples of a problem
+    (1 right, 0 wrong; Reasoning Gym's in [0, 1]) and their best; sums and counts over ranks.
+    Rank `rank` of `world` samples every world-th problem of `task.heldout`, each sample with a
+    seed from (run seed, problem, sample), so any number of ranks scores the same samples."""
+    problems = task.heldout[rank::world]
+    right = torch.zeros(len(problems), samples)
+    bar = metrics.Progress(samples * len(task.heldout), "evaluation: samples", enabled=rank == 0)
+    for s in range(samples):
+        seeds = [stable_seed("eval", seed, i * world + rank, s) for i in range(len(problems))]
+        rollout = engine.generate(task.prompt_ids(problems), seeds, temperature=temperature, top_p=top_p,
+                                  max_new_tokens=max_new_tokens)
+        right[:, s] = torch.tensor([task.correct(p, y) for p, y in zip(problems, rollout.responses)],
+                                   dtype=torch.float32)
+        bar.update(len(task.heldout))
+    bar.close()
+    (correct, any_correct, n_samples, count), _ = metrics.global_sums(
+        [right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems)], device=device)
+    return correct / n_samples, any_correct / count
+
+
+def stable_seed(*parts) -> int:
+    """A 63-bit seed from its parts (run seed, update, global index...): the same on every rank."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
 class Rollout:

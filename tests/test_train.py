@@ -148,22 +148,22 @@ def test_groups_one_and_two_processes_and_a_killed_run_agree(runs):
 
 
 def test_a_prompts_responses_sit_on_one_rank_with_their_own_seeds():
-    """train.rollout_slots: response j of an update answers prompt j // G; every rank holds
-    whole groups; the seeds are distinct and the same on 1, 2 or 4 ranks; G = 1 the paper's."""
-    import train
+    """infra/engine.py's rollout_slots: response j of an update answers prompt j // G; every rank
+    holds whole groups; the seeds are distinct and the same on 1, 2 or 4 ranks; G = 1 the paper's."""
+    from infra.engine import rollout_slots
 
     cfg = dict(batch=16, group_size=4, seed=0)
     for update in (0, 3):
-        whole = train.rollout_slots(update, cfg, 1, 0)
+        whole = rollout_slots(update, **cfg, world=1, rank=0)
         for world in (2, 4):
-            parts = [train.rollout_slots(update, cfg, world, rank) for rank in range(world)]
+            parts = [rollout_slots(update, **cfg, world=world, rank=rank) for rank in range(world)]
             assert [i for p, _ in parts for i in p] == whole[0] and [s for _, q in parts for s in q] == whole[1]
             for prompts, _ in parts:  # whole groups: each prompt 4 times, only on this rank
                 assert all(prompts.count(p) == 4 for p in prompts)
         prompts, seeds = whole
         assert prompts == [update * 4 + j // 4 for j in range(16)]
         assert len(set(seeds)) == 16
-    assert train.rollout_slots(2, dict(cfg, group_size=1), 1, 0)[0] == list(range(32, 48))  # one per prompt
+    assert rollout_slots(2, **dict(cfg, group_size=1), world=1, rank=0)[0] == list(range(32, 48))  # one per prompt
 
 
 def wait_for_rows(metrics, rows, timeout=240):
