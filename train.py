@@ -100,6 +100,11 @@ PAPER = dict(
     train_data="BytedTsinghua-SIA/DAPO-Math-17k", eval_data="HuggingFaceH4/MATH-500",
 )
 
+SMOLLM2_135M = dict(  # SmolLM2-135M(-Instruct)'s widths, a Llama
+    model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+    rope_theta=100000.0, rms_norm_eps=1e-5)
+
 PRESETS = {
     # A CPU run of a minute or two. head_dim 32 (2 heads of 32): vLLM's CPU attention kernel
     # refuses 16, so `--engine vllm` runs the same model. 3000 warm-up steps make every seed's
@@ -152,12 +157,19 @@ PRESETS = {
     # SmolLM2-135M-Instruct, a Llama: the paper's KL budgets and update ratio (per token or
     # relative, not tied to size), rank 64 (~11% of its 576-wide inputs; the paper's 256 is 7%
     # of 3584), 32 prompts an update, responses of up to 512 tokens, 100 MATH-500 problems.
-    "smollm2-135m": dict(PAPER, hf_id="HuggingFaceTB/SmolLM2-135M-Instruct", model=dict(
-        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-        tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5),
+    "smollm2-135m": dict(PAPER, hf_id="HuggingFaceTB/SmolLM2-135M-Instruct", model=SMOLLM2_135M,
         sketch_rank=64, batch=32, micro_batch=4, updates=100, max_new_tokens=512, context=1024, eval_every=10,
         eval_problems=100, device="cpu", engine_gpus="1", gpu_memory_utilization=0.3, checkpointing=False),
+    # SmolLM2-135M-Instruct on this CPU: bench/real_model.py's runs (a real pretrained policy,
+    # its checkpoint and its task data made by that script; --model-path, --train-data and
+    # --eval-data are required). Short responses and a small batch, so that a run is minutes;
+    # the tiny preset's update_ratio and a KL budget between its and the paper's (the paper's
+    # are set for 200 updates of 128 prompts), AdamW's and LoRA's rates chosen once to match.
+    "smollm2-cpu": dict(PAPER, hf_id=None, train_data=None, eval_data=None, model=SMOLLM2_135M,
+                        sketch_rank=64, batch=8, micro_batch=4, updates=20, max_new_tokens=64, context=512,
+                        update_ratio=2e-3, kl_start=1e-2, kl_end=2e-3, kl_horizon=20, adam_lr=1e-5, lora_lr=1e-4,
+                        eval_every=10, eval_problems=200, eval_samples=1, save_every=0, checkpointing=False,
+                        device="cpu", gpu_memory_utilization=0.1, engine_timeout=600),
     # The paper's task path at toy scale on a CPU: a local checkpoint and local data in the
     # paper's formats (python tests/tiny_math.py DIR makes them), vLLM's CPU build as the
     # engines, the same loop. --model-path, --train-data and --eval-data are required.
@@ -203,8 +215,8 @@ def run(argv=None):
     per_rank = cfg["batch"] // world
     if r.start == 0:
         first_pass, first_passk = evaluate(engine, task, **held_out, world=world, rank=r.rank, device=device)
-        r.log(f"step 0 | base policy | pass@1 {first_pass:.3f} | pass@{cfg['eval_samples']} {first_passk:.3f} "
-              f"on {len(task.heldout)} held-out problems")
+        passk = f" | pass@{cfg['eval_samples']} {first_passk:.3f}" if cfg["eval_samples"] > 1 else ""
+        r.log(f"step 0 | base policy | pass@1 {first_pass:.3f}{passk} on {len(task.heldout)} held-out problems")
         if r.metrics_log:
             r.metrics_log.append({"update": 0, "pass1": first_pass, "passk": first_passk}, first=True)
 
@@ -259,10 +271,12 @@ def run(argv=None):
         budget = kl_control.kl_budget(update, start=cfg["kl_start"], end=cfg["kl_end"], horizon=cfg["kl_horizon"])
         if r.logra:
             kl_step = logra_step(model, opt, r.layers, rollout, r.mismatch.adjust(budget), cfg, timer)
+            state = policy.state_bytes(opt, r.layers, cfg["optimizer"])
         else:
             for group in opt.param_groups:  # lr_t = lr sqrt(budget_t / budget_0) (departure 1; LoRA: infra/lora.py)
                 group["lr"] = opt.defaults["lr"] * math.sqrt(budget / cfg["kl_start"])
             opt.step()
+            state = policy.state_bytes(opt, r.layers, cfg["optimizer"])  # gradients and moments, all there now
             opt.zero_grad(set_to_none=True)
             kl_step = dict(kl1=math.nan, alpha=math.nan, budget=math.nan, sketch_norm=math.nan, kl_real=math.nan,
                            probed=0, factors=None)
@@ -285,6 +299,7 @@ def run(argv=None):
         if cfg["eval_every"] and (completed % cfg["eval_every"] == 0 or completed == cfg["updates"]):
             row["pass1"], row["passk"] = evaluate(engine, task, **held_out, world=world, rank=r.rank, device=device)
             timer("eval")
+        row["state_mib"] = state / 2**20  # the method's own state on this rank (policy.state_bytes)
         row.update({f"time_{k}": v for k, v in timer.times.items()})
         row["time_s"] = sum(timer.times.values())
         r.log(metrics.step_line(row))

