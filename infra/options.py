@@ -394,7 +394,7 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
     if preset_task is not None and (preset_task in CHAT_TASKS) != (cfg["task"] in CHAT_TASKS):
         raise OptionError(f"--task {cfg['task']}: preset '{cfg['preset']}' runs the tiny arithmetic task on a model "
                           f"built from its config; the chat tasks need a chat checkpoint's preset (tiny-math, 1.5b, "
-                          f"7b, 27b, smollm2-135m)")
+                          f"7b, 27b, smollm2-135m, smollm2-cpu)")
     others = [f for f in KNOBS if f.metadata["task"] not in (None, cfg["task"]) and f.name in cfg]
     if others:  # those of the first such task, math's before reasoning-gym's
         task = others[0].metadata["task"]
@@ -412,8 +412,8 @@ def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=N
         if missing:
             data = "; DAPO-Math-17k- and MATH-500-format data" if cfg["task"] == "math" else ""
             raise OptionError(f"preset '{cfg['preset']}' needs {', '.join(missing)} (a local Hugging Face "
-                              f"checkpoint of a family in architectures.py{data}; "
-                              f"{MAKERS.get(cfg['preset'], MAKERS['tiny-math'])})")
+                              f"checkpoint of a family in architectures.py{data}"
+                              f"{'; ' + MAKERS[cfg['preset']] if cfg['preset'] in MAKERS else ''})")
         if cfg["engine"] != "vllm":
             raise OptionError(f"the {cfg['task']} task's rollouts need --engine vllm (the HF engine takes prompts of "
                               f"one length)")

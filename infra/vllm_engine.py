@@ -70,6 +70,7 @@ ROOT = os.path.dirname(HERE)  # the repository root: engine processes and vLLM w
 # The engine runs on its trainer's node (launch.py, "The layout"): its command socket and the
 # weight channel's rendezvous are on the loopback interface, never across nodes.
 LOCAL_HOST = "127.0.0.1"
+
 CPU_MAX_SEQS = 256  # requests a CPU engine runs at once (vLLM's own CPU default)
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -579,7 +580,9 @@ def serve(spec: dict) -> None:
         # vLLM rewinds a seeded request's generator when it discards the token of a prompt it
         # prefilled only in part (its token budget, 4096 on CPUs, ran out mid-prompt), and a CPU
         # generator has no offset to rewind: the engine dies (vLLM 0.32's CPU build). A budget
-        # that holds every running request's whole context never splits a prompt.
+        # that holds every running request's whole context never splits a prompt. Its cost:
+        # vLLM's per-token input buffers, sized by the budget (estimated 0.3 GiB at 256 x 512 tokens
+        # of a 576-wide model), taken from the CPU's KV-cache space.
         memory.update(max_num_seqs=CPU_MAX_SEQS, max_num_batched_tokens=CPU_MAX_SEQS * spec["context"])
     try:
         llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["context"], seed=spec["seed"],

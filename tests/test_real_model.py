@@ -219,8 +219,16 @@ def test_the_tables_say_each_gain_its_error_and_the_state_against_the_plan():
     markdown, headline, summary = real_model.tables(results, plan, 200)
     assert "LoGRA +0.180 (seeds +0.200, +0.160)" in headline and "AdamW (annealed) +0.120" in headline
     assert "LoRA +0.020" in headline and "LoGRA 85 MiB, AdamW (annealed) 1215 MiB (14.3x), LoRA 298 MiB (3.5x)" in headline
-    se = (0.2 * 0.8 / 200) ** 0.5  # 0.0283: both LoGRA gains are above twice it
-    assert f"+-{se:.3f}" in summary[1] and summary[1].endswith("yes")
+    se = (0.2 * 0.8 / 200) ** 0.5  # 0.0283, one evaluation's
+    assert f"+-{se:.3f}" in summary[1]
+    # LoGRA seed 1: +0.16 over sqrt(0.2*0.8/200 + 0.36*0.64/200) = 0.0445 is 3.6 errors; LoRA's +0.02
+    # over sqrt(0.2*0.8/200 + 0.22*0.78/200) = 0.0407 is 0.5; both LoGRA seeds above 2.
+    assert summary[1].endswith("2 of 2 LoGRA seeds gain more than twice their gain's standard error")
+    assert "| LoGRA, seed 1 | 0.200 | 0.300 | 0.360 | +0.160 | 3.6 |" in markdown
+    assert "| LoRA, seed 0 | 0.200 | 0.200 | 0.220 | +0.020 | 0.5 |" in markdown
+    assert "The 5 base evaluations: mean 0.200 +- 0.000 (sd), 0.200-0.200." in markdown
+    assert real_model.base_line({1: [{"pass1": 0.19}], 2: [{"pass1": 0.26}], 3: [{"pass1": 0.2}]}) == \
+        "mean 0.217 +- 0.038 (sd), 0.190-0.260"  # sd of (0.19, 0.26, 0.20): sqrt(0.00287 / 2) = 0.0379
     logra = next(line for line in markdown.splitlines() if line.startswith("| LoGRA, seed 0 |")
                  and line.count("|") > 8)  # the second table's row
     cells = [c.strip() for c in logra.strip("|").split("|")]
