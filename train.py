@@ -104,7 +104,6 @@ SMOLLM2_135M = dict(  # SmolLM2-135M(-Instruct)'s widths, a Llama
     model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
     rope_theta=100000.0, rms_norm_eps=1e-5)
-
 PRESETS = {
     # A CPU run of a minute or two. head_dim 32 (2 heads of 32): vLLM's CPU attention kernel
     # refuses 16, so `--engine vllm` runs the same model. 3000 warm-up steps make every seed's
@@ -160,16 +159,12 @@ PRESETS = {
     "smollm2-135m": dict(PAPER, hf_id="HuggingFaceTB/SmolLM2-135M-Instruct", model=SMOLLM2_135M,
         sketch_rank=64, batch=32, micro_batch=4, updates=100, max_new_tokens=512, context=1024, eval_every=10,
         eval_problems=100, device="cpu", engine_gpus="1", gpu_memory_utilization=0.3, checkpointing=False),
-    # SmolLM2-135M-Instruct on this CPU: bench/real_model.py's runs (a real pretrained policy,
-    # its checkpoint and its task data made by that script; --model-path, --train-data and
-    # --eval-data are required). Short responses and a small batch, so that a run is minutes;
-    # the tiny preset's update_ratio and a KL budget between its and the paper's (the paper's
-    # are set for 200 updates of 128 prompts), AdamW's and LoRA's rates chosen once to match.
-    "smollm2-cpu": dict(PAPER, hf_id=None, train_data=None, eval_data=None, model=SMOLLM2_135M,
-                        sketch_rank=64, batch=8, micro_batch=4, updates=20, max_new_tokens=64, context=512,
-                        update_ratio=2e-3, kl_start=1e-2, kl_end=2e-3, kl_horizon=20, adam_lr=1e-5, lora_lr=1e-4,
-                        eval_every=10, eval_problems=200, eval_samples=1, save_every=0, checkpointing=False,
-                        device="cpu", gpu_memory_utilization=0.1, engine_timeout=600),
+    # The same model at a CPU's settings: bench/real_model.py's runs (why these: bench/README.md).
+    "smollm2-cpu": dict(PAPER, hf_id=None, train_data=None, eval_data=None, model=SMOLLM2_135M, sketch_rank=64,
+                        batch=8, micro_batch=4, updates=20, max_new_tokens=64, context=512, update_ratio=2e-3,
+                        kl_start=1e-2, kl_end=2e-3, kl_horizon=20, adam_lr=1e-5, lora_lr=1e-4, eval_every=10,
+                        eval_problems=200, eval_samples=1, save_every=0, checkpointing=False, device="cpu",
+                        gpu_memory_utilization=0.1, engine_timeout=600),
     # The paper's task path at toy scale on a CPU: a local checkpoint and local data in the
     # paper's formats (python tests/tiny_math.py DIR makes them), vLLM's CPU build as the
     # engines, the same loop. --model-path, --train-data and --eval-data are required.

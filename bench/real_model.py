@@ -35,6 +35,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -222,12 +223,6 @@ class BenchError(RuntimeError):
     """A run of the bench that did not finish; the message names its log."""
 
 
-def median(values):
-    values = sorted(values)
-    n = len(values)
-    return (values[n // 2] + values[(n - 1) // 2]) / 2 if n else float("nan")
-
-
 def planned_state(checkpoint: str, data: tuple[str, str]) -> dict:
     """{optimizer: bytes} of each method's own state by `train.py --dry-run` (memory_plan)."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", PRESET, "--model-path",
@@ -268,14 +263,14 @@ def tables(results: dict, plan: dict, heldout: int, samples: int = 1) -> tuple[s
         curves.append([f"{NAMES[optimizer]}, seed {seed}"] + [f"{passes[u]:.3f}" for u in evals]
                       + [f"{gain:+.3f}", f"{ratio:.1f}"])
         kl = [r["kl_real"] / r["kl_pred"] for r in steps if r.get("kl_real") is not None and r.get("kl_pred")]
-        state = median([r["state_mib"] for r in steps]) * 2**20
+        state = statistics.median([r["state_mib"] for r in steps]) * 2**20
         per_run.append([f"{NAMES[optimizer]}, seed {seed}"]
-                       + [f"{median([r.get('time_' + p, 0.0) for r in steps]):.1f}" for p in PHASES]
-                       + [f"{median([r['time_s'] - r.get('time_eval', 0.0) for r in steps]):.1f}"]
+                       + [f"{statistics.median([r.get('time_' + p, 0.0) for r in steps]):.1f}" for p in PHASES]
+                       + [f"{statistics.median([r['time_s'] - r.get('time_eval', 0.0) for r in steps]):.1f}"]
                        + [f"{state / 2**20:.1f}", f"{plan[optimizer] / 2**20:.1f}", f"{state / plan[optimizer]:.3f}",
                           f"{max(r['mem_gib'] for r in steps):.2f}",
-                          f"{median([r['sync_bytes'] for r in steps]) / 2**20:.2f}",
-                          f"{median(kl):.2f}" if kl else "-"])
+                          f"{statistics.median([r['sync_bytes'] for r in steps]) / 2**20:.2f}",
+                          f"{statistics.median(kl):.2f}" if kl else "-"])
     header = ["run"] + [f"pass@1 @{u}" for u in evals] + ["gain", "gain / its error"]
     stats = []
     for optimizer, g in gains.items():
@@ -312,14 +307,13 @@ def tables(results: dict, plan: dict, heldout: int, samples: int = 1) -> tuple[s
 def base_line(results: dict) -> str:
     """The base evaluations of all runs: `mean 0.210 +- 0.030 (sd), 0.190-0.260`."""
     bases = [rows[0]["pass1"] for rows in results.values()]
-    mean = sum(bases) / len(bases)
-    sd = math.sqrt(sum((b - mean) ** 2 for b in bases) / (len(bases) - 1)) if len(bases) > 1 else 0.0
-    return f"mean {mean:.3f} +- {sd:.3f} (sd), {min(bases):.3f}-{max(bases):.3f}"
+    sd = statistics.stdev(bases) if len(bases) > 1 else 0.0
+    return f"mean {statistics.mean(bases):.3f} +- {sd:.3f} (sd), {min(bases):.3f}-{max(bases):.3f}"
 
 
 def state_line(results: dict) -> str:
     """Each method's own state, measured: `LoGRA 86 MiB, AdamW (annealed) 1215 MiB (14.1x), ...`."""
-    state = {m: median([r["state_mib"] for r in rows if "state_mib" in r]) for (m, _), rows in results.items()}
+    state = {m: statistics.median([r["state_mib"] for r in rows if "state_mib" in r]) for (m, _), rows in results.items()}
     return "method state " + ", ".join(f"{NAMES[m]} {v:.0f} MiB" + ("" if m == "logra" else f" ({v / state['logra']:.1f}x)")
                                        for m, v in state.items())
 
