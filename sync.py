@@ -17,12 +17,20 @@ Pieces
   per update (a checked header, then the tensors), so it travels over any
   `torch.distributed` backend as one message. `full_payload` carries full weights instead
   (start-up, recovery, and train.py's `--sync full` control), in the same format.
-- `EngineWeights(model, base_seed=..., rank=..., layout="hf" | "vllm")`: the engine side.
-  Next to the model's bf16 weight it keeps an int16 residual per target weight, so that
-  bf16 weight + residual is the trainer's fp32 master exactly (departure 1); every merge
-  rebuilds the master chunk by chunk, merges as the trainer does and splits it again, so
-  the model's weight is always bf16(trainer master). Payloads must arrive in order; a full
-  sync may be streamed one decoder layer per payload (`layer_groups`).
+- `Sparse`, `changed_elements`, `gather_changes`, `encode_index`/`decode_index`: the exact
+  sparse bf16 delta (train.py's `--sync delta`, for any optimizer): per target, the positions
+  and new bf16 values of the elements whose bf16 value an update changed, the positions as a
+  bitmap or as LEB128 gaps, whichever is smaller; it carries the checksum of the weights it
+  applies to. An engine built with `exact=False` writes them into its bf16 weights and keeps
+  no residual (departure 2).
+- `EngineWeights(model, base_seed=..., rank=..., layout="hf" | "vllm", exact=True)`: the
+  engine side. To merge factors it keeps, next to the model's bf16 weight, an int16 residual
+  per target weight, so that bf16 weight + residual is the trainer's fp32 master exactly
+  (departure 1); every merge rebuilds the master chunk by chunk, merges as the trainer does
+  and splits it again, so the model's weight is always bf16(trainer master). With
+  `exact=False` it keeps no residual and takes only sparse deltas and full weights. Payloads
+  must arrive in order; a full sync may be streamed one decoder layer per payload
+  (`layer_groups`).
 - `fingerprint(...)` / `EngineWeights.fingerprint()` / `check_fingerprints(a, b)`: two
   integer checksums per layer of the bf16 weights, comparable between the trainer (whose
   fp32 master is rounded the same way) and the engine; a mismatch names the first layer.
@@ -54,6 +62,18 @@ Departures from the paper
    (train.py applies `rowadam.avoid_bf16_ties_` first). An fp32 payload with a tie is
    refused. Tests: tests/test_sync.py, test_200_payloads_track_the_trainer_in_both_layouts
    (the plain bf16 engine drifts) and test_compact_state_is_the_masters_bits_over_1000_updates.
+
+2. Not in the paper: the sparse delta (`kind="sparse"`), the sync that RL trainers without
+   factors use (PULSE, arXiv:2602.03839: most bf16 weights do not change in one RL step). It
+   is exact, since it sends what changed after the bf16 cast, needs no master on the engine
+   and works for AdamW and LoRA too; its cost moves to the trainer, which keeps a bf16 copy
+   of its rows of what the engines hold to find the changes (train.py's `delta_sync`). Whether
+   it is smaller than the factors depends on the share of elements that change, which the
+   step sets (bench/README.md, sync_modes and sync_delta). A delta made for other weights than
+   the engine holds is refused by its base checksum, also when its update number fits (the
+   trainer skipped sending one). Tests: tests/test_sync.py,
+   test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer and
+   test_bad_sparse_deltas_are_refused_and_change_nothing.
 
 Implementation notes
 --------------------
@@ -94,6 +114,8 @@ class Payload:
 
     kind="full": `factors` holds full weights (d, k) instead, and `update` is the number of
     updates they contain (the next delta the engine accepts).
+    kind="sparse": `factors` holds a `Sparse` per target instead: the bf16 elements that
+    update `update` changed (`changed_elements`), for engines that keep no fp32 master.
     """
 
     update: int
@@ -101,6 +123,169 @@ class Payload:
     rank: int
     factors: dict = field(default_factory=dict)
     kind: str = "delta"
+
+
+@dataclass
+class Sparse:
+    """The elements of one bf16 target weight (d, k) that an update changed: flat row-major
+    `positions` (int64 (n,), increasing) and their new bf16 `values` (n,). `base`: the
+    checksum (`checksum`) of the weight they apply to, which the engine checks first."""
+
+    shape: tuple
+    positions: torch.Tensor
+    values: torch.Tensor
+    base: tuple
+
+
+def changed_elements(before: torch.Tensor, after: torch.Tensor, row_offset: int = 0):
+    """(positions, values) of the elements of bf16 `after` (c, k) whose bits differ from bf16
+    `before` (c, k), rows `row_offset`.. of the whole weight: positions are flat row-major
+    indices into the whole (d, k) weight, so that row shards' changes concatenate in row order."""
+    if before.shape != after.shape or before.dtype != torch.bfloat16 or after.dtype != torch.bfloat16:
+        raise ValueError(f"changed_elements compares two bf16 tensors of one shape, got {before.dtype} "
+                         f"{tuple(before.shape)} and {after.dtype} {tuple(after.shape)}")
+    changed = before.contiguous().view(torch.int16) != after.contiguous().view(torch.int16)  # (c, k) bits differ
+    local = changed.flatten().nonzero().squeeze(1)  # (n,) row-major within the rows
+    return local + row_offset * after.shape[1], after.flatten()[local]
+
+
+def gather_changes(positions: torch.Tensor, values: torch.Tensor, group=None):
+    """Every process's `changed_elements` of one weight, in rank order (row shards in row order,
+    so positions stay increasing): one all_gather of the counts, one each of the padded positions
+    and values. Without a process group (or a group of one): the arguments."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return positions, values
+    world = dist.get_world_size(group)
+    count = torch.tensor([positions.numel()], dtype=torch.int64, device=positions.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    counts = torch.cat(counts).tolist()
+    most = max(counts)
+    if most == 0:  # nothing changed on any rank (every rank sees the same counts)
+        return positions, values
+    pos = torch.zeros(most, dtype=torch.int64, device=positions.device)
+    val = torch.zeros(most, dtype=torch.bfloat16, device=values.device)
+    pos[:positions.numel()], val[:values.numel()] = positions, values
+    all_pos = [torch.empty_like(pos) for _ in range(world)]
+    all_val = [torch.empty_like(val) for _ in range(world)]
+    dist.all_gather(all_pos, pos, group=group)
+    dist.all_gather(all_val, val, group=group)
+    return (torch.cat([p[:n] for p, n in zip(all_pos, counts)]),
+            torch.cat([v[:n] for v, n in zip(all_val, counts)]))
+
+
+# The positions of a sparse delta on the wire, per weight the smaller of two codes:
+#   bitmap  one bit per element (element 8 j + i is bit i of byte j): d k / 8 bytes
+#   gaps    each position's distance to the previous one minus 1 (the first's to -1), an
+#           unsigned LEB128 varint: 7 bits a byte, low bits first, the high bit set on every
+#           byte but a value's last: 1 byte below 128, 2 below 16384, ...
+# At the few percent of elements an RL step changes, gaps are mostly one byte each. Both codes
+# are made and read CODE_CHUNK positions (or bytes) at a time, so that their int64 work stays
+# a few MiB beside the int64 positions themselves.
+BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # bit i of a bitmap byte: 2^i
+CODE_CHUNK = 2**20
+
+
+def _gaps(positions: torch.Tensor):
+    """CODE_CHUNK-position chunks of the gaps code's values (each position's distance to the
+    previous one minus 1, the first's to -1): int64, all >= 0 for increasing positions >= 0."""
+    for c in range(0, positions.numel(), CODE_CHUNK):
+        p = positions[c:c + CODE_CHUNK].to(torch.int64)
+        before = positions[c - 1:c].to(torch.int64) if c else p.new_full((1,), -1)
+        yield torch.diff(p, prepend=before) - 1  # (c,)
+
+
+def _varint_sizes(gaps: torch.Tensor) -> torch.Tensor:
+    """The bytes of each gap's LEB128 varint (1 to 9 for gaps below 2^63)."""
+    sizes = torch.ones_like(gaps)  # (c,)
+    for b in range(1, 9):
+        sizes += gaps >= 128 ** b
+    return sizes
+
+
+def encode_index(positions: torch.Tensor, numel: int) -> tuple[str, torch.Tensor]:
+    """("bitmap" | "gaps", uint8 bytes) of increasing positions in [0, numel): the smaller code,
+    the gaps on a tie. Two passes over the positions (the gaps' sizes, then the chosen code),
+    so that nothing but the code itself grows with the number of positions."""
+    device, n, bitmap_bytes = positions.device, positions.numel(), -(-numel // 8)
+    gap_bytes = 0
+    for gaps in _gaps(positions):
+        if int(gaps.min()) < 0:
+            raise ValueError("a sparse delta's positions must be increasing and >= 0")
+        gap_bytes += int(_varint_sizes(gaps).sum())
+    if n and int(positions[-1]) >= numel:
+        raise ValueError(f"a position {int(positions[-1])} outside the weight's {numel} elements")
+    if gap_bytes > bitmap_bytes:  # the bitmap: bit p % 8 of byte p // 8, distinct bits added
+        code = torch.zeros(bitmap_bytes, dtype=torch.uint8, device=device)
+        bits = BITS.to(device)
+        for c in range(0, n, CODE_CHUNK):
+            p = positions[c:c + CODE_CHUNK].to(torch.int64)  # (c,)
+            code.index_add_(0, p >> 3, bits[p & 7])
+        return "bitmap", code
+    code, at = torch.empty(gap_bytes, dtype=torch.uint8, device=device), 0
+    for gaps in _gaps(positions):
+        sizes = _varint_sizes(gaps)
+        starts = torch.cumsum(sizes, 0) - sizes + at  # (c,) the first byte of each varint
+        for j in range(int(sizes.max())):
+            has = sizes > j  # varints with a j-th byte
+            more = (sizes[has] > j + 1).to(torch.int64) << 7  # the continuation bit
+            code[starts[has] + j] = (((gaps[has] >> (7 * j)) & 0x7F) | more).to(torch.uint8)
+        at += int(sizes.sum())
+    return "gaps", code
+
+
+def decode_index(encoding: str, data: torch.Tensor, count: int, numel: int) -> torch.Tensor:
+    """The increasing int64 positions (count,) of `encode_index`'s bytes; raises on a code that
+    is malformed, holds another number of positions, or points outside [0, numel). Read
+    CODE_CHUNK bytes at a time (whole varints for the gaps)."""
+    positions = torch.empty(count, dtype=torch.int64, device=data.device)
+    found = 0
+    if encoding == "bitmap":
+        if data.numel() != -(-numel // 8):
+            raise ValueError(f"a bitmap of {numel} elements has {-(-numel // 8)} bytes, got {data.numel()}")
+        bits = BITS.to(data.device)
+        for lo in range(0, data.numel(), CODE_CHUNK):
+            p = ((data[lo:lo + CODE_CHUNK, None] & bits) != 0).flatten().nonzero().squeeze(1)  # (c,)
+            p += 8 * lo
+            if found + p.numel() > count:
+                raise ValueError(f"the position code holds more than the {count} positions the header says")
+            positions[found:found + p.numel()] = p
+            found += p.numel()
+    elif encoding == "gaps":
+        last = (data & 0x80) == 0  # (m,) the last byte of each varint
+        if data.numel() and not bool(last[-1]):
+            raise ValueError("the position code ends inside a varint (truncated)")
+        ends = last.nonzero().squeeze(1)  # (n,) where each varint ends
+        found, previous, lo = ends.numel(), -1, 0
+        if found != count:
+            raise ValueError(f"the position code holds {found} positions, the header says {count}")
+        c = 0
+        while c < count:  # the varints that end within the next CODE_CHUNK bytes (at least one)
+            stop = max(c + 1, int(torch.searchsorted(ends, lo + CODE_CHUNK)))
+            e = ends[c:stop]  # (v,)
+            hi = int(e[-1]) + 1
+            u, l = data[lo:hi].to(torch.int64), last[lo:hi]  # (b,)
+            value = torch.cumsum(l, 0) - l.to(torch.int64)  # (b,) which varint of the chunk each byte is in
+            starts = torch.cat([e.new_zeros(1), e[:-1] + 1 - lo])  # (v,)
+            j = torch.arange(hi - lo, device=u.device) - starts[value]  # (b,) the byte's place in its varint
+            if int(j.max()) > 8:
+                raise ValueError("a position gap of more than 9 bytes")
+            gaps = torch.zeros(e.numel(), dtype=torch.int64, device=u.device)
+            gaps.scatter_add_(0, value, (u & 0x7F) << (7 * j))
+            if int(gaps.max()) >= numel:  # also keeps the sum below from overflowing
+                raise ValueError(f"a position gap {int(gaps.max())} beyond the weight's {numel} elements")
+            positions[c:stop] = torch.cumsum(gaps + 1, 0) + previous  # position = previous + gap + 1
+            previous = int(positions[stop - 1])
+            if previous >= numel:
+                raise ValueError(f"a position {previous} outside the weight's {numel} elements")
+            c, lo = stop, hi
+    else:
+        raise ValueError(f"unknown position code {encoding!r}")
+    if found != count:
+        raise ValueError(f"the position code holds {found} positions, the header says {count}")
+    if count and not 0 <= int(positions[-1]) < numel:
+        raise ValueError(f"a position {int(positions[-1])} outside the weight's {numel} elements")
+    return positions
 
 
 def full_payload(weights: dict, *, update: int, base_seed: int, rank: int, dtype=torch.bfloat16) -> Payload:
@@ -125,6 +310,8 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
     Rows are processed in chunks; both sums add up over row blocks, so the checksum of a
     row-sharded weight is the sum of its shards' (with their global row offset).
     """
+    if t.numel() == 0:
+        return 0, 0
     return _checksum_rows(t.detach().reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1), 0)
 
 
@@ -137,9 +324,9 @@ def _checksum_rows(rows: torch.Tensor, row_offset: int) -> tuple[int, int]:
     for start in range(0, words.shape[0], block_rows):
         block = words[start:start + block_rows].to(torch.int64)  # (c, k')
         first = (row_offset + start) * width
-        pos = torch.arange(first, first + block.numel(), device=rows.device, dtype=torch.int64)
+        weight = torch.arange(first, first + block.numel(), device=rows.device, dtype=torch.int64)
         s1 += block.sum()
-        s2 += (block.flatten() * (pos % CHECK_MOD + 1)).sum()
+        s2 += weight.remainder_(CHECK_MOD).add_(1).mul_(block.flatten()).sum()  # in place: 16 bytes a word
     return int(s1), int(s2)
 
 
@@ -147,6 +334,15 @@ def encode(payload: Payload) -> torch.Tensor:
     """One flat uint8 buffer: magic, header length, JSON header, aligned tensor bytes."""
     entries, blobs, offset = [], [], 0
     for name, t in payload.factors.items():
+        if isinstance(t, Sparse) != (payload.kind == "sparse"):
+            raise ValueError(f"{name}: a {payload.kind} payload holds "
+                             f"{'Sparse deltas' if payload.kind == 'sparse' else 'tensors'}, got {type(t).__name__}")
+        if isinstance(t, Sparse):  # the position code, aligned, then the values: one blob
+            entry, blob = _sparse_blob(name, t)
+            entries.append({**entry, "offset": offset})
+            blobs.append(blob)
+            offset += blob.numel()
+            continue
         dtype = next((k for k, v in DTYPES.items() if v == t.dtype), None)
         if dtype is None or t.dim() != 2:
             raise ValueError(f"{name}: factors must be 2-D {list(DTYPES)} tensors, got {t.dtype} {tuple(t.shape)}")
@@ -167,6 +363,45 @@ def encode(payload: Payload) -> torch.Tensor:
     return torch.cat([prefix.to(device)] + blobs)
 
 
+def _sparse_blob(name: str, t: Sparse):
+    """A `Sparse` as its header entry and its bytes: the position code padded to ALIGN, then the
+    bf16 values padded to ALIGN; the checksum covers both."""
+    d, k = t.shape
+    if t.values.dtype != torch.bfloat16 or t.values.dim() != 1 or t.positions.shape != t.values.shape:
+        raise ValueError(f"{name}: a sparse delta holds (n,) positions and (n,) bf16 values, got "
+                         f"{tuple(t.positions.shape)} and {t.values.dtype} {tuple(t.values.shape)}")
+    encoding, index = encode_index(t.positions, d * k)
+    values = t.values.contiguous().view(torch.uint8)  # (2 n,)
+    blob = torch.cat([index, index.new_zeros(-index.numel() % ALIGN), values.to(index.device),
+                      index.new_zeros(-values.numel() % ALIGN)])
+    entry = {"name": name, "shape": [d, k], "encoding": encoding, "count": t.values.numel(),
+             "index_bytes": index.numel(), "nbytes": blob.numel(), "check": list(checksum(blob.view(-1, ALIGN) if blob.numel() else blob)),
+             "base": [int(b) for b in t.base]}
+    return entry, blob
+
+
+def _sparse_entry(e: dict, data: torch.Tensor, expect: int, data_bytes: int) -> Sparse:
+    """The `Sparse` of a header entry from `_sparse_blob`, every size and the checksum checked."""
+    shape, count, index_bytes = e.get("shape"), e.get("count"), e.get("index_bytes")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(s, int) and s > 0 for s in shape)
+            and isinstance(count, int) and 0 <= count <= shape[0] * shape[1] and isinstance(index_bytes, int)
+            and index_bytes >= 0 and isinstance(e.get("base"), list) and len(e["base"]) == 2
+            and all(isinstance(e.get(k), int) for k in ("offset", "nbytes")) and isinstance(e.get("name"), str)
+            and e.get("encoding") in ("bitmap", "gaps") and isinstance(e.get("check"), list)):
+        raise ValueError(f"malformed sparse layer entry {e}")
+    values_at = index_bytes + (-index_bytes % ALIGN)
+    nbytes = values_at + 2 * count + (-2 * count % ALIGN)
+    if e["offset"] != expect or e["nbytes"] != nbytes or e["offset"] + nbytes > data_bytes:
+        raise ValueError(f"{e['name']}: offset/size {e['offset']}/{e['nbytes']} inconsistent with {count} "
+                         f"values and {index_bytes} bytes of positions")
+    blob = data[e["offset"]:e["offset"] + nbytes]
+    if list(checksum(blob.view(-1, ALIGN) if nbytes else blob)) != e["check"]:
+        raise ValueError(f"{e['name']}: checksum mismatch, the payload is corrupted")
+    positions = decode_index(e["encoding"], blob[:index_bytes], count, shape[0] * shape[1])
+    values = blob[values_at:values_at + 2 * count].view(torch.bfloat16)
+    return Sparse(tuple(shape), positions, values, tuple(e["base"]))
+
+
 def decode(buffer: torch.Tensor) -> Payload:
     """Parse and check a buffer from `encode`; the factors are views into `buffer`."""
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
@@ -180,7 +415,7 @@ def decode(buffer: torch.Tensor) -> Payload:
         raise ValueError(f"truncated payload: header claims {hlen} bytes, buffer has {n}")
     try:
         head = json.loads(bytes(buffer[len(MAGIC) + 8:start].cpu().tolist()))
-        if head["version"] != VERSION or head["kind"] not in ("delta", "full"):
+        if head["version"] != VERSION or head["kind"] not in ("delta", "full", "sparse"):
             raise ValueError(f"unsupported payload version/kind {head['version']}/{head['kind']}")
         layers = head["layers"]
         update, base_seed, rank, data_bytes = (int(head[k]) for k in ("update", "base_seed", "rank", "data_bytes"))
@@ -191,6 +426,12 @@ def decode(buffer: torch.Tensor) -> Payload:
     data = buffer[start:]
     factors, expect = {}, 0
     for e in layers:
+        if head["kind"] == "sparse":
+            if e.get("name") in factors:
+                raise ValueError(f"duplicate layer {e.get('name')} in payload")
+            factors[e["name"]] = _sparse_entry(e, data, expect, data_bytes)
+            expect = e["offset"] + e["nbytes"]
+            continue
         dtype = DTYPES.get(e.get("dtype"))
         shape = e.get("shape")
         if dtype is None or not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(s, int) and s > 0 for s in shape)):
@@ -217,7 +458,7 @@ class _Slot:
     param: torch.nn.Parameter  # the model's bf16 weight (maybe fused)
     row: int  # first row of this sub-layer inside `param`
     rows: int  # d
-    residual: torch.Tensor  # int16 (d, k): fp32 master = bf16 weight + residual fp32 ulps
+    residual: torch.Tensor  # int16 (d, k): fp32 master = bf16 weight + residual fp32 ulps; None: no master
 
     @property
     def weight(self) -> torch.Tensor:
@@ -296,14 +537,18 @@ class EngineWeights:
     """The rollout engine's target weights: vLLM's (or the HF model's) bf16 weight, plus an
     int16 residual that makes it the trainer's exact fp32 master (departure 1).
 
-    `residual_device`: where the residuals live (default: beside the weights; "cpu" puts them
-    in pinned host memory, merged chunk by chunk, for models whose residual does not fit on
-    the engine's GPU beside its weights and KV cache). A full sync may arrive in parts (one
-    decoder layer per payload); deltas are refused until every layer has been received.
+    `exact=False`: no residual, and so no master: the engine takes sparse deltas (the bf16
+    elements an update changed, written as they are) and full payloads (fp32 ones rounded to
+    bf16), and refuses factors, which it could not merge exactly. `residual_device`: where the
+    residuals live (default: beside the weights; "cpu" puts them in pinned host memory, merged
+    chunk by chunk, for models whose residual does not fit on the engine's GPU beside its
+    weights and KV cache). A full sync may arrive in parts (one decoder layer per payload);
+    deltas are refused until every layer has been received.
     """
 
-    def __init__(self, model, *, base_seed, rank, layout="hf", update=0, residual_device=None, engine_layers=None):
-        self.base_seed, self.rank, self.update = base_seed, rank, update
+    def __init__(self, model, *, base_seed, rank, layout="hf", update=0, residual_device=None, engine_layers=None,
+                 exact=True):
+        self.base_seed, self.rank, self.update, self.exact = base_seed, rank, update, exact
         self.slots = {}
         self._loading = {}  # name -> update of a full sync that has not reached every layer yet
         self._merged = set()  # layers that merged the current update's delta (a streamed update)
@@ -315,21 +560,29 @@ class EngineWeights:
             device = torch.device(residual_device) if residual_device is not None else param.device
             pin = device.type == "cpu" and param.device.type == "cuda"
             residual = torch.zeros(rows, param.shape[1], dtype=torch.int16, device=device,
-                                   pin_memory=pin)  # (d, k): the weights start as their own masters
+                                   pin_memory=pin) if exact else None  # (d, k): the weights start as their own masters
             self.slots[name] = _Slot(name, param, row, rows, residual)
 
     def state_bytes(self) -> int:
         """Bytes this object adds to the engine (the residuals), wherever they live."""
-        return sum(s.residual.numel() * s.residual.element_size() for s in self.slots.values())
+        return sum(s.residual.numel() * s.residual.element_size() for s in self.slots.values() if self.exact)
 
     def master(self, name: str) -> torch.Tensor:
         """The fp32 master of one target (d, k), rebuilt (for checks; the merges work in chunks)."""
         slot = self.slots[name]
+        if not self.exact:
+            return slot.weight.float()  # the engine keeps no master: its bf16 weight
         return join_master(slot.weight, slot.residual)
 
     def _check(self, payload, kind):
         if payload.kind != kind:
             raise ValueError(f"expected a {kind} payload, got {payload.kind}")
+        if kind == "delta" and not self.exact:
+            raise ValueError("this engine keeps no fp32 master (exact=False): it takes sparse deltas and full "
+                             "weights, not factors, which it could not merge exactly")
+        if kind == "sparse" and self.exact:
+            raise ValueError("this engine merges factors into its exact masters (exact=True): a sparse delta "
+                             "would leave its residuals behind")
         if payload.base_seed != self.base_seed or payload.rank != self.rank:
             raise ValueError(f"payload has seed {payload.base_seed}, rank {payload.rank}; engine expects "
                              f"seed {self.base_seed}, rank {self.rank}")
@@ -337,37 +590,46 @@ class EngineWeights:
         if unknown or not payload.factors:
             raise ValueError(f"payload layers differ from the engine's: unknown {unknown}, "
                              f"{len(payload.factors)} layers")
-        again = sorted(set(payload.factors) & self._merged)[:3] if kind == "delta" else []
+        again = sorted(set(payload.factors) & self._merged)[:3] if kind != "full" else []
         if again:
             raise ValueError(f"payload for update {payload.update} already merged (duplicate) for {again}")
         for name, t in payload.factors.items():
             slot = self.slots[name]
-            want = (slot.rows, self.rank) if kind == "delta" else tuple(slot.residual.shape)
+            want = (slot.rows, self.rank) if kind == "delta" else tuple(slot.weight.shape)
             if tuple(t.shape) != want:
                 raise ValueError(f"{name}: tensor shape {tuple(t.shape)}, expected {want}")
-            if not torch.isfinite(t).all():
+            if not torch.isfinite(t.values if kind == "sparse" else t).all():
                 raise ValueError(f"{name}: non-finite values in the payload")
-            if kind == "full" and t.dtype == torch.float32 and bf16_ties(t):
+            if kind == "sparse" and checksum(slot.weight) != tuple(t.base):
+                raise ValueError(f"{name}: the delta of update {payload.update} was made for other weights than the "
+                                 f"engine holds (a skipped or repeated update?): resync with a full payload")
+            if kind == "full" and self.exact and t.dtype == torch.float32 and bf16_ties(t):
                 raise ValueError(f"{name}: {bf16_ties(t)} fp32 values lie exactly on a bf16 tie, which the engine's "
                                  f"bf16 + int16 state cannot hold; call rowadam.avoid_bf16_ties_ on the trainer's "
                                  f"weights before a full fp32 sync")
 
     @torch.no_grad()
     def apply(self, payload: Payload) -> None:
-        """Merge W -= F @ A_update into the payload's targets: all of them, or some (one decoder
-        layer per payload); once every target has merged it, the engine expects the next
-        update. Only the current update number is accepted, each layer once."""
+        """Merge W -= F @ A_update into the payload's targets (a sparse payload: write its changed
+        elements, each target's weight first checked against the delta's base): all of them, or
+        some (one decoder layer per payload); once every target has merged it, the engine
+        expects the next update. Only the current update number is accepted, each layer once."""
         if self._loading:
             raise ValueError(f"a full sync is incomplete ({len(self.slots) - len(self._loading)} of "
                              f"{len(self.slots)} layers missing): no delta can be merged")
-        if self._merged and payload.kind == "delta" and payload.update != self.update:
+        if self._merged and payload.kind != "full" and payload.update != self.update:
             raise ValueError(f"update {self.update} is incomplete ({len(self.slots) - len(self._merged)} layers "
                              f"missing): payload for update {payload.update} refused")
         if payload.update != self.update:
             what = "already merged (duplicate)" if payload.update < self.update else "skips updates"
             raise ValueError(f"payload for update {payload.update} {what}: engine expects update {self.update}")
-        self._check(payload, "delta")  # everything is checked before anything changes
-        for name, f in payload.factors.items():
+        self._check(payload, "sparse" if payload.kind == "sparse" else "delta")  # all checked before any change
+        if payload.kind == "sparse":  # the changed bf16 elements, written as they are
+            for name, t in payload.factors.items():
+                weight = self.slots[name].weight.view(-1)  # (d k,) a view: the model's own storage
+                weight.index_copy_(0, t.positions.to(weight.device), t.values.to(weight.device))
+                self._merged.add(name)
+        for name, f in payload.factors.items() if payload.kind == "delta" else ():
             slot = self.slots[name]
             w = slot.weight  # (d, k) bf16
             seed = projection_seed(self.base_seed, payload.update, name)
@@ -390,14 +652,17 @@ class EngineWeights:
         number, the engine expects that update's delta next. fp32 payloads set the exact
         master (no bf16 ties allowed), bf16 ones a master equal to the bf16 weight."""
         self._check(payload, "full")
-        if self._merged:
+        if self._merged and self.exact:
             raise ValueError(f"update {self.update} is half merged: finish it before a full sync")
+        self._merged = set()  # no master: full weights replace a half-written sparse update
         if self._loading and set(self._loading.values()) != {payload.update}:
             raise ValueError(f"a full sync for update {payload.update} arrived while one for update "
                              f"{next(iter(self._loading.values()))} is incomplete")
         for name, w in payload.factors.items():
             slot = self.slots[name]
-            if w.dtype == torch.bfloat16:  # the master is the bf16 weight itself: residual 0
+            if not self.exact:  # no master: the bf16 weight, rounded to nearest even from fp32
+                slot.weight.copy_(w)
+            elif w.dtype == torch.bfloat16:  # the master is the bf16 weight itself: residual 0
                 slot.weight.copy_(w)
                 slot.residual.zero_()
             else:

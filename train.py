@@ -25,6 +25,7 @@ One update, in the order the paper runs it (the loop in `run`):
     merge     W -= bf16(alpha U) A_t in the fp32 master weights; A_t -> A_{t+1}  (rowadam.py)
     sync      the same bf16 factors go to the engine, which merges them itself;
               fingerprints confirm both hold the same weights                   (sync.py)
+              (--sync delta, any optimizer: the bf16 elements the update changed)
 
 The dense baseline (--optimizer adam) runs the same loop with backward into .grad, one
 AdamW step in place of RowAdam, the probe and the merge, and full bf16 weights as its sync;
@@ -278,11 +279,15 @@ def run(argv=None):
             timer("merge")
 
         # --- sync ----------------------------------------------------------------------------
+        changed = None  # --sync delta: the share of target elements whose bf16 value changed
         if r.logra and cfg["sync"] == "factors":
             sync_bytes = factor_sync(engine, r.layers, kl_step["factors"], update=update, cfg=cfg)
+        elif cfg["sync"] == "delta":  # any optimizer: the bf16 elements this update changed
+            sync_bytes, changed = delta_sync(engine, modules, r.shadow, r.synced, update=update, cfg=cfg)
         else:  # AdamW, LoRA (merged), or the paper's control: full bf16 target weights, one layer at a time
             sync_bytes = full_sync(engine, modules, update=update + 1, cfg=cfg, dtype=torch.bfloat16)
-        sync.check_fingerprints(fingerprint(model, cfg), engine.fingerprint())
+        r.synced = fingerprint(model, cfg)
+        sync.check_fingerprints(r.synced, engine.fingerprint())
         timer("sync")
 
         # --- log, evaluate, checkpoint ------------------------------------------------------
@@ -294,6 +299,8 @@ def run(argv=None):
         if cfg["eval_every"] and (completed % cfg["eval_every"] == 0 or completed == cfg["updates"]):
             row["pass1"], row["passk"] = evaluate(engine, task, **held_out, world=world, rank=r.rank, device=device)
             timer("eval")
+        if changed is not None:
+            row["sync_changed"] = changed
         row["state_mib"] = state / 2**20  # the method's own state on this rank (policy.state_bytes)
         row.update({f"time_{k}": v for k, v in timer.times.items()})
         row["time_s"] = sum(timer.times.values())
@@ -351,14 +358,20 @@ def logra_step(model, opt, layers, rollout, budget, cfg, timer) -> dict:
 
 
 # -----------------------------------------------------------------------------
-# The two syncs: the engine made the trainer's, then kept so each update
+# The three syncs: the engine made the trainer's, then kept so each update
+
+def exact_engine(cfg) -> bool:
+    """Whether the engines merge LoGRA's factors, and so keep the trainer's fp32 master (sync.py)."""
+    return cfg["optimizer"] == "logra" and cfg["sync"] == "factors"
+
 
 def start_engine_weights(engine, model, modules, cfg, update):
     """The engine's weights made the trainer's before the first rollout. LoGRA's engines merge
     the factors themselves: they start from the trainer's exact fp32 master, with no bf16 ties,
-    so that bf16 + an int16 residual holds it (rowadam.py, on bf16 ties). AdamW's and --sync
-    full's engines only ever receive full bf16 weights. Fingerprints confirm."""
-    exact = cfg["optimizer"] == "logra" and cfg["sync"] == "factors"
+    so that bf16 + an int16 residual holds it (rowadam.py, on bf16 ties). AdamW's, --sync
+    full's and --sync delta's engines only ever receive bf16 weights or elements. Fingerprints
+    confirm. Returns the trainer's fingerprint and --sync delta's shadow (delta_sync)."""
+    exact = exact_engine(cfg)
     if exact:
         with torch.no_grad():
             for module in modules.values():
@@ -368,7 +381,10 @@ def start_engine_weights(engine, model, modules, cfg, update):
         engine.attach(resync=lambda target, at: full_sync(target, modules, update=at, cfg=cfg, dtype=dtype),
                       fingerprint=lambda: fingerprint(model, cfg))
     full_sync(engine, modules, update=update, cfg=cfg, dtype=dtype)
-    sync.check_fingerprints(fingerprint(model, cfg), engine.fingerprint())
+    shadow = {n: engine_rows(m)[0].clone() for n, m in modules.items()} if cfg["sync"] == "delta" else None
+    synced = fingerprint(model, cfg)
+    sync.check_fingerprints(synced, engine.fingerprint())
+    return synced, shadow
 
 
 def factor_sync(engine, layers, factors, *, update, cfg) -> int:
@@ -380,6 +396,25 @@ def factor_sync(engine, layers, factors, *, update, cfg) -> int:
         part = {n: by_name[n][0].all_rows(by_name[n][1]) for n in names}  # (d, r) each
         sent += engine.apply(sync.Payload(update, cfg["seed"], cfg["sketch_rank"], part))
     return sent
+
+
+def delta_sync(engine, modules, shadow, base, *, update, cfg) -> int:
+    """The bf16 elements this update changed, to the engine, one decoder layer per payload: each
+    rank compares its rows of what the engines run with `shadow` (those rows at the last sync),
+    and the changes are gathered across ranks. `base`: the trainer's fingerprint at the last
+    sync, which the engine checks its weights against before it writes. Returns the bytes sent
+    and the share of target elements that changed."""
+    sent = changed = total = 0
+    for names in sync.layer_groups(modules):
+        part = {}
+        for n in names:
+            rows, offset, shape = engine_rows(modules[n])  # (n, k) bf16
+            changes = sync.gather_changes(*sync.changed_elements(shadow[n], rows, offset))  # (c,), (c,)
+            shadow[n].copy_(rows)
+            part[n] = sync.Sparse(shape, *changes, base=base[n])
+            changed, total = changed + changes[0].numel(), total + shape[0] * shape[1]
+        sent += engine.apply(sync.Payload(update, cfg["seed"], cfg["sketch_rank"], part, kind="sparse"))
+    return sent, changed / total
 
 
 def full_sync(engine, modules, *, update, cfg, dtype) -> int:
@@ -399,6 +434,16 @@ def target_weight(module):
     if hasattr(module, "base_layer"):
         return lora.merged_weight(module)
     return module.weight.full_tensor() if hasattr(module.weight, "full_tensor") else module.weight
+
+
+def engine_rows(module):
+    """(this rank's rows of a target as the engines run it, in bf16; their first row; the whole
+    weight's shape): W's own shard, or the rows of LoRA's merged weight (formed whole: collective)."""
+    weight = module.base_layer.weight if hasattr(module, "base_layer") else module.weight
+    rows, offset = rowadam.local_rows(weight)
+    if hasattr(module, "base_layer"):
+        rows = lora.merged_weight(module)[offset:offset + rows.shape[0]]
+    return rows.detach().to(torch.bfloat16), offset, tuple(weight.shape)
 
 
 def fingerprint(model, cfg):
@@ -443,7 +488,7 @@ def _start_run(args, cfg, world, run_dir, opened) -> lifecycle.Run:
     if rank == 0:  # TensorBoard's and W&B's files complete, however the run ends
         r.metrics_log = metrics.Log(run_dir, start=r.start, config=cfg, wandb_project=args.wandb)
         atexit.register(r.metrics_log.close)
-    start_engine_weights(engine, model, sketch.target_modules(model), cfg, r.start)
+    r.synced, r.shadow = start_engine_weights(engine, model, sketch.target_modules(model), cfg, r.start)
     r.stop_if_signalled(r.start)  # a signal during the set-up: stop before the base evaluation
     opened.preemption.setup = False  # from here a signal stops at the next update, saved
     return r
@@ -456,12 +501,14 @@ def setup(cfg, opened, run_dir):
     directory becomes the run's (opened.commit) once these inputs are read and pass."""
     layout, rank, device, log = opened.layout, opened.rank, opened.device, opened.log
 
-    def start_vllm(**kw):  # on GPUs vLLM gets what LoGRA's engine state leaves there (the memory plan)
+    def start_vllm(**kw):  # on GPUs vLLM gets what the sync's engine state leaves there (the memory plan)
         plan = options.run_plan(cfg, layout.world)
+        sent = "" if exact_engine(cfg) else "delta_" if cfg["sync"] == "delta" else "full_"  # factors, elements, weights
+        reserve = plan[f"engine_{sent}reserve_bytes"]
         return vllm_engine.start_engine(
             layout=layout, rank=rank, context=cfg["context"], seed=cfg["seed"], sketch_rank=cfg["sketch_rank"],
             device=device, run_dir=run_dir, timeout=cfg["engine_timeout"], restarts=cfg["engine_restarts"], log=log,
-            gpu_memory_utilization=cfg.get("gpu_memory_utilization"), reserve_bytes=plan["engine_reserve_bytes"],
+            gpu_memory_utilization=cfg.get("gpu_memory_utilization"), reserve_bytes=reserve, exact=exact_engine(cfg),
             residual_on_host=plan["engine_residual_on_host"], progress=lambda: metrics.Progress(
                 int(cfg["engine_timeout"]), "engine: seconds of vLLM's start, of at most", enabled=rank == 0,
                 interrupt=lambda: opened.preemption.check("the engine's start")), **kw)
@@ -486,7 +533,7 @@ def setup(cfg, opened, run_dir):
         launch.agreed(lambda: model.save_pretrained(engine_model) if rank == 0 else None)
     else:
         engine = HFEngine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg["seed"],
-                          sketch_rank=cfg["sketch_rank"], eos=task.eos, pad=task.pad)
+                          sketch_rank=cfg["sketch_rank"], eos=task.eos, pad=task.pad, exact=exact_engine(cfg))
     policy.freeze_for(model, cfg["optimizer"], sketch_rank=cfg["sketch_rank"], lora_alpha=cfg["lora_alpha"],
                       seed=cfg["seed"])
     policy.shard(model, layout.world, cfg["optimizer"], device)

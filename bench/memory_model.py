@@ -81,7 +81,11 @@ def dry_run_7b() -> str:
             f"trainer's exact fp32 master as bf16 weights ({gib(m['engine_weight_bytes'])}) plus int16 residuals "
             f"({gib(m['engine_residual_bytes'])}), which leaves {gib(m['engine_kv_cache_bytes'])} of KV cache on an "
             f"80 GB card; at 27B the residuals ({gib(big['engine_residual_bytes'])}) go to pinned host memory and "
-            f"the KV cache keeps {gib(big['engine_kv_cache_bytes'])}. Activations and vLLM's overhead are "
+            f"the KV cache keeps {gib(big['engine_kv_cache_bytes'])}. With `--sync delta` the engine keeps no "
+            f"residual (KV cache {gib(m['engine_delta_kv_cache_bytes'])}, at 27B "
+            f"{gib(big['engine_delta_kv_cache_bytes'])}) and each training GPU a bf16 shadow of its rows instead "
+            f"({gib(m['trainer_delta_shadow_bytes'])}, at 27B {gib(big['trainer_delta_shadow_bytes'])}). "
+            f"Activations and vLLM's overhead are "
             f"estimates, not GPU measurements.")
     return "```\n" + "\n".join(lines) + "\n```\n\n" + said
 

@@ -9,7 +9,7 @@ engines receive the low-rank factor and the seed instead of full weights). Every
 the same five methods:
 
     generate(prompts, seeds, *, temperature, max_new_tokens, top_p) -> Rollout
-    apply(payload) -> bytes      merge one delta payload (sync.Payload: factors + seed)
+    apply(payload) -> bytes      merge one delta payload (sync.Payload: factors + seed, or sparse)
     load_full(payload) -> bytes  replace target weights (sync.full_payload)
     fingerprint() -> dict        what it holds, for sync.check_fingerprints
     close(), take_events()       stop it; the restarts since the last call (heal.py)
@@ -133,12 +133,13 @@ class HFEngine:
     """A Hugging Face model in bf16, merged by sync payloads (the tiny preset, the GPU smoke run).
 
     `sketch_rank` is the rank r of the payloads' factors; `base_seed` the run's seed, from
-    which every projection A is regenerated (sync.py).
+    which every projection A is regenerated (sync.py). `exact`: keep the trainer's fp32 master
+    (bf16 + an int16 residual) to merge factors; False for sparse deltas and full syncs only.
     """
 
-    def __init__(self, model, *, base_seed, sketch_rank, eos, pad):
+    def __init__(self, model, *, base_seed, sketch_rank, eos, pad, exact=True):
         self.model = model.eval()
-        self.weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank)
+        self.weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank, exact=exact)
         self.eos, self.pad = eos, pad
 
     @torch.no_grad()

@@ -24,7 +24,8 @@ Why a healed run is bitwise the run that met no fault
 -----------------------------------------------------
 - An engine's weights are a function of the trainer's: LoGRA's engine holds bf16 + an int16
   residual, the exact fp32 master (sync.py), which a full fp32 payload rebuilds bit for bit;
-  the dense baseline's holds bf16(W), which a bf16 payload rebuilds. Fingerprints confirm.
+  the dense baseline's (and every --sync delta or full engine's) holds bf16(W), which a bf16
+  payload rebuilds. Fingerprints confirm.
 - A rollout is a function of the weights and one seed per prompt (engine.py, departure 1),
   so the redone rollout samples what the lost one would have.
 - Nothing of a failed operation reaches the trainer: a rollout's result is used only once it

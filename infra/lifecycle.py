@@ -123,6 +123,8 @@ class Run:
     start: int = 0  # the update the loop starts at (0, or a resumed checkpoint's)
     metrics_log: object = None  # metrics.Log on rank 0, else None
     saved: int = None  # the update of the newest checkpoint
+    synced: dict = None  # the trainer's fingerprint at the last sync: what the engines hold
+    shadow: dict = None  # --sync delta: this rank's rows of what the engines hold, bf16 (train.delta_sync)
 
     def __post_init__(self):
         self.device, self.rank, self.log = self.opened.device, self.opened.rank, self.opened.log

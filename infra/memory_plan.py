@@ -29,8 +29,12 @@ Assumptions, numbered
 ---------------------
 1. GPUs of 80 GB (the paper's H100 80GB, `GPU_BYTES`); vLLM's own overhead besides weights
    and KV cache (activations, CUDA graphs, context) is assumed to be 5 GiB, not measured.
-2. The engine keeps the exact-merge residuals (2 bytes per target weight) on its GPU when the
-   KV cache keeps at least 16 GiB there, else in pinned host memory (27B).
+2. An engine that merges LoGRA's factors (`--sync factors`) keeps the exact-merge residuals
+   (2 bytes per target weight) on its GPU when the KV cache keeps at least 16 GiB there, else
+   in pinned host memory (27B). An engine that receives the changed bf16 elements (`--sync
+   delta`) or full bf16 weights (AdamW's and LoRA's default, `--sync full`) keeps none; the
+   delta's transfer buffer is counted for its worst case, every element of one decoder layer
+   changed, and the trainer keeps a bf16 shadow of its rows of every target instead.
 3. Activations assume non-reentrant activation checkpointing of every decoder layer, bf16
    compute (`compute_bytes`), and FSDP2 prefetching one decoder layer ahead.
 """
@@ -66,10 +70,16 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     (lora.py): the adapters A, B with their gradients and moments, AdamW's temporary or the
     streamed sync of merged weights.
     Activations (micro-batch x context, activation checkpointing): layer inputs kept, one
-    layer recomputed, the bf16 weights of two layers in flight, the logits. Engine (one per
-    GPU): bf16 weights, the int16 residuals of the exact merge (on the GPU when the KV cache
-    keeps at least 16 GiB, else in pinned host memory), one decoder layer's transfer buffer
-    and merge chunk; what remains of `gpu_bytes` after vLLM's overhead is the KV cache.
+    layer recomputed, the bf16 weights of two layers in flight, the logits.
+    Engines (one per GPU), by what they receive; what remains of `gpu_bytes` after their bf16
+    weights, their buffers and vLLM's overhead is the KV cache, and what the sync adds on the
+    GPU (its buffers, residuals there, a margin) is reserved from vLLM. Factors ("engine_*"):
+    the int16 residuals of the exact merge (on the GPU when the KV cache keeps at least 16 GiB,
+    else in pinned host memory), one decoder layer's fp32 transfer buffer and merge chunk.
+    Changed elements (--sync delta, "engine_delta_*"): no residual; one decoder layer's
+    payload and decoded positions, every element changed at worst. Full bf16 weights
+    ("engine_full_*"): no residual; one decoder layer's bf16 payload. With --sync delta each
+    trainer GPU also keeps a bf16 shadow of its rows of every target ("trainer_delta_*").
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -124,9 +134,10 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     probe_activations = compute_bytes * probe_forward_tokens * (2 * (4 * h + 2 * kv + 4 * inter) + r + d_max)
     # A in fp32 and float64, and a float64 (c, k) block with its fp32 result, c = min(chunk, rows)
     merge = max(12 * r * k + 12 * min(chunk, ceil(d)) * k for d, k in shapes)
-    # one decoder layer's gathered F, then its encoded payload or the checksum's int64 work
+    # one decoder layer's gathered F, then the larger of its encoded payload and the checksum's work
+    # (sync.checksum: a block of int64 words and their weights, 16 bytes a word)
     words = min(sync.CHECK_WORDS, d_max * r)
-    factor_sync_bytes = 2 * layer_rows * r + max(2 * layer_rows * r, 24 * words) + 8 * words
+    factor_sync_bytes = 2 * layer_rows * r + max(2 * layer_rows * r, 16 * words)
     # The realised KL: the probe keeps the policy's logits at its first positions (compute
     # dtype) until after the merge; then the same positions' new logits and one block of
     # float64 work (kl_control.KL_CHUNK_POSITIONS positions of two log-softmaxes and a product).
@@ -148,6 +159,32 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     kv_on_gpu = gpu_bytes - engine_weights - residual - transfer - ENGINE_OVERHEAD
     on_host = kv_on_gpu < MIN_KV_CACHE
     engine_gpu = engine_weights + transfer + (0 if on_host else residual)
+    # Checking a target's base checksum (sync.checksum) before a write: its int64 words and
+    # their weights, in blocks of at most sync.CHECK_WORDS words
+    check_work = 16 * min(sync.CHECK_WORDS, max(d * k for d, k in shapes))
+    # --sync full (and AdamW's and LoRA's default): one decoder layer's bf16 payload
+    full_transfer = 2 * layer_targets + check_work
+    # --sync delta, every element of one decoder layer changed at worst (one payload a decoder
+    # layer): the payload's bf16 values and positions (the smaller code is at most the bitmap,
+    # 1/8 byte an element), the positions decoded as int64, and the larger of the base
+    # checksum's work and the position code's (sync.CODE_CHUNK bytes at a time: the bitmap's
+    # bits as uint8 and bool and the int64 positions found, 80 bytes a byte; a gaps-coded
+    # target has at most 1/8 as many positions as elements, so that its varints' ends and its
+    # positions take less than a bitmap-coded target's positions)
+    code_work = 80 * sync.CODE_CHUNK
+    delta_transfer = 2 * layer_targets + -(-layer_targets // 8) + 8 * layer_targets + max(check_work, code_work)
+    # The delta's trainer: the bf16 shadow of its rows of every target (what the engines hold).
+    # Transient, every entry changed at worst: the layer's gathered positions (int64) and values
+    # (bf16), held until its payload is encoded, and on top of them the larger of one target's
+    # gather (its new bf16 rows, change mask, own and padded changes; every rank's changes
+    # gathered, d k) and the encoding (the layer's blobs and its payload, the largest weight's
+    # position code once more while it joins its blob, and the code's work: sync.CODE_CHUNK
+    # positions at a time, 64 bytes each at most).
+    delta_shadow = 2 * target_rows
+    gather = max((2 + 1 + 10 + 10) * ceil(d) * k + 10 * d * k for d, k in shapes)
+    encoding = (2 * (2 * layer_targets + -(-layer_targets // 8)) + -(-max(d * k for d, k in shapes) // 8)
+                + 64 * sync.CODE_CHUNK)
+    delta_sync_bytes = 10 * layer_targets + max(gather, encoding)
     return {
         "params": total, "target_params": targets, "layers": layers, "world": world, "sketch_rank": r,
         "weights": weights, "adam_grads": 4 * target_rows, "adam_moments": 8 * target_rows,
@@ -168,6 +205,15 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
         "engine_kv_cache_bytes": gpu_bytes - engine_gpu - ENGINE_OVERHEAD,
         "engine_host_bytes": residual if on_host else 0,
         "engine_reserve_bytes": (0 if on_host else residual) + transfer + ENGINE_MARGIN,
+        "engine_delta_gpu_bytes": engine_weights + delta_transfer, "engine_delta_transfer_bytes": delta_transfer,
+        "engine_delta_kv_cache_bytes": gpu_bytes - engine_weights - delta_transfer - ENGINE_OVERHEAD,
+        "engine_delta_reserve_bytes": delta_transfer + ENGINE_MARGIN,
+        "engine_full_gpu_bytes": engine_weights + full_transfer, "engine_full_transfer_bytes": full_transfer,
+        "engine_full_kv_cache_bytes": gpu_bytes - engine_weights - full_transfer - ENGINE_OVERHEAD,
+        "engine_full_reserve_bytes": full_transfer + ENGINE_MARGIN,
+        "trainer_delta_shadow_bytes": delta_shadow, "trainer_delta_sync_transient_bytes": delta_sync_bytes,
+        # LoRA's delta sync forms the merged weights too, as its full sync does
+        "trainer_lora_delta_sync_transient_bytes": full_sync_bytes + delta_sync_bytes,
         "gpu_bytes": gpu_bytes,
     }
 
@@ -179,6 +225,8 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
     gib = 2**30
     g = lambda key: f"{plan[key] / gib:.2f} GiB"  # noqa: E731
     world = plan["world"]
+    gain = plan["engine_delta_kv_cache_bytes"] - plan["engine_kv_cache_bytes"]  # KV cache over the factor sync's
+    gone = " (no residuals in pinned host memory)" if plan["engine_residual_on_host"] else ""
     lines = [
         f"preset {preset}: {plan['params'] / 1e9:.2f}B parameters ({plan['target_params'] / 1e9:.2f}B in the seven "
         f"target projections), checkpoint {checkpoint}",
@@ -208,6 +256,13 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
         f"{'pinned host memory' if plan['engine_residual_on_host'] else 'the engine GPU'}, transfer buffer "
         f"{g('engine_transfer_bytes')}, vLLM overhead {ENGINE_OVERHEAD / gib:.0f} GiB (assumed) -> KV cache "
         f"{g('engine_kv_cache_bytes')}; host {g('engine_host_bytes')}",
+        f"engine GPU with --sync delta: bf16 weights {g('engine_weight_bytes')}, no residual, transfer buffer "
+        f"{g('engine_delta_transfer_bytes')} (one decoder layer, every element changed at worst) -> KV cache "
+        f"{g('engine_delta_kv_cache_bytes')}, {'+' if gain >= 0 else '-'}{abs(gain) / gib:.2f} GiB against the "
+        f"factor sync's; host 0.00 GiB{gone}; "
+        f"per training GPU, not in the table's totals (those of --sync factors and full): a bf16 shadow "
+        f"{g('trainer_delta_shadow_bytes')} kept, and a sync transient {g('trainer_delta_sync_transient_bytes')} "
+        f"(LoRA {g('trainer_lora_delta_sync_transient_bytes')}) in place of the sync's",
     ]
     if preset in TABLE2:
         lora, logra = TABLE2[preset]

@@ -130,8 +130,9 @@ class Options:
     lora_lr: float = knob("LoRA's learning rate before annealing (--optimizer lora; infra/lora.py)", positive=True)
     lora_alpha: float = knob("LoRA's alpha: the adapters' product is scaled by alpha / r (--optimizer lora)",
                              positive=True)
-    sync: str = knob("what an update sends the engine: LoGRA's bf16 factors + seed, or full bf16 weights (the "
-                     "paper's control)", choices=("factors", "full"))
+    sync: str = knob("what an update sends the engine: LoGRA's bf16 factors + seed (AdamW and LoRA: full weights), "
+                     "full bf16 weights (the paper's control), or the bf16 elements it changed (any optimizer; the "
+                     "engine keeps no fp32 master)", choices=("factors", "full", "delta"))
 
     # --- rollouts, the trainer's sequences, evaluation ------------------------------------------------
     temperature: float = knob("sampling temperature of the rollouts (and of the log-probs the loss and the KL probe "

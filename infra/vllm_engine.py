@@ -419,8 +419,10 @@ class VLLMEngine:
 
     `sketch_rank`: the rank r of the payloads' factors.
     `gpu`: index of the engine's GPU among those this process sees (None: a CPU engine).
-    `residual_on_host`: keep the exact-merge residuals (sync.EngineWeights) in pinned host
-    memory instead of on the engine's GPU (the 27B preset: they do not fit beside the weights).
+    `exact`: keep the exact-merge residuals (sync.EngineWeights) that factor payloads need;
+    False for an engine that takes only sparse deltas and full weights, and keeps none.
+    `residual_on_host`: keep the exact-merge residuals in pinned host memory instead of on
+    the engine's GPU (the 27B preset: they do not fit beside the weights).
     On a GPU, vLLM gets the card's memory less `reserve_bytes` (what the extension adds there:
     `memory_plan.estimate` counts it); `gpu_memory_utilization` is used as given on CPUs,
     where vLLM reads it as a share of the NUMA node's memory.
@@ -432,8 +434,8 @@ class VLLMEngine:
     """
 
     def __init__(self, *, model_path, context, seed, sketch_rank, gpu, device, log_path, timeout,
-                 gpu_memory_utilization=None, reserve_bytes=0, eos=None, pad=None, residual_on_host=False,
-                 stop_ids=None, progress=None):
+                 gpu_memory_utilization=None, reserve_bytes=0, eos=None, pad=None, exact=True,
+                 residual_on_host=False, stop_ids=None, progress=None):
         self.device = torch.device(device)
         where = f"GPU {engine_env(gpu).get('CUDA_VISIBLE_DEVICES')}" if gpu is not None else "the CPU"
         spec = {"model": model_path, "context": context, "seed": seed, "device": self.device.type,
@@ -449,7 +451,8 @@ class VLLMEngine:
             # The weight channel: the trainer opens the store; both members join the group at once.
             left = max(deadline - time.monotonic(), 1.0)
             store = WeightChannel.open_store(LOCAL_HOST, left)
-            self.proc.conn.send(("init_sync", (LOCAL_HOST, store.port, seed, sketch_rank, timeout, residual_on_host)))
+            self.proc.conn.send(("init_sync", (LOCAL_HOST, store.port, seed, sketch_rank, timeout, exact,
+                                               residual_on_host)))
             self.channel = self._join(store, timeout, left)
             self.proc.reply("to join the weight channel", deadline)
             self.proc.watch_group()
@@ -574,7 +577,7 @@ def serve(spec: dict) -> None:
         total = torch.cuda.mem_get_info()[1]
         utilization = (total - spec["reserve_bytes"]) / total
         print(f"engine: vLLM may use {utilization:.3f} of {total / 2**30:.1f} GiB "
-              f"({spec['reserve_bytes'] / 2**30:.2f} GiB reserved for the exact-merge state)", flush=True)
+              f"({spec['reserve_bytes'] / 2**30:.2f} GiB reserved for the sync's own buffers and state)", flush=True)
     memory = {} if utilization is None else {"gpu_memory_utilization": utilization}  # None: vLLM's default
     if spec["device"] == "cpu":
         # vLLM rewinds a seeded request's generator when it discards the token of a prompt it
@@ -661,19 +664,20 @@ class WorkerExtension:
     """
 
     def logra_init(self, host: str, port: int, base_seed: int, sketch_rank: int, timeout: float,
-                   residual_on_host: bool = False) -> None:
+                   exact: bool = True, residual_on_host: bool = False) -> None:
         model = self.model_runner.model
         # The trainer layers each of vLLM's layers holds: the model family's row (architectures.py).
         layers = architectures.lookup(self.model_runner.model_config.hf_config.model_type).engine
         self.logra_cpu_layers = _restore_cpu_weights(model, layers) if self.device.type == "cpu" else []
         self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank, layout="vllm",
                                                 residual_device="cpu" if residual_on_host else None,
-                                                engine_layers=layers)
+                                                engine_layers=layers, exact=exact)
         store = WeightChannel.join_store(host, port, timeout)
         self.logra_channel = WeightChannel(store, 1, self.device, timeout)
 
     def logra_apply(self) -> int:
-        """Receive one delta payload from the trainer and merge it; returns the engine's update count."""
+        """Receive one delta payload (factors, or sparse) from the trainer and merge it; returns the
+        engine's update count."""
         payload = sync.decode(self.logra_channel.recv())
         self.logra_weights.apply(payload)
         self._logra_repack(payload)

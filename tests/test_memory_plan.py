@@ -1,6 +1,7 @@
 """The memory plan (memory_plan.py): the 7B plan against the shapes counted by hand, the
-paper's targets for it, the estimate against the tensors measured on 2 gloo ranks, and a
-local checkpoint's plan built from its own config.json."""
+paper's targets for it, the engines of --sync delta and of full weights against the 7B and 27B
+shapes, the estimate against the tensors measured on 2 gloo ranks, and a local checkpoint's
+plan built from its own config.json."""
 
 import contextlib
 import io
@@ -11,6 +12,7 @@ import sys
 from unittest import mock
 
 import pytest
+import torch
 
 import tiny_families
 import tiny_math
@@ -42,6 +44,68 @@ def test_dry_run_7b_memory_against_shapes():
     assert m27["trainer_logra_bytes"] + m27["trainer_activation_bytes"] < 80e9
     assert m27["engine_residual_on_host"] and m27["engine_kv_cache_bytes"] >= 16 * gib
     assert m27["engine_gpu_bytes"] + m27["engine_kv_cache_bytes"] < 80e9
+
+
+@pytest.mark.parametrize("preset", ["7b", "27b"])
+def test_delta_and_full_sync_engines_against_shapes(preset):
+    """The engines of --sync delta and of full bf16 weights keep no residual, and --sync
+    delta's trainer a bf16 shadow of its rows: every count from the preset's model built on the
+    meta device, its seven projections summed per decoder layer. The delta engine's KV cache is
+    the factor engine's plus the residual it kept on the GPU less the larger transfer buffer,
+    and at 27B the factor engine's residuals in host memory are gone."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**train.PRESETS[preset]["model"]))
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    per_layer = [[m.weight.shape for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] in names]
+                 for layer in model.model.layers]
+    assert all(len(shapes) == 7 for shapes in per_layer)
+    shapes = [s for layer in per_layer for s in layer]
+    layer_entries = max(sum(d * k for d, k in layer) for layer in per_layer)  # d k of one decoder layer
+    biggest = max(d * k for d, k in shapes)
+    weights = 2 * sum(p.numel() for p in model.parameters())  # bf16 on the engine
+    residual = 2 * sum(d * k for d, k in shapes)  # int16 per target weight
+    check = 16 * min(2**20, biggest)  # the base checksum's int64 work (sync.CHECK_WORDS words)
+    gib, overhead = 2**30, 5 * 2**30
+    m = memory_plan.estimate(train.PRESETS[preset]["model"], 4, 256)
+
+    # Every element of one layer changed: 2 B a bf16 value, 1/8 B of bitmap, 8 B a decoded
+    # position, and the larger of the checksum's work and the position code's (80 B x 2^20).
+    delta = math.ceil(layer_entries * (2 + 1 / 8 + 8)) + max(check, 80 * 2**20)
+    assert m["engine_delta_transfer_bytes"] == delta
+    assert m["engine_delta_gpu_bytes"] == weights + delta  # no residual
+    assert m["engine_delta_kv_cache_bytes"] == 80 * 10**9 - weights - delta - overhead
+    assert m["engine_delta_reserve_bytes"] == delta + gib
+    full = 2 * layer_entries + check  # one layer in bf16
+    assert m["engine_full_gpu_bytes"] == weights + full
+    assert m["engine_full_kv_cache_bytes"] == 80 * 10**9 - weights - full - overhead
+    assert m["engine_full_reserve_bytes"] == full + gib
+    # Rank 0's rows of every target in bf16. Transient: the layer's gathered changes (10 B an
+    # element) and the larger of one target's gather (new rows 2 B, mask 1 B, its changes and
+    # their padded copy 10 B each per element of its rows, every rank's 10 B per element of
+    # the weight) and the encoding (the bitmap's bool bits of the largest weight, the layer's
+    # blobs and payload at 2 + 1/8 B an element each, the largest weight's bitmap once more,
+    # 64 B for each of 2^20 positions coded at a time).
+    assert m["trainer_delta_shadow_bytes"] == 2 * sum(-(-d // 4) * k for d, k in shapes)
+    gather = max(23 * -(-d // 4) * k + 10 * d * k for d, k in shapes)
+    encoding = 2 * math.ceil(layer_entries * (2 + 1 / 8)) + math.ceil(biggest / 8) + 64 * 2**20
+    transient = 10 * layer_entries + max(gather, encoding)
+    assert m["trainer_delta_sync_transient_bytes"] == transient
+    assert m["trainer_lora_delta_sync_transient_bytes"] == transient + 8 * layer_entries + 8 * biggest
+
+    on_gpu = 0 if m["engine_residual_on_host"] else residual
+    assert m["engine_residual_bytes"] == residual and (preset == "27b") == m["engine_residual_on_host"]
+    gain = m["engine_delta_kv_cache_bytes"] - m["engine_kv_cache_bytes"]
+    assert gain == on_gpu - (delta - m["engine_transfer_bytes"])
+    assert m["engine_host_bytes"] == residual - on_gpu and (preset == "7b" or m["engine_host_bytes"] > 0)
+    lines = memory_plan.describe(m, preset=preset, checkpoint="-", sketch_rank=256, micro_batch=2, context=4096,
+                                 cuda=True)
+    [line] = [x for x in lines if x.startswith("engine GPU with --sync delta")]
+    assert "no residual" in line
+    assert f"KV cache {m['engine_delta_kv_cache_bytes'] / gib:.2f} GiB" in line
+    assert f"{'+' if gain >= 0 else '-'}{abs(gain) / gib:.2f} GiB against the factor sync's" in line
+    assert "host 0.00 GiB" in line and ("pinned host memory" in line) == (preset == "27b")
 
 
 def test_memory_estimate_matches_measured_tensors():

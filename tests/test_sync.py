@@ -1,4 +1,6 @@
-"""sync.py: engines that track the trainer bit for bit over 200 payloads, in both layouts."""
+"""sync.py: engines that track the trainer bit for bit over 200 payloads, in both layouts; the
+sparse delta's position codes against numpy and a Python reference, engines without a master
+that follow LoGRA, AdamW and LoRA by sparse deltas, and the deltas they refuse."""
 
 import copy
 import os
@@ -371,3 +373,249 @@ def test_streamed_update_equals_one_payload():
     for name in one.slots:
         assert torch.equal(parts.master(name), one.master(name))
     sync.check_fingerprints(sync.fingerprint(layers), parts.fingerprint())
+
+
+# -----------------------------------------------------------------------------
+# Sparse deltas: the bf16 elements an update changed, for engines without a master
+
+def leb128(values):
+    """Unsigned LEB128 of each value, a pure-Python reference."""
+    out = []
+    for v in values:
+        while True:
+            byte, v = v & 0x7F, v >> 7
+            out.append(byte | (0x80 if v else 0))
+            if not v:
+                break
+    return out
+
+
+@pytest.mark.parametrize("chunk", [sync.CODE_CHUNK, 5])  # 5: many chunks of either code
+@pytest.mark.parametrize("numel,share", [(5000, 0.0), (5000, 0.003), (5000, 0.03), (5000, 0.4), (7, 1.0),
+                                         (2**21, 0.0005)])
+def test_position_codes_against_numpy_and_python(numel, share, chunk, monkeypatch):
+    import numpy as np
+
+    monkeypatch.setattr(sync, "CODE_CHUNK", chunk)
+
+    mask = np.random.default_rng(int(share * 1e4) + numel).random(numel) < share
+    positions = torch.from_numpy(np.flatnonzero(mask))
+    gaps = np.diff(np.flatnonzero(mask), prepend=-1) - 1
+    reference = {"bitmap": np.packbits(mask, bitorder="little").tolist(), "gaps": leb128(gaps.tolist())}
+    code, data = sync.encode_index(positions, numel)
+    assert code == ("bitmap" if len(reference["gaps"]) > len(reference["bitmap"]) else "gaps")  # the smaller, gaps on a tie
+    assert data.tolist() == reference[code]
+    for other in reference:  # either code decodes to the positions
+        back = sync.decode_index(other, torch.tensor(reference[other], dtype=torch.uint8), len(positions), numel)
+        assert torch.equal(back, positions)
+    bad = torch.tensor(leb128([3, 200]), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="truncated"):
+        sync.decode_index("gaps", bad[:-1], 2, numel)
+    with pytest.raises(ValueError, match="header says"):
+        sync.decode_index("gaps", torch.tensor(leb128([1, 2]), dtype=torch.uint8), 3, numel)
+    with pytest.raises(ValueError, match="outside|beyond"):
+        sync.decode_index("gaps", torch.tensor(leb128([numel]), dtype=torch.uint8), 1, numel)
+    for bad in ([3, 3], [4, 2], [-1, 2], [0, numel]):  # repeated, decreasing, negative, beyond the weight
+        with pytest.raises(ValueError, match="increasing|outside"):
+            sync.encode_index(torch.tensor(bad), numel)
+
+
+class Shadow:
+    """The trainer's side of a sparse delta, as train.delta_sync does it on one process."""
+
+    def __init__(self, weights):
+        self.held = {n: w.detach().to(torch.bfloat16).clone() for n, w in weights.items()}
+
+    def payload(self, weights, update):
+        part = {}
+        for n, w in weights.items():
+            new = w.detach().to(torch.bfloat16)
+            part[n] = sync.Sparse(tuple(w.shape), *sync.changed_elements(self.held[n], new),
+                                  base=sync.checksum(self.held[n]))
+            self.held[n] = new.clone()
+        return sync.Payload(update, SEED, RANK, part, kind="sparse")
+
+
+@pytest.mark.parametrize("optimizer", ["logra", "adam", "lora"])
+def test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer(optimizer):
+    """60 updates of each optimizer sent as sparse deltas (LoRA's merged weights W + s B A), each
+    through the wire format, to a bf16 engine in the HF layout and one in vLLM's fused layout,
+    neither holding a residual: after every payload both equal bf16(trainer weights) element
+    for element, and the deltas are a fraction of a full bf16 sync."""
+    model = tiny_qwen2()
+    targets = sketch.target_modules(model)
+    if optimizer == "logra":
+        layers = sketch.attach(model, rank=RANK, seed=SEED)
+        opt = rowadam.RowAdam(layers, base_seed=SEED, update_ratio=1e-3)
+    else:
+        params = [m.weight for m in targets.values()]
+        if optimizer == "lora":  # adapters A (r, k), B (d, r) beside frozen weights, B from zero
+            g = torch.Generator().manual_seed(3)
+            adapters = {n: (torch.nn.Parameter(torch.randn(RANK, m.in_features, generator=g) / m.in_features ** 0.5),
+                            torch.nn.Parameter(torch.zeros(m.out_features, RANK))) for n, m in targets.items()}
+            params = [p for a_b in adapters.values() for p in a_b]
+            for m, (a, b) in zip(targets.values(), adapters.values()):
+                m.weight.requires_grad_(False)
+                m.register_forward_hook(lambda mod, x, y, a=a, b=b: y + 2.0 * (x[0] @ a.t()) @ b.t())
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95),
+                                weight_decay=0.0)
+
+    def weights():  # what the engines run: W, or LoRA's W + s B A
+        if optimizer == "lora":
+            return {n: torch.addmm(m.weight, adapters[n][1], adapters[n][0], alpha=2.0).detach()
+                    for n, m in targets.items()}
+        return {n: m.weight.detach() for n, m in targets.items()}
+
+    hf = copy.deepcopy(model).to(torch.bfloat16)
+    engines = [sync.EngineWeights(hf, base_seed=SEED, rank=RANK, exact=False),
+               sync.EngineWeights(vllm_standin(hf), base_seed=SEED, rank=RANK, layout="vllm", exact=False)]
+    start = sync.full_payload(weights(), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
+    for e in engines:
+        e.load_full(sync.decode(sync.encode(start)))  # fp32 rounded to bf16: no master kept
+        assert e.state_bytes() == 0
+    shadow = Shadow(weights())
+    full = len(sync.encode(sync.full_payload(weights(), update=0, base_seed=SEED, rank=RANK)))
+    shares, sizes = [], []
+    for i in range(60):
+        lm_loss(model, tiny_batch(seed=1000 + i)).backward()
+        if optimizer == "logra":
+            opt.prepare()
+            opt.merge(1.0)
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        now = weights()
+        buf = sync.encode(shadow.payload(now, i))
+        payload = sync.decode(buf)
+        for e in engines:
+            e.apply(payload)
+        for n, w in now.items():
+            ref = w.to(torch.bfloat16)
+            for e in engines:
+                assert torch.equal(engine_weight(e, n), ref), (optimizer, i, n)
+        sync.check_fingerprints({n: sync.checksum(w.to(torch.bfloat16)) for n, w in now.items()},
+                                engines[1].fingerprint())
+        shares.append(sum(len(t.values) for t in payload.factors.values()) / sum(w.numel() for w in now.values()))
+        sizes.append(len(buf))
+    assert all(e.update == 60 for e in engines)
+    assert 0 < max(shares) < 1 and sorted(sizes)[30] < full / 2, (shares, sizes, full)
+
+
+def test_bad_sparse_deltas_are_refused_and_change_nothing():
+    """A sparse delta is refused, and the engine left as it was, when it skips an update or
+    comes twice, when it was made for other weights (the trainer skipped an update: the
+    numbers agree, the base does not), when it is truncated or corrupted, or when it goes to
+    an engine that merges factors; an engine without a master refuses factors."""
+    model, layers, opt, engine_model = trainer(update_ratio=1e-3)
+    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK, exact=False)
+    engine.load_full(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK))
+    shadow = Shadow(masters(layers))
+    payloads, factors, after = [], [], []
+    for i in range(3):
+        factors.append(step(model, layers, opt, i))
+        payloads.append(shadow.payload(masters(layers), i))
+        after.append({n: w.to(torch.bfloat16) for n, w in masters(layers).items()})
+    engine.apply(payloads[0])
+    snap = {n: engine_weight(engine, n).clone() for n in engine.slots}, engine.update
+
+    def unchanged():
+        assert engine.update == snap[1]
+        assert all(torch.equal(engine_weight(engine, n), w) for n, w in snap[0].items())
+
+    for bad, match in [(payloads[2], "skips"), (payloads[0], "duplicate")]:
+        with pytest.raises(ValueError, match=match):
+            engine.apply(bad)
+        unchanged()
+    # Update 2's changes renumbered as update 1: the engine would jump from update 0's weights
+    # to 2's without 1's elements. The base (update 1's weights) is not what the engine holds.
+    skipped = sync.Payload(1, SEED, RANK, payloads[2].factors, kind="sparse")
+    with pytest.raises(ValueError, match="other weights than the engine holds"):
+        engine.apply(sync.decode(sync.encode(skipped)))
+    unchanged()
+    good = sync.encode(payloads[1])
+    corrupt = good.clone()
+    corrupt[-20] ^= 0x10
+    with pytest.raises(ValueError, match="checksum"):
+        sync.decode(corrupt)
+    with pytest.raises(ValueError, match="truncated|size mismatch"):
+        sync.decode(good[:-16])
+    with pytest.raises(ValueError, match="no fp32 master"):
+        engine.apply(factors[1])
+    unchanged()
+    exact = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    with pytest.raises(ValueError, match="residuals behind"):
+        exact.apply(payloads[0])
+    with pytest.raises(ValueError, match="holds Sparse deltas"):
+        sync.encode(sync.Payload(1, SEED, RANK, factors[1].factors, kind="sparse"))
+    engine.apply(sync.decode(good))  # the right one still goes through
+    assert engine.update == 2
+    assert all(torch.equal(engine_weight(engine, n), after[1][n]) for n in engine.slots)
+
+
+@pytest.mark.parametrize("layout", ["hf", "vllm"])
+def test_sparse_deltas_with_nothing_changed(layout):
+    """An update that changes no bf16 element of some targets (or of any) still travels as a
+    sparse delta, an empty one for those, through the wire format, and leaves the engine's
+    weights as they were; a half-written sparse update gives way to a full sync."""
+    model = tiny_qwen2()
+    hf = copy.deepcopy(model).to(torch.bfloat16)
+    engine = sync.EngineWeights(hf if layout == "hf" else vllm_standin(hf), base_seed=SEED, rank=RANK,
+                                layout=layout, exact=False)
+    weights = {n: m.weight.detach().clone() for n, m in sketch.target_modules(model).items()}
+    engine.load_full(sync.full_payload(weights, update=0, base_seed=SEED, rank=RANK))
+    shadow = Shadow(weights)
+    first = next(iter(weights))
+    weights[first][0, :3] += 1.0  # three elements of one target change, nothing else
+    for update, now in enumerate([weights, weights]):  # then an update that changes nothing at all
+        buf = sync.encode(shadow.payload(now, update))
+        payload = sync.decode(buf)
+        assert [len(t.values) for t in payload.factors.values()] == [3 * (update == 0)] + [0] * (len(now) - 1)
+        engine.apply(payload)
+        for n, w in now.items():
+            assert torch.equal(engine_weight(engine, n), w.to(torch.bfloat16)), (update, n)
+    assert engine.update == 2
+    # Half of update 2 written, then a full sync instead (the trainer resyncs): accepted.
+    weights[first] -= 0.5
+    part = shadow.payload(weights, 2)
+    engine.apply(sync.Payload(2, SEED, RANK, {first: part.factors[first]}, kind="sparse"))
+    engine.load_full(sync.full_payload(weights, update=3, base_seed=SEED, rank=RANK))
+    assert engine.update == 3
+    assert all(torch.equal(engine_weight(engine, n), w.to(torch.bfloat16)) for n, w in weights.items())
+
+
+def _gather_on_two_ranks(rank, world, out_dir):
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(5)
+    before = torch.randn(7, 6, generator=g).to(torch.bfloat16)  # (d, k), d = 7: uneven rows 4 + 3
+    result = []
+    for case in ("both", "rank 0 only", "none"):
+        after = before.clone()
+        if case != "none":
+            after[1, 2] += 1  # rank 0's rows
+        if case == "both":
+            after[4:, ::2] -= 1  # rank 1's rows
+        lo, hi = (0, 4) if rank == 0 else (4, 7)
+        result.append(sync.gather_changes(*sync.changed_elements(before[lo:hi], after[lo:hi], lo)))
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_changes_gathered_from_row_shards_equal_the_whole_weights(tmp_path):
+    """gather_changes on 2 gloo ranks, each holding its rows (uneven) of one weight: every rank
+    gets the positions and values changed_elements finds on the whole weight, also when one
+    rank or no rank has a change."""
+    run_gloo(_gather_on_two_ranks, 2, str(tmp_path))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    g = torch.Generator().manual_seed(5)
+    before = torch.randn(7, 6, generator=g).to(torch.bfloat16)
+    for i, case in enumerate(("both", "rank 0 only", "none")):
+        after = before.clone()
+        if case != "none":
+            after[1, 2] += 1
+        if case == "both":
+            after[4:, ::2] -= 1
+        mask = (before.view(torch.int16) != after.view(torch.int16)).flatten()
+        want = mask.nonzero().squeeze(1)  # the whole weight's changed positions, row-major
+        assert len(want) == {"both": 1 + 9, "rank 0 only": 1, "none": 0}[case]
+        for r in range(2):
+            positions, values = got[r][i]
+            assert torch.equal(positions, want) and torch.equal(values, after.flatten()[want]), (case, r)

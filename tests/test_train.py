@@ -101,14 +101,18 @@ def test_lora_syncs_its_merged_weights_and_resumes_bitwise(runs):
 RANKS = [*SMALL, "--updates", "4", "--micro-batch", "4", "--probe-responses", "8", "--save-every", "2"]
 
 
-def test_one_and_two_processes_agree(runs):
-    args = RANKS
-    one, two = runs / "world1", runs / "world2"
+def one_and_two_ranks(args, one, two):
+    """train.py with `args` in one process (run dir `one`) and as 2 torchrun ranks (`two`)."""
     run([*args, "--run-dir", str(one)])
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                           os.path.join(ROOT, "train.py"), *args, "--run-dir", str(two)],
                          cwd=ROOT, capture_output=True, text=True, env=env(), timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    return one, two
+
+
+def test_one_and_two_processes_agree(runs):
+    one, two = one_and_two_ranks(RANKS, runs / "world1", runs / "world2")
     a, b = model_state(one), model_state(two)
     base = torch.load(next(runs.glob("base-tiny-*.pt")), weights_only=True)
     moved = max((a[k] - base[k]).abs().max().item() for k in a)
@@ -123,6 +127,28 @@ def test_one_and_two_processes_agree(runs):
     m2 = [json.loads(l) for l in open(two / "metrics.jsonl")][1:]
     assert [r["accuracy"] for r in m1] == [r["accuracy"] for r in m2]  # the same responses
     assert any(r["accuracy"] > 0 for r in m1)  # some advantages were non-zero: the policy moved
+
+
+@pytest.mark.parametrize("optimizer", ["logra", "adam", "lora"])
+def test_delta_sync_on_one_and_two_ranks(runs, optimizer):
+    """--sync delta (the bf16 elements an update changed; the engine keeps no master) on 1 rank
+    and on 2, where each rank compares its rows with its shadow and the changes are gathered:
+    every sync ends with the engine's fingerprint equal to the trainer's (the run checks, and
+    stops otherwise); both send the same bytes at every update (the same changes, gathered)
+    and end with the same weights and the same share of elements changed; each delta is below
+    a full bf16 sync of the targets."""
+    args = [*RANKS, "--optimizer", optimizer, "--sync", "delta"]
+    one, two = one_and_two_ranks(args, runs / f"delta1-{optimizer}", runs / f"delta2-{optimizer}")
+    a, b = model_state(one), model_state(two)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sent = [[r["sync_bytes"] for r in map(json.loads, open(d / "metrics.jsonl")) if "sync_bytes" in r]
+            for d in (one, two)]
+    full = 2 * sum(d * k for d, k in [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176)]) * 2
+    assert sent[0] == sent[1] and len(sent[0]) == 4 and max(sent[0]) < full, (sent, full)
+    changed = [[r["sync_changed"] for r in map(json.loads, open(d / "metrics.jsonl")) if "sync_bytes" in r]
+               for d in (one, two)]
+    # The share logged is the share sent: its bf16 values alone are 2 bytes an element of full / 2.
+    assert changed[0] == changed[1] and all(0 < c < 1 and c * full <= s for c, s in zip(changed[0], sent[0]))
 
 
 # Groups of 4 responses per prompt, RLOO's advantages: two groups, one on each rank of two.

@@ -292,6 +292,96 @@ def test_vllm_engine_follows_the_trainer_bit_for_bit(cpu_engine, tiny_math):
     assert cpu_engine.fingerprint() == before
 
 
+@pytest.fixture(scope="module")
+def cpu_delta_engine(tiny_math, tmp_path_factory):
+    """A vLLM CPU engine without a master (exact=False): sparse deltas and full weights only."""
+    log = str(tmp_path_factory.mktemp("delta-engine") / "engine.log")
+    eng = vllm_engine.VLLMEngine(model_path=tiny_math["model"], context=128, seed=SEED, sketch_rank=RANK, gpu=None,
+                                 device="cpu", log_path=log, timeout=300, gpu_memory_utilization=0.1, exact=False)
+    yield eng
+    eng.close()
+    assert not engine_processes(os.path.dirname(log))
+
+
+def sparse_payload(held, weights, update):
+    """The trainer's sparse delta from `held` (bf16 of what the engine holds) to `weights`."""
+    part = {}
+    for n, w in weights.items():
+        new = w.detach().to(torch.bfloat16)
+        part[n] = sync.Sparse(tuple(w.shape), *sync.changed_elements(held[n], new), base=sync.checksum(held[n]))
+        held[n] = new
+    return sync.Payload(update, SEED, RANK, part, kind="sparse")
+
+
+@pytest.mark.vllm
+def test_vllm_engine_without_a_master_follows_three_optimizers_by_sparse_deltas(cpu_delta_engine, tiny_math):
+    """LoGRA-sized merges, AdamW steps and LoRA's merged W + s B A, 8 updates each, every update
+    sent as sparse deltas (one decoder layer per payload) to a vLLM engine that keeps no
+    residual, after a full bf16 resync: after every sync its fused qkv/gate_up weights equal
+    bf16(trainer) by fingerprint. A delta made for other weights (the trainer skipped sending
+    an update) is refused and changes nothing."""
+    model = trainer_model(tiny_math["model"])
+    modules = target_modules(model)
+    g = torch.Generator().manual_seed(1)
+    adapters = {n: (torch.randn(RANK, m.in_features, generator=g) / m.in_features, torch.zeros(m.out_features, RANK))
+                for n, m in modules.items()}
+    update = 0
+    for optimizer in ("logra", "adam", "lora"):
+        params = [p for a_b in adapters.values() for p in a_b] if optimizer == "lora" else \
+            [m.weight for m in modules.values()]
+        params = [p.requires_grad_() for p in params]
+        adam = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+
+        def weights():
+            if optimizer != "lora":
+                return {n: m.weight.detach() for n, m in modules.items()}
+            return {n: torch.addmm(m.weight, adapters[n][1], adapters[n][0], alpha=2.0).detach()
+                    for n, m in modules.items()}
+
+        for names in sync.layer_groups(modules):  # a full bf16 sync, as train.py's start and resyncs
+            cpu_delta_engine.load_full(sync.full_payload({n: weights()[n] for n in names}, update=update,
+                                                         base_seed=SEED, rank=RANK))
+        held = {n: w.to(torch.bfloat16) for n, w in weights().items()}
+        changed = 0
+        for _ in range(8):
+            if optimizer == "logra":
+                with torch.no_grad():
+                    for name, m in modules.items():
+                        d, k = m.weight.shape
+                        a = make_projection(RANK, k, projection_seed(SEED, update, name))  # (r, k)
+                        f = (torch.randn(d, RANK, generator=g) * 1e-3 * m.weight.norm() / (d * k) ** 0.5)
+                        merge_rows(m.weight.data, f.to(torch.bfloat16), a)
+            else:
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g)
+                adam.step()
+            payload = sparse_payload(held, weights(), update)
+            changed += sum(t.values.numel() for t in payload.factors.values())
+            for names in sync.layer_groups(payload.factors):
+                cpu_delta_engine.apply(sync.Payload(update, SEED, RANK, {n: payload.factors[n] for n in names},
+                                                    kind="sparse"))
+            update += 1
+            sync.check_fingerprints({n: sync.checksum(w) for n, w in held.items()}, cpu_delta_engine.fingerprint())
+        assert changed > 0, optimizer  # the weights the engine follows did move
+        for p in params:
+            p.requires_grad_(False)
+    # The trainer moves twice but sends only the second delta, under the engine's update number.
+    before = cpu_delta_engine.fingerprint()
+    with torch.no_grad():
+        for m in modules.values():
+            m.weight.mul_(1.0 + 2e-2)
+    stale = dict(held)
+    sparse_payload(held, weights(), update)  # computed, never sent
+    with torch.no_grad():
+        for m in modules.values():
+            m.weight.mul_(1.0 + 2e-2)
+    skipped = sparse_payload(held, weights(), update)
+    first = sync.layer_groups(skipped.factors)[0]
+    with pytest.raises(vllm_engine.EngineError, match="other weights than the engine holds"):
+        cpu_delta_engine.apply(sync.Payload(update, SEED, RANK, {n: skipped.factors[n] for n in first}, kind="sparse"))
+    assert cpu_delta_engine.fingerprint() == before == {n: sync.checksum(w) for n, w in stale.items()}
+
+
 @pytest.mark.vllm
 def test_a_fused_family_follows_the_trainer_through_vllm(tmp_path):
     """Phi-3, whose Hugging Face model fuses qkv_proj and gate_up_proj as vLLM does: its four
@@ -486,6 +576,27 @@ def test_two_nodes_whose_engines_die_end_bitwise_where_one_node_ends(tiny_math, 
     assert "faults: SIGKILL of vllm on apply #5" in open(nodes / "engine-1.log").read()
     assert json.load(open(nodes / "config.json"))["layout"]["nodes"] == 2
     assert not engine_processes(str(nodes))
+
+
+@pytest.mark.vllm
+def test_delta_sync_through_vllm_heals_an_engine_killed_mid_sync(tiny_math, tmp_path):
+    """--sync delta on the paper's path with a vLLM CPU engine that keeps no residual: its
+    process is SIGKILLed at its 3rd 'apply' (the second update's first decoder layer: half
+    its delta sent); a new engine is started and resynced in full bf16 weights, and every sync's
+    fingerprints agree to the end; the other updates each sent less than a full bf16 sync."""
+    run_dir = tmp_path / "delta"
+    out = subprocess.run([sys.executable, "train.py", *math_args(tiny_math), "--sync", "delta", "--run-dir",
+                          str(run_dir)], cwd=ROOT, capture_output=True, text=True, env=faults("apply:3"), timeout=420)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    restarts = [r for r in rows if r.get("event") == "engine_restart"]
+    assert [(r["update"], r["during"]) for r in restarts] == [(2, "a sync")], restarts
+    assert "faults: SIGKILL of engine on apply #3" in open(run_dir / "engine-0.log").read()
+    _, full = factor_bytes(tiny_math["model"], 16)
+    sent = [r["sync_bytes"] for r in rows if "sync_bytes" in r]
+    # The healed update's delta went to the engine that died (its bytes are not counted).
+    assert len(sent) == 3 and 0 < sent[0] < full and 0 < sent[2] < full, (sent, full)
+    assert not engine_processes(str(run_dir))
 
 
 @pytest.mark.vllm
