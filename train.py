@@ -398,7 +398,7 @@ def factor_sync(engine, layers, factors, *, update, cfg) -> int:
     return sent
 
 
-def delta_sync(engine, modules, shadow, base, *, update, cfg) -> int:
+def delta_sync(engine, modules, shadow, base, *, update, cfg) -> tuple[int, float]:
     """The bf16 elements this update changed, to the engine, one decoder layer per payload: each
     rank compares its rows of what the engines run with `shadow` (those rows at the last sync),
     and the changes are gathered across ranks. `base`: the trainer's fingerprint at the last
