@@ -181,7 +181,8 @@ def gather_changes(positions: torch.Tensor, values: torch.Tensor, group=None):
 #           byte but a value's last: 1 byte below 128, 2 below 16384, ...
 # At the few percent of elements an RL step changes, gaps are mostly one byte each. Both codes
 # are made and read CODE_CHUNK positions (or bytes) at a time, so that their int64 work stays
-# a few MiB beside the int64 positions themselves.
+# bounded (at most 80 bytes for each of CODE_CHUNK bytes: infra/memory_plan.py counts it)
+# beside the int64 positions themselves.
 BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # bit i of a bitmap byte: 2^i
 CODE_CHUNK = 2**20
 
