@@ -625,26 +625,28 @@ class EngineWeights:
             what = "already merged (duplicate)" if payload.update < self.update else "skips updates"
             raise ValueError(f"payload for update {payload.update} {what}: engine expects update {self.update}")
         self._check(payload, "sparse" if payload.kind == "sparse" else "delta")  # all checked before any change
-        if payload.kind == "sparse":  # the changed bf16 elements, written as they are
-            for name, t in payload.factors.items():
+        for name, t in payload.factors.items():
+            if payload.kind == "sparse":  # the changed bf16 elements, written as they are
                 weight = self.slots[name].weight.view(-1)  # (d k,) a view: the model's own storage
                 weight.index_copy_(0, t.positions.to(weight.device), t.values.to(weight.device))
-                self._merged.add(name)
-        for name, f in payload.factors.items() if payload.kind == "delta" else ():
-            slot = self.slots[name]
-            w = slot.weight  # (d, k) bf16
-            seed = projection_seed(self.base_seed, payload.update, name)
-            a = make_projection(self.rank, w.shape[1], seed, device=w.device)  # (r, k)
-            f = f.to(w.device)
-            # Chunk by chunk: rebuild the fp32 master, merge exactly as the trainer does, split.
-            for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
-                stop = min(start + MERGE_CHUNK_ROWS, slot.rows)
-                master = join_master(w[start:stop], slot.residual[start:stop])  # (c, k) fp32
-                merge_rows(master, f, a, row_offset=start, avoid_ties=False)  # W -= F A
-                store_master(master, w[start:stop], slot.residual[start:stop])  # ties avoided here
+            else:
+                self._merge_factor(self.slots[name], t, payload.update)
             self._merged.add(name)
         if len(self._merged) == len(self.slots):
             self.update, self._merged = self.update + 1, set()
+
+    def _merge_factor(self, slot: _Slot, f: torch.Tensor, update: int) -> None:
+        """W -= F @ A_update on one target, chunk by chunk: rebuild the fp32 master, merge exactly
+        as the trainer does, split it again."""
+        w = slot.weight  # (d, k) bf16
+        a = make_projection(self.rank, w.shape[1], projection_seed(self.base_seed, update, slot.name),
+                            device=w.device)  # (r, k)
+        f = f.to(w.device)
+        for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
+            stop = min(start + MERGE_CHUNK_ROWS, slot.rows)
+            master = join_master(w[start:stop], slot.residual[start:stop])  # (c, k) fp32
+            merge_rows(master, f, a, row_offset=start, avoid_ties=False)  # W -= F A
+            store_master(master, w[start:stop], slot.residual[start:stop])  # ties avoided here
 
     @torch.no_grad()
     def load_full(self, payload: Payload) -> None:

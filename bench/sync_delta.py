@@ -206,15 +206,12 @@ def real_model(checkpoint: str, updates: int, rank: int = 64) -> tuple[list[list
 
 def projected(shares: dict) -> list[list]:
     """Part 3: the three payloads at the paper's 7B and 27B (r = 256) from the measured shares."""
-    import sketch
     import train
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from sync_payload import target_shapes
 
     rows = []
     for preset in ("7b", "27b"):
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(Qwen2Config(**train.PRESETS[preset]["model"]))
-        shapes = [tuple(m.weight.shape) for m in sketch.target_modules(model).values()]
+        shapes = list(target_shapes(train.PRESETS[preset]["model"])[0].values())
         full = sum(d * k * 2 for d, k in shapes)
         factor = sum(d * 256 * 2 for d, _ in shapes)
         for method, share in shares.items():

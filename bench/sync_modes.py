@@ -45,6 +45,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
 import report  # noqa: E402  (bench/report.py)
 import real_model  # noqa: E402  (bench/real_model.py: its checkpoint and task)
+import sync_payload  # noqa: E402  (bench/sync_payload.py: the presets' target shapes)
 
 RUNS = (("logra", "factors"), ("logra", "delta"), ("logra", "full"), ("adam", "full"), ("adam", "delta"),
         ("lora", "full"), ("lora", "delta"))
@@ -129,7 +130,7 @@ def projected_table(ratios: dict) -> str:
     for preset in ("7b", "27b"):
         plan = memory_plan.estimate(train.PRESETS[preset]["model"], 4, 256)
         full = 2 * plan["target_params"]
-        factor = 2 * 256 * sum(d for d in target_rows(train.PRESETS[preset]["model"]))
+        factor = 2 * 256 * sum(d for d, _ in sync_payload.target_shapes(train.PRESETS[preset]["model"])[0].values())
         for (optimizer, mode), ratio in ratios.items():
             sent = factor if mode == "factors" else full if mode == "full" else ratio * full
             if mode == "factors":
@@ -148,18 +149,6 @@ def projected_table(ratios: dict) -> str:
     header = ["preset (r = 256, 4 ranks)", "optimizer", "--sync", "per update", "engine's own state",
               "KV cache (80 GB GPU)", "engine host memory", "trainer: shadow per GPU"]
     return report.table(header, lines)
-
-
-def target_rows(model_cfg: dict) -> list[int]:
-    """The out rows d of every target of a preset's model (built on the meta device)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import sketch
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **model_cfg))
-    return [m.weight.shape[0] for m in sketch.target_modules(model).values()]
 
 
 def main():
