@@ -17,11 +17,12 @@ Pieces
   per update (a checked header, then the tensors), so it travels over any
   `torch.distributed` backend as one message. `full_payload` carries full weights instead
   (start-up, recovery, and train.py's `--sync full` control), in the same format.
-- `Sparse`, `changed_elements`, `gather_changes`, `encode_index`/`decode_index`: the exact
-  sparse bf16 delta (train.py's `--sync delta`, for any optimizer): per target, the positions
-  and new bf16 values of the elements whose bf16 value an update changed, the positions as a
-  bitmap or as LEB128 gaps, whichever is smaller; it carries the checksum of the weights it
-  applies to. An engine built with `exact=False` writes them into its bf16 weights and keeps
+- `Sparse`, `changed_elements`, `gather_changes`, `sparse_delta`, `encode_index`/`decode_index`:
+  the exact sparse bf16 delta (train.py's `--sync delta`, for any optimizer): per target, the
+  positions and new bf16 values of the elements whose bf16 value an update changed, the
+  positions as a bitmap or as LEB128 gaps, whichever is smaller, or the whole bf16 weight
+  where that is no larger (so a delta never exceeds a full bf16 sync); it carries the checksum
+  of the weights it applies to. An engine built with `exact=False` writes them into its bf16 weights and keeps
   no residual (departure 2).
 - `EngineWeights(model, base_seed=..., rank=..., layout="hf" | "vllm", exact=True)`: the
   engine side. To merge factors it keeps, next to the model's bf16 weight, an int16 residual
@@ -129,10 +130,12 @@ class Payload:
 class Sparse:
     """The elements of one bf16 target weight (d, k) that an update changed: flat row-major
     `positions` (int64 (n,), increasing) and their new bf16 `values` (n,). `base`: the
-    checksum (`checksum`) of the weight they apply to, which the engine checks first."""
+    checksum (`checksum`) of the weight they apply to, which the engine checks first.
+    `positions=None`: the dense form, every element in row-major order (`values` (d k,)),
+    which `sparse_delta` sends where the changed elements would cost as many bytes or more."""
 
     shape: tuple
-    positions: torch.Tensor
+    positions: torch.Tensor | None
     values: torch.Tensor
     base: tuple
 
@@ -147,6 +150,19 @@ def changed_elements(before: torch.Tensor, after: torch.Tensor, row_offset: int 
     changed = before.contiguous().view(torch.int16) != after.contiguous().view(torch.int16)  # (c, k) bits differ
     local = changed.flatten().nonzero().squeeze(1)  # (n,) row-major within the rows
     return local + row_offset * after.shape[1], after.flatten()[local]
+
+
+def sparse_delta(shape, positions: torch.Tensor, values: torch.Tensor, base, whole) -> Sparse:
+    """One target's delta as it goes on the wire: its changed elements (`positions`, `values`:
+    every rank's, `gather_changes`), or the dense form, the whole bf16 weight `whole()` (d, k),
+    where the changed elements' blob (position code and values) would take as many bytes as
+    the dense blob or more: a delta never sends more than a full bf16 sync of the same weight
+    (its header aside). `whole` is called only then; on row shards it gathers the weight, and
+    every rank calls it, since every rank holds the same gathered positions."""
+    numel = shape[0] * shape[1]
+    if _aligned(_code_bytes(positions, numel)) + _aligned(2 * positions.numel()) >= _aligned(2 * numel):
+        return Sparse(tuple(shape), None, whole().detach().to(torch.bfloat16).flatten(), base)  # (d k,)
+    return Sparse(tuple(shape), positions, values, base)
 
 
 def gather_changes(positions: torch.Tensor, values: torch.Tensor, group=None):
@@ -179,7 +195,9 @@ def gather_changes(positions: torch.Tensor, values: torch.Tensor, group=None):
 #   gaps    each position's distance to the previous one minus 1 (the first's to -1), an
 #           unsigned LEB128 varint: 7 bits a byte, low bits first, the high bit set on every
 #           byte but a value's last: 1 byte below 128, 2 below 16384, ...
-# At the few percent of elements an RL step changes, gaps are mostly one byte each. Both codes
+# At the few percent of elements an RL step changes, gaps are mostly one byte each. Where the
+# code and the changed values would take as many bytes as the whole bf16 weight or more (LoRA's
+# first merge changes every element), `sparse_delta` sends the weight itself ("dense"). Both codes
 # are made and read CODE_CHUNK positions (or bytes) at a time, so that their int64 work stays
 # bounded (at most 80 bytes for each of CODE_CHUNK bytes: infra/memory_plan.py counts it)
 # beside the int64 positions themselves.
@@ -204,18 +222,33 @@ def _varint_sizes(gaps: torch.Tensor) -> torch.Tensor:
     return sizes
 
 
-def encode_index(positions: torch.Tensor, numel: int) -> tuple[str, torch.Tensor]:
-    """("bitmap" | "gaps", uint8 bytes) of increasing positions in [0, numel): the smaller code,
-    the gaps on a tie. Two passes over the positions (the gaps' sizes, then the chosen code),
-    so that nothing but the code itself grows with the number of positions."""
-    device, n, bitmap_bytes = positions.device, positions.numel(), -(-numel // 8)
+def _aligned(nbytes: int) -> int:
+    return nbytes + -nbytes % ALIGN
+
+
+def _gap_bytes(positions: torch.Tensor, numel: int) -> int:
+    """The bytes of the gaps code of increasing positions in [0, numel) (raises otherwise)."""
     gap_bytes = 0
     for gaps in _gaps(positions):
         if int(gaps.min()) < 0:
             raise ValueError("a sparse delta's positions must be increasing and >= 0")
         gap_bytes += int(_varint_sizes(gaps).sum())
-    if n and int(positions[-1]) >= numel:
+    if positions.numel() and int(positions[-1]) >= numel:
         raise ValueError(f"a position {int(positions[-1])} outside the weight's {numel} elements")
+    return gap_bytes
+
+
+def _code_bytes(positions: torch.Tensor, numel: int) -> int:
+    """The bytes of the smaller position code (encode_index's)."""
+    return min(_gap_bytes(positions, numel), -(-numel // 8))
+
+
+def encode_index(positions: torch.Tensor, numel: int) -> tuple[str, torch.Tensor]:
+    """("bitmap" | "gaps", uint8 bytes) of increasing positions in [0, numel): the smaller code,
+    the gaps on a tie. Two passes over the positions (the gaps' sizes, then the chosen code),
+    so that nothing but the code itself grows with the number of positions."""
+    device, n, bitmap_bytes = positions.device, positions.numel(), -(-numel // 8)
+    gap_bytes = _gap_bytes(positions, numel)
     if gap_bytes > bitmap_bytes:  # the bitmap: bit p % 8 of byte p // 8, distinct bits added
         code = torch.zeros(bitmap_bytes, dtype=torch.uint8, device=device)
         bits = BITS.to(device)
@@ -368,10 +401,16 @@ def _sparse_blob(name: str, t: Sparse):
     """A `Sparse` as its header entry and its bytes: the position code padded to ALIGN, then the
     bf16 values padded to ALIGN; the checksum covers both."""
     d, k = t.shape
-    if t.values.dtype != torch.bfloat16 or t.values.dim() != 1 or t.positions.shape != t.values.shape:
-        raise ValueError(f"{name}: a sparse delta holds (n,) positions and (n,) bf16 values, got "
-                         f"{tuple(t.positions.shape)} and {t.values.dtype} {tuple(t.values.shape)}")
-    encoding, index = encode_index(t.positions, d * k)
+    dense = t.positions is None  # every element, in row-major order: no position code
+    want = (d * k,) if dense else tuple(t.positions.shape)
+    if t.values.dtype != torch.bfloat16 or t.values.dim() != 1 or tuple(t.values.shape) != want:
+        raise ValueError(f"{name}: a sparse delta holds (n,) positions and (n,) bf16 values, or (d k,) bf16 values "
+                         f"and no positions, got {None if dense else tuple(t.positions.shape)} and {t.values.dtype} "
+                         f"{tuple(t.values.shape)}")
+    if dense:
+        encoding, index = "dense", torch.empty(0, dtype=torch.uint8, device=t.values.device)
+    else:
+        encoding, index = encode_index(t.positions, d * k)
     values = t.values.contiguous().view(torch.uint8)  # (2 n,)
     blob = torch.cat([index, index.new_zeros(-index.numel() % ALIGN), values.to(index.device),
                       index.new_zeros(-values.numel() % ALIGN)])
@@ -388,7 +427,8 @@ def _sparse_entry(e: dict, data: torch.Tensor, expect: int, data_bytes: int) -> 
             and isinstance(count, int) and 0 <= count <= shape[0] * shape[1] and isinstance(index_bytes, int)
             and index_bytes >= 0 and isinstance(e.get("base"), list) and len(e["base"]) == 2
             and all(isinstance(e.get(k), int) for k in ("offset", "nbytes")) and isinstance(e.get("name"), str)
-            and e.get("encoding") in ("bitmap", "gaps") and isinstance(e.get("check"), list)):
+            and e.get("encoding") in ("bitmap", "gaps", "dense") and isinstance(e.get("check"), list)
+            and (e.get("encoding") != "dense" or (count == shape[0] * shape[1] and index_bytes == 0))):
         raise ValueError(f"malformed sparse layer entry {e}")
     values_at = index_bytes + (-index_bytes % ALIGN)
     nbytes = values_at + 2 * count + (-2 * count % ALIGN)
@@ -398,7 +438,8 @@ def _sparse_entry(e: dict, data: torch.Tensor, expect: int, data_bytes: int) -> 
     blob = data[e["offset"]:e["offset"] + nbytes]
     if list(checksum(blob.view(-1, ALIGN) if nbytes else blob)) != e["check"]:
         raise ValueError(f"{e['name']}: checksum mismatch, the payload is corrupted")
-    positions = decode_index(e["encoding"], blob[:index_bytes], count, shape[0] * shape[1])
+    positions = None if e["encoding"] == "dense" else \
+        decode_index(e["encoding"], blob[:index_bytes], count, shape[0] * shape[1])
     values = blob[values_at:values_at + 2 * count].view(torch.bfloat16)
     return Sparse(tuple(shape), positions, values, tuple(e["base"]))
 
@@ -628,7 +669,10 @@ class EngineWeights:
         for name, t in payload.factors.items():
             if payload.kind == "sparse":  # the changed bf16 elements, written as they are
                 weight = self.slots[name].weight.view(-1)  # (d k,) a view: the model's own storage
-                weight.index_copy_(0, t.positions.to(weight.device), t.values.to(weight.device))
+                if t.positions is None:  # the dense form: every element
+                    weight.copy_(t.values)
+                else:
+                    weight.index_copy_(0, t.positions.to(weight.device), t.values.to(weight.device))
             else:
                 self._merge_factor(self.slots[name], t, payload.update)
             self._merged.add(name)

@@ -411,7 +411,7 @@ def delta_sync(engine, modules, shadow, base, *, update, cfg) -> tuple[int, floa
             rows, offset, shape = engine_rows(modules[n])  # (n, k) bf16
             changes = sync.gather_changes(*sync.changed_elements(shadow[n], rows, offset))  # (c,), (c,)
             shadow[n].copy_(rows)
-            part[n] = sync.Sparse(shape, *changes, base=base[n])
+            part[n] = sync.sparse_delta(shape, *changes, base[n], whole=lambda n=n: target_weight(modules[n]))
             changed, total = changed + changes[0].numel(), total + shape[0] * shape[1]
         sent += engine.apply(sync.Payload(update, cfg["seed"], cfg["sketch_rank"], part, kind="sparse"))
     return sent, changed / total

@@ -53,18 +53,23 @@ def append(path: str, row: dict, *, first: bool = False):
     A write that fails (a full disk) is cut back to the rows before it, then raises: the log
     never keeps a torn line that this process wrote (a power loss can leave one; a resume
     drops it, checkpoint.truncate_rows)."""
-    line = (json.dumps(strict(row), allow_nan=False) + "\n").encode()
-    with open(path, "wb" if first else "ab") as f:
-        size = f.tell()
+    line = memoryview((json.dumps(strict(row), allow_nan=False) + "\n").encode())
+    # Unbuffered: a buffered file's truncate would first flush the rest of the line, fail on
+    # the full disk again, and leave the torn part in place.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if first else os.O_APPEND), 0o644)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
         try:
-            f.write(line)
-            f.flush()
+            while line:  # a write may take part of the line (the disk fills in it)
+                line = line[os.write(fd, line):]
         except OSError:
             try:
-                f.truncate(size)
+                os.ftruncate(fd, size)
             except OSError:
                 pass
             raise
+    finally:
+        os.close(fd)
 
 
 def read(path: str) -> list[dict]:

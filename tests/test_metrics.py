@@ -1,6 +1,7 @@
 """What a run writes down (metrics.py): the log's rows back as written, the line per update,
 the run summary from rows written out here, and curves.png."""
 
+import errno
 import json
 import math
 import os
@@ -18,6 +19,30 @@ def test_rows_come_back_and_a_first_row_starts_the_log(tmp_path):
     metrics.append(path, {"update": 9})  # a stale row of an abandoned run
     metrics.append(path, {"update": 0, "pass1": 0.25}, first=True)
     metrics.append(path, ROW)
+    assert metrics.read(path) == [{"update": 0, "pass1": 0.25}, ROW]
+
+
+def test_a_disk_that_fills_inside_a_row_leaves_the_rows_before_it(tmp_path, monkeypatch):
+    """The disk fills half way through a row (the kernel takes part of the line, then refuses
+    the rest): the row is cut back off and the error raised, so the log holds only whole rows
+    (tests/test_operator.py fills a real tmpfs; here the partial write happens every time)."""
+    path = str(tmp_path / "metrics.jsonl")
+    metrics.append(path, {"update": 0, "pass1": 0.25}, first=True)
+    write = os.write
+
+    def part(fd, data):  # half of the line goes in, then the disk is full
+        monkeypatch.setattr(os, "write", full)
+        return write(fd, bytes(data[:len(data) // 2]))
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", part)
+    with pytest.raises(OSError, match="No space"):
+        metrics.append(path, ROW)
+    monkeypatch.setattr(os, "write", write)
+    assert open(path).read() == '{"update": 0, "pass1": 0.25}\n'
+    metrics.append(path, ROW)  # space again: the next row follows the whole ones
     assert metrics.read(path) == [{"update": 0, "pass1": 0.25}, ROW]
 
 

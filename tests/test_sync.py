@@ -420,6 +420,51 @@ def test_position_codes_against_numpy_and_python(numel, share, chunk, monkeypatc
             sync.encode_index(torch.tensor(bad), numel)
 
 
+def payload_data_bytes(buf: torch.Tensor) -> int:
+    """The bytes of a payload after its header (encode's `data_bytes`), read from the buffer."""
+    head = len(sync.MAGIC) + 8 + int.from_bytes(bytes(buf[len(sync.MAGIC):len(sync.MAGIC) + 8].tolist()), "little")
+    return buf.numel() - head
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (24, 48), (7, 5)])
+def test_a_delta_never_sends_more_than_the_full_weight(shape):
+    """At every share of changed elements, from none to all (LoRA's first merge), a sparse delta's
+    bytes after the header are at most a full bf16 sync's of the same weight: the changed
+    elements where they are smaller, the dense form from the crossing on, exactly the weight;
+    and every form decodes and writes the new weight into an engine without a master."""
+    numel = shape[0] * shape[1]
+    g = torch.Generator().manual_seed(11)
+    before = torch.randn(shape, generator=g).to(torch.bfloat16)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].q_proj = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16)
+    name = "model.layers.0.q_proj"
+    full = payload_data_bytes(sync.encode(sync.full_payload({name: before}, update=0, base_seed=SEED, rank=1)))
+    assert full == 2 * numel + -2 * numel % sync.ALIGN
+    forms = set()
+    for changed in sorted({0, 1, numel // 16, numel // 2, numel * 15 // 16 - 1, numel * 15 // 16,
+                           numel * 15 // 16 + 1, numel - 1, numel}):
+        engine = sync.EngineWeights(model, base_seed=SEED, rank=1, exact=False)
+        engine.load_full(sync.full_payload({name: before}, update=0, base_seed=SEED, rank=1))
+        after = before.clone().flatten()
+        chosen = torch.randperm(numel, generator=g)[:changed]
+        after[chosen] = (after[chosen].float() + 1.0).to(torch.bfloat16)  # + 1 changes every bf16 value here
+        after = after.view(shape)
+        delta = sync.sparse_delta(shape, *sync.changed_elements(before, after), sync.checksum(before),
+                                  whole=lambda: after)
+        buf = sync.encode(sync.Payload(0, SEED, 1, {name: delta}, kind="sparse"))
+        assert payload_data_bytes(buf) <= full, (changed, payload_data_bytes(buf), full)
+        forms.add("dense" if delta.positions is None else "sparse")
+        if delta.positions is None:
+            assert payload_data_bytes(buf) == full and changed >= numel * 7 // 8, changed
+        else:
+            assert len(delta.values) == changed
+        engine.apply(sync.decode(buf))
+        assert torch.equal(engine_weight(engine, name), after), changed
+    assert forms == {"dense", "sparse"}
+
+
 class Shadow:
     """The trainer's side of a sparse delta, as train.delta_sync does it on one process."""
 
@@ -430,8 +475,8 @@ class Shadow:
         part = {}
         for n, w in weights.items():
             new = w.detach().to(torch.bfloat16)
-            part[n] = sync.Sparse(tuple(w.shape), *sync.changed_elements(self.held[n], new),
-                                  base=sync.checksum(self.held[n]))
+            part[n] = sync.sparse_delta(tuple(w.shape), *sync.changed_elements(self.held[n], new),
+                                        sync.checksum(self.held[n]), whole=lambda new=new: new)
             self.held[n] = new.clone()
         return sync.Payload(update, SEED, RANK, part, kind="sparse")
 
