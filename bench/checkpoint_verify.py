@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from infra import checkpoint  # noqa: E402
 import kl_control  # noqa: E402
 from infra import memory_plan  # noqa: E402
-from infra import options  # noqa: E402
+from infra import lifecycle  # noqa: E402
 from infra import policy  # noqa: E402
 import ppo  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
@@ -64,12 +64,12 @@ def hashing_speed(reps=3) -> tuple[float, float]:
 
 def tiny_checkpoint(run_dir):
     """The tiny preset's model and RowAdam state, saved as train.py saves them (checkpoint.save
-    of train.run_state: the files a tiny run writes; the values are the untrained ones)."""
-    cfg = options.resolve(options.parse([], train.PRESETS), train.PRESETS)
-    model = policy.build_model(cfg["model"], tasks.Arithmetic(cfg["seed"], cfg["eval_problems"]).vocab_size, cfg["seed"])
-    layers = sketch.attach(model, rank=cfg["sketch_rank"], seed=cfg["seed"])
-    opt = rowadam.RowAdam(layers, base_seed=cfg["seed"], update_ratio=cfg["update_ratio"])
-    state = checkpoint.run_state(model, opt, True, ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7), 1)
+    of lifecycle.run_state: the files a tiny run writes; the values are the untrained ones)."""
+    cfg = train.PRESETS["tiny"]
+    model = policy.build_model(cfg.model, tasks.Arithmetic(cfg.seed, cfg.eval_problems).vocab_size, cfg.seed)
+    layers = sketch.attach(model, rank=cfg.sketch_rank, seed=cfg.seed)
+    opt = rowadam.RowAdam(layers, base_seed=cfg.seed, update_ratio=cfg.update_ratio)
+    state = lifecycle.run_state(model, opt, True, ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7), 1)
     checkpoint.save(run_dir, state, 1, rank=0, world=1)
     return "checkpoint-1"
 
@@ -84,7 +84,7 @@ def main():
 
     # One rank's share of a 7B checkpoint over 4 ranks (rank 0, the largest): its fp32 rows of
     # every weight, and its rows of the optimizer state.
-    m = memory_plan.estimate(train.PRESETS["7b"]["model"], 4, 256)
+    m = memory_plan.estimate(train.PRESETS["7b"].model, 4, 256)
     rows = [("LoGRA (fp32 weights + RowAdam's row moments v)", m["weights"] + m["logra_moments"]),
             ("AdamW, for scale (fp32 weights + 2 moments per target)", m["weights"] + m["adam_moments"])]
     header = ["checkpoint", "bytes per rank", "verify at the file speed", "at the in-memory speed"]

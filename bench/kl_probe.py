@@ -110,6 +110,7 @@ def accuracy(temperature=1.0):
 def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
     """Prints the table on the trained policy and returns it as Markdown, below its caption."""
     import copy
+    import dataclasses
 
     import ppo
     from infra import tasks
@@ -119,45 +120,46 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
 
     ratios, alphas, preds = ({b: [] for b in budgets} for _ in range(3))
     for seed in seeds:
-        cfg = dict(copy.deepcopy(train.PRESETS["tiny"]), preset="tiny", seed=seed)
-        task = tasks.Arithmetic(seed, cfg["eval_problems"])
-        base = policy.build_model(cfg["model"], task.vocab_size, cfg["seed"])
-        policy.base_policy(base, task, policy.base_policy_path(cfg, task, os.path.join("runs", "tiny-logra")),
-                           steps=cfg["warmup_steps"], batch=cfg["warmup_batch"], lr=cfg["warmup_lr"],
-                           unboxed=cfg["warmup_unboxed"], seed=cfg["seed"], log=print)
+        cfg = dataclasses.replace(train.PRESETS["tiny"], preset="tiny", seed=seed)
+        task = tasks.Arithmetic(seed, cfg.eval_problems)
+        base = policy.build_model(cfg.model, task.vocab_size, cfg.seed)
+        warmup = dict(steps=cfg.warmup_steps, batch=cfg.warmup_batch, lr=cfg.warmup_lr, unboxed=cfg.warmup_unboxed)
+        path = policy.base_policy_path(cfg.model, task, os.path.join("runs", "tiny-logra"), preset=cfg.preset,
+                                       seed=cfg.seed, warmup=warmup)
+        policy.base_policy(base, task, path, **warmup, seed=cfg.seed, log=print)
         base.eval()
-        engine = HFEngine(copy.deepcopy(base).to(torch.bfloat16), base_seed=seed, sketch_rank=cfg["sketch_rank"],
+        engine = HFEngine(copy.deepcopy(base).to(torch.bfloat16), base_seed=seed, sketch_rank=cfg.sketch_rank,
                           eos=task.eos, pad=task.pad)
         for b in range(batches):
-            problems = [task.train_problem(b * cfg["batch"] + i) for i in range(cfg["batch"])]
+            problems = [task.train_problem(b * cfg.batch + i) for i in range(cfg.batch)]
             ro = engine.generate(task.prompt_ids(problems),
-                                 [stable_seed("rollout", seed, b, b * cfg["batch"] + i) for i in range(len(problems))],
-                                 temperature=cfg["temperature"], max_new_tokens=cfg["max_new_tokens"])
+                                 [stable_seed("rollout", seed, b, b * cfg.batch + i) for i in range(len(problems))],
+                                 temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
             rewards = ppo.outcome_reward(torch.tensor([task.correct(p, r) for p, r in zip(problems, ro.responses)]))
             advantages = rewards - rewards.mean()
-            probed = kl_control.probe_count(ro.mask, cfg["probe_responses"], cfg["probe_tokens"])
+            probed = kl_control.probe_count(ro.mask, cfg.probe_responses, cfg.probe_tokens)
             for budget in budgets:
                 model = copy.deepcopy(base)  # every budget from the same policy and the same sketches
-                layers = sketch.attach(model, rank=cfg["sketch_rank"], seed=seed)
-                opt = rowadam.RowAdam(layers, base_seed=seed, update_ratio=cfg["update_ratio"])
-                logp = ppo.response_logprobs(model(input_ids=ro.ids).logits, ro.ids, cfg["temperature"])
+                layers = sketch.attach(model, rank=cfg.sketch_rank, seed=seed)
+                opt = rowadam.RowAdam(layers, base_seed=seed, update_ratio=cfg.update_ratio)
+                logp = ppo.response_logprobs(model(input_ids=ro.ids).logits, ro.ids, cfg.temperature)
                 loss, _ = ppo.policy_loss(logp, advantages, ro.mask, rollout_logprobs=ro.logprobs,
                                           num_tokens=ppo.global_token_count(ro.mask))
                 loss.backward()
                 opt.prepare()
-                probe = kl_control.probe(model, layers, opt.directions, ro.ids, ro.mask, temperature=cfg["temperature"],
-                                         max_responses=probed, keep_positions=cfg["kl_real_positions"])
+                probe = kl_control.probe(model, layers, opt.directions, ro.ids, ro.mask, temperature=cfg.temperature,
+                                         max_responses=probed, keep_positions=cfg.kl_real_positions)
                 kl1 = probe.kl1
                 alpha = kl_control.solve_alpha(kl1, budget=budget, alpha_max=float("inf"))
                 opt.merge(alpha)
-                real = kl_control.realised_kl(probe.logits, model, ro.ids, ro.mask, temperature=cfg["temperature"],
+                real = kl_control.realised_kl(probe.logits, model, ro.ids, ro.mask, temperature=cfg.temperature,
                                               max_responses=probed)
                 ratios[budget].append(real / (alpha**2 * kl1))
                 alphas[budget].append(alpha)
                 preds[budget].append(alpha**2 * kl1)
     n = len(seeds) * batches
     caption = (f"prediction vs reality on the tiny preset's base policy: seeds {list(seeds)}, {batches} rollout "
-               f"batches of {train.PRESETS['tiny']['batch']} each ({n} steps per budget), alpha uncapped")
+               f"batches of {train.PRESETS['tiny'].batch} each ({n} steps per budget), alpha uncapped")
     rows = [[f"{b:.0e}", f"{statistics.median(alphas[b]):.3g}", f"{statistics.median(preds[b]):.2e}",
              f"{statistics.median(ratios[b]):.3f}", f"{min(ratios[b]):.3f}", f"{max(ratios[b]):.3f}"]
             for b in budgets]

@@ -38,13 +38,14 @@ import kl_control  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
 import sketch  # noqa: E402
+from infra import engine_sync  # noqa: E402
 from infra import memory_plan  # noqa: E402
 from infra import policy  # noqa: E402
 import sync  # noqa: E402
 import train  # noqa: E402
 
 WORLD, MICRO, TOKENS = 2, 2, 64
-SEVEN_B = dict(train.PRESETS["7b"]["model"], num_hidden_layers=2, vocab_size=1024)
+SEVEN_B = dict(train.PRESETS["7b"].model, num_hidden_layers=2, vocab_size=1024)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -127,7 +128,7 @@ def logra_step(model_cfg, r, rank):
         factors = opt.merge(kl_control.solve_alpha(kl1, budget=2e-4))
         mark("merge")
         by_name = {l.name: (l, f) for l, f in zip(layers, factors)}
-        for names in sync.layer_groups(by_name):  # what train.factor_sync sends, without an engine
+        for names in sync.layer_groups(by_name):  # what engine_sync.factors sends, without an engine
             part = {n: by_name[n][0].all_rows(by_name[n][1]) for n in names}
             sync.encode(sync.Payload(0, 0, r, part))
         mark("sync")
@@ -151,8 +152,8 @@ def adam_step(model_cfg, r, rank):
     existing = [*model.parameters(), *model.buffers(), *(m.weight.grad for m in modules.values()), *state]
     with LiveBytes(existing) as live:
         opt.step()
-        for names in sync.layer_groups(modules):  # train.full_sync, without an engine
-            weights = {n: train.target_weight(modules[n]) for n in names}
+        for names in sync.layer_groups(modules):  # engine_sync.full, without an engine
+            weights = {n: engine_sync.target_weight(modules[n]) for n in names}
             sync.encode(sync.full_payload(weights, update=1, base_seed=0, rank=r))
         del weights
     return persistent, live.peak

@@ -28,7 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from infra import memory_plan  # noqa: E402
 from infra import metrics  # noqa: E402
-from infra import options  # noqa: E402
+from infra import planning  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import train  # noqa: E402
 
@@ -43,7 +43,7 @@ def main():
               "paper LoGRA avg", "implied rest", "est. saving", "paper saving"]
     rows, table_rows = [], []
     for name in ("1.5b", "7b", "27b"):
-        m = memory_plan.estimate(train.PRESETS[name]["model"], 4, 256)
+        m = memory_plan.estimate(train.PRESETS[name].model, 4, 256)
         adam = (m["weights"] + m["adam_grads"] + m["adam_moments"]) / GIB
         logra = (m["weights"] + m["logra_sketches"] + m["logra_directions"] + m["logra_moments"]
                  + m["logra_projections"]) / GIB
@@ -67,10 +67,10 @@ def main():
 
 def dry_run_7b() -> str:
     """The 7B preset's plan as train.py --dry-run prints it, and what it says, in Markdown."""
-    args, cfg, _, _ = options.configure(["--model", "7b", "--dry-run"], train.PRESETS)
-    layout = options.planned_layout(args.nodes, cfg)
-    m, big = options.run_plan(cfg, layout.world), options.run_plan(train.PRESETS["27b"], 4)
-    lines = options.plan_lines(cfg, m, layout)
+    flags, cfg, _, _ = planning.configure(["--model", "7b", "--dry-run"], train.PRESETS)
+    layout = planning.planned_layout(flags.nodes, cfg)
+    m, big = planning.run_plan(cfg, layout.world), planning.run_plan(train.PRESETS["27b"], 4)
+    lines = planning.plan_lines(cfg, m, layout)
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
     extra = m["logra_sketches"] + m["logra_directions"] + m["logra_moments"] + m["logra_projections"]
     said = (f"LoGRA's state beyond the fp32 weight shard is {gib(extra)} per training GPU (AdamW's: "

@@ -200,7 +200,7 @@ def run_all(checkpoint: str, out: str, *, env=None) -> dict:
     import train
 
     data = write_task(os.path.join(out, "data"))
-    updates = train.PRESETS[PRESET]["updates"]
+    updates = train.PRESETS[PRESET].updates
     results = {}
     for optimizer, seed in RUNS:
         run_dir = os.path.join(out, f"{optimizer}-seed{seed}")

@@ -49,10 +49,10 @@ def main():
                    help="the widths of this preset of train.py (default: the paper's 7B)")
     p.add_argument("--rank", type=int, default=None, help="default: the preset's rank")
     args = report.parse_args(p, "state_bytes")
-    m = train.PRESETS[args.preset]["model"]
+    m = train.PRESETS[args.preset].model
     args.hidden, args.intermediate = m["hidden_size"], m["intermediate_size"]
     args.heads, args.kv_heads = m["num_attention_heads"], m["num_key_value_heads"]
-    args.rank = args.rank or train.PRESETS[args.preset]["sketch_rank"]
+    args.rank = args.rank or train.PRESETS[args.preset].sketch_rank
     model = one_layer_model(args.hidden, args.intermediate, args.heads, args.kv_heads)
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     targets = [m.weight for m in sketch.target_modules(model).values()]

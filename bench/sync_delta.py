@@ -211,7 +211,7 @@ def projected(shares: dict) -> list[list]:
 
     rows = []
     for preset in ("7b", "27b"):
-        shapes = list(target_shapes(train.PRESETS[preset]["model"])[0].values())
+        shapes = list(target_shapes(train.PRESETS[preset].model)[0].values())
         full = sum(d * k * 2 for d, k in shapes)
         factor = sum(d * 256 * 2 for d, _ in shapes)
         for method, share in shares.items():

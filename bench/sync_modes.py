@@ -128,9 +128,9 @@ def projected_table(ratios: dict) -> str:
 
     gib, lines = 2**30, []
     for preset in ("7b", "27b"):
-        plan = memory_plan.estimate(train.PRESETS[preset]["model"], 4, 256)
+        plan = memory_plan.estimate(train.PRESETS[preset].model, 4, 256)
         full = 2 * plan["target_params"]
-        factor = 2 * 256 * sum(d for d, _ in sync_payload.target_shapes(train.PRESETS[preset]["model"])[0].values())
+        factor = 2 * 256 * sum(d for d, _ in sync_payload.target_shapes(train.PRESETS[preset].model)[0].values())
         for (optimizer, mode), ratio in ratios.items():
             sent = factor if mode == "factors" else full if mode == "full" else ratio * full
             if mode == "factors":

@@ -8,7 +8,7 @@ through a vLLM CPU engine, factors against full bf16 weights.
    rank 64): encode, decode and `EngineWeights.apply` of one update's factors, against
    `EngineWeights.load_full` of the bf16 weights (median of interleaved repetitions).
 3. End to end with vLLM's CPU build (the cpu-engine extra), the same widths, random weights
-   saved to a temporary folder: train.py's `factor_sync` (per decoder layer: gather, encode,
+   saved to a temporary folder: infra/engine_sync.py's `factors` (per decoder layer: gather, encode,
    the weight channel, the engine's merge, its re-pack of the changed layers' CPU kernels)
    against `full_sync` in bf16 (AdamW's and `--sync full`'s), each followed by the
    fingerprint check, interleaved, medians.
@@ -46,7 +46,7 @@ def sizes():
     """Prints the table of payload sizes and returns it as Markdown."""
     rows = []
     for name in ("1.5b", "7b", "27b"):
-        shapes, params = target_shapes(train.PRESETS[name]["model"])
+        shapes, params = target_shapes(train.PRESETS[name].model)
         full_targets = sum(d * k * 2 for d, k in shapes.values())
         whole = params * 2
         for r in (64, 256):
@@ -65,7 +65,7 @@ def smollm2_model(dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = dict(train.PRESETS["smollm2-135m"]["model"])
+    cfg = dict(train.PRESETS["smollm2-135m"].model)
     cfg.pop("model_type")
     return LlamaForCausalLM(LlamaConfig(**cfg)).to(dtype)
 
@@ -120,7 +120,8 @@ def engine_sync(reps, rank):
     import rowadam
     from infra.vllm_engine import VLLMEngine
 
-    cfg = dict(train.PRESETS["smollm2-135m"], optimizer="logra", sync="factors", sketch_rank=rank, seed=0)
+    from infra import engine_sync
+
     with tempfile.TemporaryDirectory() as folder:
         smollm2_model(torch.bfloat16).save_pretrained(folder)
         model = smollm2_model(torch.float32)  # the trainer's fp32 masters (the same weights)
@@ -131,7 +132,7 @@ def engine_sync(reps, rank):
                             log_path=os.path.join(folder, "engine.log"), timeout=600, gpu_memory_utilization=0.1,
                             eos=0, pad=0)
         try:
-            train.start_engine_weights(engine, model, modules, cfg, update=0)
+            engine_sync.start(engine, model, modules, optimizer="logra", mode="factors", update=0, seed=0, rank=rank)
             g = torch.Generator().manual_seed(0)
             t_factors, t_full = [], []
             for i in range(reps + 1):
@@ -141,14 +142,14 @@ def engine_sync(reps, rank):
                 opt.prepare()
                 factors = opt.merge(1.0)
                 t0 = time.perf_counter()
-                sent_factors = train.factor_sync(engine, layers, factors, update=opt.update - 1, cfg=cfg)
+                sent_factors = engine_sync.factors(engine, layers, factors, update=opt.update - 1, seed=0, rank=rank)
                 sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
                 t1 = time.perf_counter()
-                sent_full = train.full_sync(engine, modules, update=opt.update, cfg=cfg, dtype=torch.bfloat16)
+                sent_full = engine_sync.full(engine, modules, update=opt.update, seed=0, rank=rank, dtype=torch.bfloat16)
                 sync.check_fingerprints(sync.fingerprint(model), engine.fingerprint())
                 t2 = time.perf_counter()
                 # back to the exact fp32 master (not timed), for the next factor sync
-                train.full_sync(engine, modules, update=opt.update, cfg=cfg, dtype=torch.float32)
+                engine_sync.full(engine, modules, update=opt.update, seed=0, rank=rank, dtype=torch.float32)
                 if i:
                     t_factors.append(t1 - t0), t_full.append(t2 - t1)
         finally:
@@ -167,7 +168,7 @@ def engine_sync(reps, rank):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--rank", type=int, default=train.PRESETS["smollm2-135m"]["sketch_rank"])
+    p.add_argument("--rank", type=int, default=train.PRESETS["smollm2-135m"].sketch_rank)
     args = report.parse_args(p, "sync_payload")
     tables = [sizes(), timings(args.reps, args.rank), engine_sync(args.reps, args.rank)]
     if args.markdown:

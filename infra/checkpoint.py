@@ -62,7 +62,6 @@ import warnings
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from infra import launch
 from infra.errors import RunError, os_advice, os_cause
 
 PROJECT_VERSION = "0.1.0"  # pyproject.toml's version: every manifest records it, a resume requires it
@@ -444,45 +443,6 @@ def truncate_rows(path: str, update: int):
                               f"run the same command again") from None
     return note
 
-
-
-# -----------------------------------------------------------------------------
-# A training run's state
-
-def run_state(model, opt, logra: bool, baseline, mismatch, update: int) -> dict:
-    """Everything a resume needs, as DCP saves it (each rank its shards): weights, RowAdam's or
-    AdamW's state, the baseline's and the mismatch EMA's `state_dict()`, the update count.
-    Rollouts draw from per-prompt seeds (engine.py, departure 1), so no random state is saved."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(model),
-            "optimizer": opt.state_dict() if logra else get_optimizer_state_dict(model, opt),
-            "run": {"update": update, "baseline": json.dumps(baseline.state_dict()),
-                    "mismatch": json.dumps(mismatch.state_dict())}}
-
-
-def load_run_state(path: str, model, opt, logra: bool, baseline, mismatch, layout) -> int:
-    """A verified checkpoint (resume_path) into the run's objects; its update count. DCP
-    reshards what another number of ranks wrote: every sharded tensor is a DTensor in the
-    file, and nothing in it belongs to one rank."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    state = run_state(model, opt, logra, baseline, mismatch, 0)  # the template, filled in place
-    try:
-        load(path, state)
-    except Exception as e:  # DCP raises the same on every rank
-        words = (str(e).strip().splitlines() or [""])[0]
-        written = launch.layout_change(read_manifest(path)[0], layout) or "the layout that wrote it"
-        raise CheckpointError(f"{path} cannot be loaded by {layout.describe()} ({written}): {type(e).__name__}: "
-                              f"{words}") from e
-    set_model_state_dict(model, state["model"])
-    if logra:
-        opt.load_state_dict(state["optimizer"])
-    else:
-        set_optimizer_state_dict(model, opt, state["optimizer"])
-    baseline.load_state_dict(json.loads(state["run"]["baseline"]))
-    mismatch.load_state_dict(json.loads(state["run"]["mismatch"]))
-    return state["run"]["update"]
 
 def _fsync_folder(folder: str):
     fd = os.open(folder, os.O_RDONLY)

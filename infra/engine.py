@@ -53,7 +53,7 @@ def rollout_slots(update: int, *, batch: int, group_size: int, seed: int, world:
     """This rank's part of an update's rollout: (the index of each response's prompt in the
     task's training stream, its sampling seed). Response j of the update (all ranks together,
     rank-major) answers prompt j // G of the update's batch / G prompts, so a prompt's G
-    responses are consecutive rows of one rank (options.validate: whole groups per rank), and
+    responses are consecutive rows of one rank (options.Config.check: whole groups per rank), and
     every response has its own seed, from its global index: the same on 1 or N ranks, and on
     resume. G = 1 is the paper's one response per prompt."""
     per_rank = batch // world

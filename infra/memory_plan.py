@@ -15,11 +15,11 @@ Where the model's config comes from
 `model_cfg` is a plain dict, made into its family's config as `from_pretrained` makes a
 checkpoint's: every entry given, transformers' defaults for the rest, Qwen2 when it names no
 `model_type`. A run with a local checkpoint (`--model-path DIR`) passes the whole of DIR's
-config.json (options.run_plan, options.checkpoint_config), so that the plan's model is the
+config.json (planning.run_plan, planning.checkpoint_config), so that the plan's model is the
 checkpoint's own: its family, widths, biases and token ids (a Phi-3 of 300 tokens whose
 config.json says pad_token_id 0 is not rebuilt with Phi3Config's default, 32000, which no
 300-row embedding can hold). A run without one (a hub id, the 1.5b/7b/27b presets' built-in
-widths, the tiny presets) passes its preset's widths, train.PRESETS[name]["model"].
+widths, the tiny presets) passes its preset's widths, train.PRESETS[name].model.
 
 The paper's Table 1 (arXiv:2610.06647) reports whole-run averages per GPU (7B: 31.82 GiB for
 dense Adam, 17.29 GiB for LoGRA); this plan counts the state and the step's transients from

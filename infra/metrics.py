@@ -163,14 +163,16 @@ def plot(rows: list[dict], path: str) -> bool:
 
 
 def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats, *, lr, mismatch, sync_bytes,
-               num_tokens, seconds, device, group_size=1, flat_groups=None) -> dict:
+               num_tokens, seconds, device, sync_changed=None, group_size=1, flat_groups=None) -> dict:
     """The metrics row of one update (train.py's loop): rewards and accuracy over the global
     batch (sums and counts reduced across ranks), the step's KL control (`kl_step`: kl1,
-    alpha, budget, sketch_norm, kl_real, probed), the engine/trainer log-prob gap, AdamW's or
-    LoRA's `lr` (None for LoGRA), the mismatch estimate, the sync's bytes, memory and
-    throughput over the update's `seconds`; with groups of `group_size` > 1 responses per
-    prompt, the share of groups whose rewards were all equal (`flat_groups`: this rank's
-    count), which give no signal."""
+    alpha, budget, sketch_norm, kl_real, probed) and the method's state on this rank
+    (`kl_step["state"]` bytes, policy.state_bytes), the engine/trainer log-prob gap, AdamW's or
+    LoRA's `lr` (None for LoGRA), the mismatch estimate, the sync's bytes (and with --sync
+    delta the share of target elements it changed, `sync_changed`), memory and throughput over
+    the update's `seconds`; with groups of `group_size` > 1 responses per prompt, the share of
+    groups whose rewards were all equal (`flat_groups`: this rank's count), which give no
+    signal."""
     flat = [] if flat_groups is None else [float(flat_groups)]
     (reward_sum, correct_sum, count, *flat), _ = global_sums(
         [rewards.sum().item(), correct.sum().item(), len(rewards), *flat], device=device)
@@ -182,7 +184,8 @@ def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss
             "probe_responses": kl_step["probed"], "lr": lr, "budget": kl_step["budget"], "mismatch": mismatch,
             "sketch_norm": kl_step["sketch_norm"], "tis_weight": None if tis is None else float(tis),
             "logp_gap_mean": gap_mean, "logp_gap_max": gap_max, "sync_bytes": sync_bytes,
-            "mem_gib": memory_gib(device), "tokens": num_tokens, "tokens_per_s": num_tokens / seconds, **groups}
+            "mem_gib": memory_gib(device), "tokens": num_tokens, "tokens_per_s": num_tokens / seconds, **groups,
+            **({} if sync_changed is None else {"sync_changed": sync_changed}), "state_mib": kl_step["state"] / 2**20}
 
 
 # -----------------------------------------------------------------------------
@@ -315,9 +318,12 @@ class Progress:
 # Measured per update: wall time by phase, peak memory
 
 class Laps:
-    """Wall time per phase of an update; on a GPU each mark waits for the queued kernels."""
+    """Wall time per phase of an update; on a GPU each mark waits for the queued kernels, and
+    the GPU's peak memory counts from the start of the update (memory_gib)."""
 
     def __init__(self, device):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         self.device, self.times, self.last = device, {}, time.perf_counter()
 
     def __call__(self, name):

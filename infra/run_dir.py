@@ -9,7 +9,7 @@ What it is
   or later on any node) stops with one line naming the holder. `Hold.release(undo=...)` lets
   go: the lock file is removed, and a run refused before it wrote anything also removes the
   directory it made, so that it leaves the file system as it found it.
-- `inspect(cfg, run_dir, resume)`: what the directory holds, only read: a new run, a run to
+- `inspect(record, run_dir, resume)`: what the directory holds, only read: a new run, a run to
   continue (this run's config.json and its history), or a refusal in one line.
 - `clean_stray(run_dir)`: the temporary files (`*.tmp<pid>`) that a killed run's atomic writes
   left, removed by the next holder.
@@ -175,9 +175,10 @@ class Verdict:
     checkpoints: tuple = ()
 
 
-def inspect(cfg: dict, run_dir: str, resume=None) -> Verdict:
-    """What `run_dir` holds for a run with options `cfg` (the module docstring's "What the
-    directory holds"); only read. `resume`: the run was given --resume RUN_DIR."""
+def inspect(record: dict, run_dir: str, resume=None) -> Verdict:
+    """What `run_dir` holds for a run whose configuration is `record` (plain values, as its
+    config.json holds them: options.Config.record) (the module docstring's "What the directory
+    holds"); only read. `resume`: the run was given --resume RUN_DIR."""
     option = f"--resume {resume}" if resume else f"--run-dir {run_dir}"
     if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
         raise RunDirError(f"{option} is a file, not a folder: pass a folder (made if missing)")
@@ -206,12 +207,14 @@ def inspect(cfg: dict, run_dir: str, resume=None) -> Verdict:
         saved = read_config(config_path, option)
     except OSError as e:
         raise RunDirError(f"{option} cannot be read ({os_cause(e)})") from None
-    if isinstance(saved.get("model"), dict) and "model_type" in (cfg.get("model") or {}):  # a run from
-        saved["model"].setdefault("model_type", cfg["model"]["model_type"])  # before model_type was recorded
+    if isinstance(saved.get("model"), dict) and "model_type" in (record.get("model") or {}):  # a run from
+        saved["model"].setdefault("model_type", record["model"]["model_type"])  # before model_type was recorded
     for key, value in ADDED.items():  # a run saved before the option existed ran with its old value
-        if key in cfg:
+        if key in record:
             saved.setdefault(key, value)
-    diff = sorted(k for k in set(saved) | set(cfg) if saved.get(k) != cfg.get(k) and k not in MAY_CHANGE)
+    # A key that one side lacks is None there: a field that does not apply to the run (another
+    # task's option), which a configuration saved before every field was recorded left out.
+    diff = sorted(k for k in set(saved) | set(record) if saved.get(k) != record.get(k) and k not in MAY_CHANGE)
     if diff and resume:
         raise RunDirError(f"{option}: the run was made with a different configuration ({', '.join(diff)}); pass "
                           f"the same options as the original run")

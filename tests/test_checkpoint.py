@@ -19,7 +19,7 @@ import torch
 import kl_control
 import ppo
 import train
-from infra import checkpoint
+from infra import checkpoint, lifecycle
 from distributed import run_gloo
 from subproc import ROOT, env
 
@@ -197,7 +197,7 @@ def test_other_version_and_other_configuration_are_refused(run):
 # --- 2 ranks --------------------------------------------------------------------------------
 
 def _two_ranks(rank, world, run_dir):
-    """On 2 gloo ranks: two checkpoints through checkpoint.save of checkpoint.run_state, of a small
+    """On 2 gloo ranks: two checkpoints through checkpoint.save of lifecycle.run_state, of a small
     FSDP2-sharded stand-in model and its AdamW state (the files are under test here, not the
     values; a Qwen2 would add seconds of imports per process); then rank 1's shard of the newer
     one damaged, and the resume's verification (checkpoint.resume_path, as train.main calls it)
@@ -212,9 +212,8 @@ def _two_ranks(rank, world, run_dir):
     model(torch.ones(2, 16)).sum().backward()
     opt.step()  # AdamW's moments exist, row-sharded like the weights
     for update in (1, 2):
-        state = checkpoint.run_state(model, opt, False, ppo.RunningBaseline(weight=0.1),
-                                     kl_control.Mismatch(momentum=0.7),
-                                update)
+        state = lifecycle.run_state(model, opt, False, ppo.RunningBaseline(weight=0.1),
+                                    kl_control.Mismatch(momentum=0.7), update)
         checkpoint.save(run_dir, state, update, rank=rank, world=world)
     if rank == 0:
         flip(os.path.join(run_dir, "checkpoint-2", "__1_0.distcp"))

@@ -22,7 +22,7 @@ from subproc import ROOT
 
 
 def test_dry_run_7b_memory_against_shapes():
-    m = memory_plan.estimate(train.PRESETS["7b"]["model"], 4, 256)
+    m = memory_plan.estimate(train.PRESETS["7b"].model, 4, 256)
     h, i, q, kv, layers = 3584, 18944, 3584, 512, 28
     rows = layers * (q + kv + kv + h + i + i + h)  # sum of d over the targets (all divisible by 4)
     cols = layers * (h + h + h + q + h + h + i)  # sum of k over the targets
@@ -39,7 +39,7 @@ def test_dry_run_7b_memory_against_shapes():
     assert m["engine_residual_bytes"] == 2 * m["target_params"]  # int16 per target weight
     # The 27B preset does not fit dense AdamW's state on an 80 GB GPU; LoGRA's does, and its
     # engines fit the same node with their residuals in host memory.
-    m27 = memory_plan.estimate(train.PRESETS["27b"]["model"], 4, 256)
+    m27 = memory_plan.estimate(train.PRESETS["27b"].model, 4, 256)
     assert m27["trainer_adam_persistent_bytes"] > 80e9
     assert m27["trainer_logra_bytes"] + m27["trainer_activation_bytes"] < 80e9
     assert m27["engine_residual_on_host"] and m27["engine_kv_cache_bytes"] >= 16 * gib
@@ -56,7 +56,7 @@ def test_delta_and_full_sync_engines_against_shapes(preset):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**train.PRESETS[preset]["model"]))
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**train.PRESETS[preset].model))
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     per_layer = [[m.weight.shape for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] in names]
                  for layer in model.model.layers]
@@ -68,7 +68,7 @@ def test_delta_and_full_sync_engines_against_shapes(preset):
     residual = 2 * sum(d * k for d, k in shapes)  # int16 per target weight
     check = 16 * min(2**20, biggest)  # the base checksum's int64 work (sync.CHECK_WORDS words)
     gib, overhead = 2**30, 5 * 2**30
-    m = memory_plan.estimate(train.PRESETS[preset]["model"], 4, 256)
+    m = memory_plan.estimate(train.PRESETS[preset].model, 4, 256)
 
     # Every element of one layer changed: 2 B a bf16 value, 1/8 B of bitmap, 8 B a decoded
     # position, and the larger of the checksum's work and the position code's (80 B x 2^20).

@@ -1,6 +1,7 @@
-"""The command line (infra/options.py, through options.configure as train.py runs it): every option
-value is either accepted or refused in one line with exit code 2, never a traceback, and values
-that no run can take are always refused."""
+"""The configuration and its command line (infra/options.py, through planning.configure as
+train.py runs it): every option value is either accepted or refused in one line with exit code
+2, never a traceback, and values that no run can take are always refused; the presets are
+Configs, and --help lists every field."""
 
 import contextlib
 import io
@@ -8,7 +9,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from unittest import mock
@@ -17,15 +17,18 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import train
-from infra import options
+from infra import options, planning
 from infra.errors import RunError
-from subproc import ROOT, env
 
 
 def test_rank_flag_is_the_sketch_rank():
     """--rank (the paper's word) sets the config's sketch_rank; the process rank is another thing."""
-    cfg = options.resolve(options.parse(["--rank", "8"], train.PRESETS), train.PRESETS)
-    assert cfg["sketch_rank"] == 8 and "rank" not in cfg
+    cfg = resolve(["--rank", "8"])
+    assert cfg.sketch_rank == 8 and not hasattr(cfg, "rank")
+
+
+def resolve(argv):
+    return options.resolve(*options.parse(argv, train.PRESETS), train.PRESETS)
 
 
 INTS = [f.name for f in options.KNOBS if f.type is int] + ["keep"]
@@ -43,7 +46,7 @@ float_values = st.one_of(st.sampled_from(["nan", "inf", "-inf", "0", "-0.0", "1e
 
 
 def configure(argv, world=None, environ=None):
-    """(exit code, stdout, stderr) of options.configure(argv, train.PRESETS) as train.main
+    """(exit code, stdout, stderr) of planning.configure(argv, train.PRESETS) as train.main
     ends it: WORLD_SIZE as torchrun would set it for `world` ranks, or unset (a process started
     without torchrun), and the variables of `environ`; a RunError becomes its one line and exit
     code."""
@@ -55,7 +58,7 @@ def configure(argv, world=None, environ=None):
             os.environ["WORLD_SIZE"] = world
         os.environ.update(environ or {})
         try:
-            options.configure(argv, train.PRESETS)
+            planning.configure(argv, train.PRESETS)
             code = 0
         except RunError as e:
             print(e.line(), file=sys.stderr)
@@ -65,7 +68,7 @@ def configure(argv, world=None, environ=None):
 
 def clearly_wrong(preset, values) -> bool:
     """Values that no run can take: train.py must refuse these (it may refuse more)."""
-    cfg = dict(train.PRESETS[preset], **{k: float(v) if k in FLOATS else v for k, v in values.items()})
+    cfg = dict(train.PRESETS[preset].record(), **{k: float(v) if k in FLOATS else v for k, v in values.items()})
     if any(k in SMALLEST and cfg.get(k, SMALLEST[k]) < SMALLEST[k] for k in values):
         return True
     if any(not math.isfinite(cfg[k]) or cfg[k] < 0 or (cfg[k] == 0 and k != "warmup_unboxed") or
@@ -116,9 +119,9 @@ def test_group_options_that_fit_are_taken():
                         (["--model", "7b", "--dry-run", "--group-size", "16", "--advantage", "rloo"], None)):
         code, _, err = configure(["--run-dir", NEVER, *argv], world)
         assert code == 0 and err == "", err
-    cfg = options.resolve(options.parse([], train.PRESETS), train.PRESETS)
-    assert (cfg["group_size"], cfg["advantage"]) == (1, "running")  # the paper's, in every preset
-    assert all((p["group_size"], p["advantage"]) == (1, "running") for p in train.PRESETS.values())
+    cfg = resolve([])
+    assert (cfg.group_size, cfg.advantage) == (1, "running")  # the paper's, in every preset
+    assert all((p.group_size, p.advantage) == (1, "running") for p in train.PRESETS.values())
 
 
 def test_context_beyond_the_models_positions_is_refused():
@@ -144,38 +147,44 @@ def test_the_task_options_belong_to_their_task():
     ]:
         code, _, err = configure([*argv, "--run-dir", NEVER])
         assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
-    cfg = options.configure(["--model", "27b", "--task", "reasoning-gym", "--model-path", "/ckpt", "--dry-run"],
-                            train.PRESETS)[1]
-    assert (cfg["task"], cfg["gym_tasks"], cfg["gym_level"]) == ("reasoning-gym", "hard", 2)
-    assert "train_data" not in cfg and "eval_data" not in cfg
-    math_cfg = options.configure(["--model", "27b", "--model-path", "/ckpt", "--dry-run"], train.PRESETS)[1]
-    assert "gym_tasks" not in math_cfg and "gym_level" not in math_cfg  # a math run's configuration is unchanged
-    layout = options.planned_layout(None, cfg)
-    line = options.launch_commands(cfg, layout, train.PRESETS["27b"]["engine_gpus"])[0]
+    cfg = planning.configure(["--model", "27b", "--task", "reasoning-gym", "--model-path", "/ckpt", "--dry-run"],
+                             train.PRESETS)[1]
+    assert (cfg.task, cfg.gym_tasks, cfg.gym_level) == ("reasoning-gym", "hard", 2)
+    assert cfg.train_data is None and cfg.eval_data is None
+    math_cfg = planning.configure(["--model", "27b", "--model-path", "/ckpt", "--dry-run"], train.PRESETS)[1]
+    assert math_cfg.gym_tasks is None and math_cfg.gym_level is None  # a math run's configuration is unchanged
+    layout = planning.planned_layout(None, cfg)
+    line = planning.launch_commands(cfg, layout, train.PRESETS["27b"].engine_gpus)[0]
     assert "--model 27b --model-path /ckpt --task reasoning-gym --gym-tasks hard --gym-level 2" in line, line
 
 
-def test_every_preset_key_has_a_flag():
-    """Each key of every preset is a knob that a flag overrides, or one of the few that are
-    structure (each with its reason); those are real preset keys, and no flag sets them."""
-    assert options.keys_without_flag(train.PRESETS) == []
-    assert options.keys_without_flag({"tiny": dict(train.PRESETS["tiny"], kl_star=1.0)}) == ["tiny: kl_star"]
-    knobs = {f.name for f in options.KNOBS}
-    for key, reason in options.STRUCTURE.items():
-        assert key not in knobs and reason and any(key in preset for preset in train.PRESETS.values()), key
+def test_presets_are_configs_and_every_field_but_the_structure_has_a_flag():
+    """Every preset is an options.Config (a field without a default is one every preset gives,
+    or it does not build); every field is a knob with its own flag, but the two that a preset
+    alone sets (its name, the model's widths), and the run's own flags are apart from them."""
+    assert all(isinstance(p, options.Config) for p in train.PRESETS.values())
+    structure = {n for n, f in options.FIELDS.items() if f.metadata.get("structure")}
+    assert structure == {"preset", "model"} and {f.name for f in options.KNOBS} == set(options.FIELDS) - structure
+    flags = [options.flag(n) for n in options.FIELDS if n not in structure] + [f"--{f.name.replace('_', '-')}"
+                                                                              for f in options.FLAGS]
+    assert len(flags) == len(set(flags)) and options.flag("sketch_rank") == "--rank"
+    with pytest.raises(TypeError, match="sketch_rank"):
+        options.Config(task="arithmetic")  # a field without a default left out: no preset
 
 
-def test_help_lists_every_flag():
-    """python train.py --help: one entry for every field of options.Options (a bool knob with its --no- form)."""
-    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         env=env(COLUMNS="100"), timeout=120)
-    assert out.returncode == 0, out.stderr
-    entries = [line.split()[0].rstrip(",") for line in out.stdout.splitlines() if re.match(r"  --", line)]
-    expected = [options.flag(name) for name in options.FIELDS]
-    assert [e for e in entries if e != "--help"] == expected, out.stdout
+def test_help_lists_every_flag(capsys):
+    """python train.py --help: one entry for each of the run's flags, then one for every field of
+    options.Config (a bool knob with its --no- form)."""
+    with mock.patch.dict(os.environ, COLUMNS="100"), pytest.raises(SystemExit) as done:
+        options.parse(["--help"], train.PRESETS)
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    entries = [line.split()[0].rstrip(",") for line in out.splitlines() if re.match(r"  --", line)]
+    expected = [options.flag(f.name) for f in options.FLAGS] + [options.flag(f.name) for f in options.KNOBS]
+    assert [e for e in entries if e != "--help"] == expected, out
     for f in options.KNOBS:
         if f.type is bool:
-            assert f"  {options.flag(f.name)}, --no-{options.flag(f.name)[2:]}\n" in out.stdout, out.stdout
+            assert f"  {options.flag(f.name)}, --no-{options.flag(f.name)[2:]}\n" in out, out
 
 
 # The preset keys that gained a flag (issue 31): a value in bound, and values out of bound.
@@ -195,8 +204,8 @@ NEW_FLAGS = {
 def test_new_flags_override_the_preset_and_refuse_out_of_bound_values(key):
     good, bad_values = NEW_FLAGS[key]
     typ, flag = options.FIELDS[key].type, options.flag(key)
-    cfg = options.resolve(options.parse([flag, good], train.PRESETS), train.PRESETS)
-    assert cfg[key] == typ(good) != train.PRESETS["tiny"][key]
+    cfg = resolve([flag, good])
+    assert getattr(cfg, key) == typ(good) != getattr(train.PRESETS["tiny"], key)
     assert configure(["--run-dir", NEVER, f"{flag}={good}"]) == (0, "", "")
     for bad in bad_values:
         code, out, err = configure(["--run-dir", NEVER, f"{flag}={bad}"])
@@ -206,7 +215,7 @@ def test_new_flags_override_the_preset_and_refuse_out_of_bound_values(key):
 
 def test_checkpointing_flag_overrides_the_preset_either_way():
     def checkpointing(*argv):
-        return options.resolve(options.parse(list(argv), train.PRESETS), train.PRESETS)["checkpointing"]
+        return resolve(list(argv)).checkpointing
     assert checkpointing() is False and checkpointing("--checkpointing") is True  # tiny: off
     assert checkpointing("--model", "smoke-0.5b") is True
     assert checkpointing("--model", "smoke-0.5b", "--no-checkpointing") is False

@@ -145,7 +145,7 @@ def test_the_task_files_are_the_paper_formats_disjoint_and_right(tmp_path):
     from infra import tasks
 
     train_set, heldout = tasks.load_math_data(*real_model.write_task(str(tmp_path)))
-    assert len(train_set) == len(heldout) == 200 == train.PRESETS["smollm2-cpu"]["eval_problems"]
+    assert len(train_set) == len(heldout) == 200 == train.PRESETS["smollm2-cpu"].eval_problems
     pairs = []
     for question, gold in train_set + heldout:
         a, b = map(int, re.fullmatch(r"What is \$(\d+)\+(\d+)\$\?", question).groups())
@@ -178,7 +178,7 @@ def write_rows(run_dir, rows):
 def test_finished_runs_are_read_and_a_half_done_one_runs_again(tmp_path, monkeypatch):
     import train
 
-    updates = train.PRESETS["smollm2-cpu"]["updates"]
+    updates = train.PRESETS["smollm2-cpu"].updates
     for optimizer, seed in real_model.RUNS:
         write_rows(tmp_path / f"{optimizer}-seed{seed}", finished_rows(updates))
     write_rows(tmp_path / "adam-seed1", finished_rows(updates)[:-1])  # stopped before its last update

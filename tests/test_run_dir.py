@@ -138,6 +138,40 @@ def test_what_a_directory_holds(tmp_path):
     refused(tmp_path / "none", "no such folder", resume=str(tmp_path / "none"))
 
 
+# config.json as train.py wrote it before the configuration was a typed object (December 2026),
+# and the command line of each: the run it holds continues under today's code.
+SAVED = {"tiny": ["--updates", "1", "--warmup-steps", "20", "--eval-every", "0", "--eval-problems", "8"],
+         "tiny-math-lora": ["--model", "tiny-math", "--model-path", "/tmp/tm/model", "--train-data",
+                            "/tmp/tm/train.jsonl", "--eval-data", "/tmp/tm/eval.jsonl", "--optimizer", "lora",
+                            "--group-size", "4", "--advantage", "rloo"],
+         "tiny-math-gym": ["--model", "tiny-math", "--model-path", "/tmp/tm/model", "--task", "reasoning-gym",
+                           "--context", "512", "--sync", "delta"]}
+
+
+@pytest.mark.parametrize("name", sorted(SAVED))
+def test_a_configuration_saved_before_the_typed_config_continues(tmp_path, name):
+    """A run directory whose config.json came from the untyped configuration (a flat dict
+    holding only the keys its preset had) is this run's under the typed one: it continues with
+    the same command line, and another option is refused as before."""
+    import dataclasses
+
+    import train
+    from infra import options, planning
+
+    text = open(os.path.join(ROOT, "tests", "data", f"saved-config-{name}.json")).read()
+    saved = json.loads(text.replace("/tmp/tm/", f"{tmp_path}/"))
+    argv = [a.replace("/tmp/tm/", f"{tmp_path}/") for a in SAVED[name]]
+    if saved["model"].get("model_type"):  # a chat checkpoint: its widths come from its config.json
+        os.makedirs(tmp_path / "model")
+        (tmp_path / "model" / "config.json").write_text(json.dumps(saved["model"]))
+    make_run(tmp_path / "run", checkpoints=(1,), rows=2, config=saved)
+    cfg = options.resolve(*options.parse(argv, train.PRESETS), train.PRESETS)
+    cfg = dataclasses.replace(cfg, model=planning.read_model_config(cfg))
+    assert run_dir.inspect(cfg.record(), str(tmp_path / "run")).continues
+    with pytest.raises(run_dir.RunDirError, match=r"its options differ: seed\)"):
+        run_dir.inspect(dataclasses.replace(cfg, seed=1).record(), str(tmp_path / "run"))
+
+
 def test_stray_temporary_files_are_removed(tmp_path):
     make_run(tmp_path, checkpoints=(2,))
     for name in ("latest.tmp123", "checkpoint-2/manifest.json.tmp77", "metrics.jsonl.tmp9"):
@@ -163,37 +197,6 @@ def test_a_torn_last_metrics_line_is_dropped_and_a_damaged_one_refused(tmp_path)
     path.write_text(good.replace('{"update": 1', '{"upd'))
     with pytest.raises(checkpoint.CheckpointError, match=f"{path} line 2 is not a metrics row"):
         checkpoint.truncate_rows(str(path), 9)
-
-
-def test_a_failed_append_leaves_no_torn_line(tmp_path, monkeypatch):
-    path = tmp_path / "metrics.jsonl"
-    metrics.append(str(path), {"update": 0}, first=True)
-    real_open = open
-
-    class Full:
-        """A file whose write lands half its bytes, then fails as a full disk does."""
-        def __init__(self, f):
-            self.f = f
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            self.f.close()
-
-        def write(self, data):
-            self.f.write(data[: len(data) // 2])
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-
-    monkeypatch.setattr("builtins.open", lambda p, mode="r", *a, **k: Full(real_open(p, mode, *a, **k))
-                        if str(p) == str(path) and mode == "ab" else real_open(p, mode, *a, **k))
-    with pytest.raises(OSError):
-        metrics.append(str(path), {"update": 1, "reward": 0.25})
-    monkeypatch.undo()
-    assert path.read_text() == '{"update": 0}\n'
 
 
 def test_write_atomic_leaves_no_temporary_file(tmp_path, monkeypatch):

@@ -466,7 +466,7 @@ def test_a_delta_never_sends_more_than_the_full_weight(shape):
 
 
 class Shadow:
-    """The trainer's side of a sparse delta, as train.delta_sync does it on one process."""
+    """The trainer's side of a sparse delta, as engine_sync.delta does it on one process."""
 
     def __init__(self, weights):
         self.held = {n: w.detach().to(torch.bfloat16).clone() for n, w in weights.items()}

@@ -12,7 +12,7 @@ import torch
 
 import kl_control
 import train
-from infra import memory_plan, options, policy
+from infra import memory_plan, planning, policy
 from infra.errors import RunError
 from distributed import run_gloo
 from subproc import ROOT
@@ -38,7 +38,7 @@ def test_dry_run_presets(preset, billions):
     assert f"preset {preset}: {billions:.2f}B parameters" in out.stdout
     assert "FSDP2 over 4 training ranks" in out.stdout and "vLLM engines on GPUs 4,5,6,7" in out.stdout
     assert f"launch: torchrun --nproc_per_node 4 train.py --model {preset}" in out.stdout
-    m = memory_plan.estimate(train.PRESETS[preset]["model"], 4, 256)
+    m = memory_plan.estimate(train.PRESETS[preset].model, 4, 256)
     assert abs(m["params"] / 1e9 - billions) < 0.005
     # AdamW: fp32 gradient + 2 moments per target weight, sharded 4 ways.
     assert m["adam_grads"] == 4 * -(-m["target_params"] // 4) and m["adam_moments"] == 2 * m["adam_grads"]
@@ -80,10 +80,10 @@ def test_dry_run_plans_several_nodes():
     plan = json.loads(dry("--model", "7b", "--nodes", "2", "--json").stdout)
     assert plan["world"] == 8 and plan["layout"] == {"nodes": 2, "ranks_per_node": 4, "world": 8,
                                                      "engine_gpus": [4, 5, 6, 7]}
-    one_node = memory_plan.estimate(train.PRESETS["7b"]["model"], 4, 256)
+    one_node = memory_plan.estimate(train.PRESETS["7b"].model, 4, 256)
     assert plan["weights"] < one_node["weights"]  # each rank holds an eighth of the weights, not a quarter
     with pytest.raises(RunError) as stop:
-        options.configure(["--nodes", "2"], train.PRESETS)
+        planning.configure(["--nodes", "2"], train.PRESETS)
     assert stop.value.exit_code == 2 and "--nodes 2: a number >= 1, with --dry-run" in str(stop.value)
 
 
@@ -132,7 +132,7 @@ def test_small_instruct_preset_matches_its_family():
 
     from infra import architectures
 
-    widths = train.PRESETS["smollm2-135m"]["model"]
+    widths = train.PRESETS["smollm2-135m"].model
     config = AutoConfig.for_model(**widths)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
