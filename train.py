@@ -2,10 +2,7 @@
 train.py: the whole LoGRA RL loop, top to bottom (arXiv:2610.06647).
 
     python train.py                                   # the tiny preset on this CPU, end to end
-    python train.py --optimizer adam                  # the dense AdamW baseline, same task
-    torchrun --nproc_per_node 2 train.py --model tiny # FSDP2 over 2 CPU processes (gloo)
     torchrun --nproc_per_node 4 train.py --model 7b   # the paper's run: 4 GPUs + 4 vLLM engines
-    python train.py --model 7b --dry-run              # its sharding plan and memory, no GPU
 
 One update, in the order the paper runs it (the loop in `run`):
 
@@ -24,9 +21,8 @@ One update, in the order the paper runs it (the loop in `run`):
 
 The dense baseline (--optimizer adam) runs the same loop with backward into .grad and one
 AdamW step in place of RowAdam, the probe and the merge, and syncs full bf16 weights; LoRA
-(--optimizer lora, the paper's Table 2) the same with adapters as its weights. This file is
-the update, its presets and its wiring; what runs it but is not the method is in infra/ (its
-README), each file raising its own RunError, which `main` turns into one line and an exit code.
+(--optimizer lora, Table 2) the same with adapters as its weights. What runs the loop but is
+not the method is in infra/ (its README); `main` turns its errors into one line and an exit code.
 
 Shape legend: B responses of this rank (b of a micro-batch), T tokens of a padded response
 with its prompt, V vocabulary.
@@ -41,9 +37,8 @@ Departures from the paper
    does, and more until they hold `probe_tokens` generated tokens: the paper's responses run
    to thousands of tokens, the tiny task's to a few, and KL1 from 16 tokens is noise (the
    tiny preset scores 512, i.e. all its responses). With groups (not the paper's) the first
-   response of each group comes first, then the second of each, ... (`logra_step`), and the
-   realised KL is measured on the same rows. Test: tests/test_train_paper_path.py,
-   test_probe_count_sizes_the_probe_in_tokens.
+   response of each group comes first, then the second of each, ... (`logra_step`). Test:
+   tests/test_train_paper_path.py, test_probe_count_sizes_the_probe_in_tokens.
 """
 
 import atexit
@@ -84,9 +79,8 @@ SMOLLM2_135M = dict(  # SmolLM2-135M(-Instruct)'s widths, a Llama
     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
     rope_theta=100000.0, rms_norm_eps=1e-5)
 PRESETS = {
-    # A CPU run of a minute or two. head_dim 32 (2 heads of 32): vLLM's CPU attention kernel
-    # refuses 16, so `--engine vllm` runs the same model. 3000 warm-up steps make every seed's
-    # base policy add reliably, so that the box is what RL has to learn (infra/tasks.py).
+    # A CPU run of a minute or two. head_dim 32: vLLM's CPU attention refuses 16. 3000 warm-up steps
+    # make every seed's base policy add reliably: the box is what RL has to learn (infra/tasks.py).
     "tiny": Config(
         task="arithmetic", model=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
@@ -96,8 +90,7 @@ PRESETS = {
         lora_lr=1e-3, warmup_steps=3000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7, eval_every=25,
         eval_problems=256, eval_samples=2, eval_temperature=1.0, eval_top_p=1.0, checkpointing=False, save_every=10,
         device="cpu", engine="hf", gpu_memory_utilization=0.1, engine_timeout=300, dist_timeout=1800),
-    # The GPU smoke preset (bench/gpu_smoke.py): the tiny task on a Qwen2.5-0.5B-shaped model;
-    # a short warm-up makes the policy sometimes right, so the timed updates are real updates.
+    # bench/gpu_smoke.py: the tiny task on a Qwen2.5-0.5B shape, warmed up so that updates are real.
     "smoke-0.5b": Config(
         task="arithmetic", model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=512,
@@ -115,15 +108,13 @@ PRESETS = {
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
         rope_theta=10000.0, rms_norm_eps=1e-6)),
-    # The paper's 27B Qwen model is not public: --model-path is required. For --dry-run and
-    # bench/memory_model.py we assume Qwen2.5-32B's widths cut to 52 layers (26.9B parameters).
+    # Not public (--model-path required); --dry-run assumes Qwen2.5-32B's widths cut to 52 layers (26.9B).
     "27b": dataclasses.replace(PAPER, model=dict(
         hidden_size=5120, intermediate_size=27648, num_hidden_layers=52, num_attention_heads=40,
         num_key_value_heads=8, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
         rope_theta=1000000.0, rms_norm_eps=1e-6)),
-    # SmolLM2-135M-Instruct, a Llama: the paper's KL budgets and update ratio (per token or
-    # relative, not tied to size), rank 64 (~11% of its 576-wide inputs; the paper's 256 is 7%
-    # of 3584), 32 prompts an update, responses of up to 512 tokens, 100 MATH-500 problems.
+    # SmolLM2-135M-Instruct: the paper's KL budget and update ratio (not tied to size), rank 64 (11%
+    # of its 576-wide inputs; the paper's 256 is 7% of 3584), 32 prompts an update, 512-token answers.
     "smollm2-135m": dataclasses.replace(
         PAPER, model_path="HuggingFaceTB/SmolLM2-135M-Instruct", model=SMOLLM2_135M, sketch_rank=64, batch=32,
         micro_batch=4, updates=100, max_new_tokens=512, context=1024, eval_problems=100, device="cpu",
@@ -134,9 +125,8 @@ PRESETS = {
         updates=20, max_new_tokens=64, context=512, update_ratio=2e-3, kl_start=1e-2, kl_end=2e-3, kl_horizon=20,
         adam_lr=1e-5, lora_lr=1e-4, eval_problems=200, eval_samples=1, save_every=0, checkpointing=False,
         device="cpu", gpu_memory_utilization=0.1, engine_timeout=600),
-    # The paper's task path at toy scale on a CPU: a local checkpoint and local data in the
-    # paper's formats (python tests/tiny_math.py DIR makes them), vLLM's CPU build as the
-    # engines, the same loop. --model-path, --train-data and --eval-data are required.
+    # The paper's task path at toy scale on a CPU, vLLM's CPU build as the engines: --model-path,
+    # --train-data and --eval-data in the paper's formats required (python tests/tiny_math.py DIR).
     "tiny-math": dataclasses.replace(
         PAPER, train_data=None, eval_data=None, sketch_rank=16, batch=16, micro_batch=8, updates=4,
         max_new_tokens=12, context=128, update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, eval_every=0,
@@ -228,13 +218,7 @@ def run(argv=None):
         if r.logra:
             kl_step = logra_step(model, opt, r.layers, rollout, r.mismatch.adjust(budget), cfg, timer)
         else:
-            for group in opt.param_groups:  # lr_t = lr sqrt(budget_t / budget_0) (departure 1; LoRA: infra/lora.py)
-                group["lr"] = opt.defaults["lr"] * math.sqrt(budget / cfg.kl_start)
-            opt.step()
-            kl_step = dict(kl1=math.nan, alpha=math.nan, budget=math.nan, sketch_norm=math.nan, kl_real=math.nan,
-                           probed=0, factors=None, state=policy.state_bytes(opt, r.layers, cfg.optimizer))
-            opt.zero_grad(set_to_none=True)  # after the state is counted: gradients and moments, all there
-            timer("merge")
+            kl_step = adam_step(opt, budget, cfg, timer)
 
         # --- sync: LoGRA's factors and the seed, the changed bf16 elements, or full weights ---
         changed = None  # --sync delta: the share of target elements whose bf16 value changed
@@ -252,8 +236,7 @@ def run(argv=None):
         # --- log, evaluate, checkpoint ------------------------------------------------------
         completed = update + 1  # updates completed
         row = metrics.update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats,
-                                 lr=None if r.logra else opt.param_groups[0]["lr"], mismatch=r.mismatch.m,
-                                 sync_bytes=sync_bytes, sync_changed=changed, num_tokens=num_tokens,
+                                 mismatch=r.mismatch.m, sync_bytes=sync_bytes, sync_changed=changed, num_tokens=num_tokens,
                                  seconds=sum(timer.times.values()), device=device, group_size=cfg.group_size,
                                  flat_groups=flat)
         if cfg.eval_every and (completed % cfg.eval_every == 0 or completed == cfg.updates):
@@ -267,8 +250,8 @@ def run(argv=None):
 
 def logra_step(model, opt, layers, rollout, budget, cfg: Config, timer) -> dict:
     """RowAdam, the KL probe, alpha, the merge and the realised KL of the merged step: the
-    step's KL control (kl1, alpha, budget, sketch_norm, kl_real, probed), the method's state
-    bytes and the merged `factors` the sync sends. A failure before the merge discards the
+    step's KL control (kl1, alpha, budget, sketch_norm, kl_real, probed; no lr), the method's
+    state bytes and the merged `factors` the sync sends. A failure before the merge discards the
     prepared update, so weights and optimizer state stay as they were."""
     ids, mask = rollout.ids, rollout.mask
     # --- RowAdam ---------------------------------------------------------------------------
@@ -297,7 +280,21 @@ def logra_step(model, opt, layers, rollout, budget, cfg: Config, timer) -> dict:
         kl_real = kl_control.realised_kl(probe, model, ids, mask)  # the probe's own positions
         timer("kl_real")
     return dict(kl1=probe.kl1, alpha=alpha, budget=budget, sketch_norm=sketch_norm, kl_real=kl_real, probed=probed,
-                factors=factors, state=state)
+                factors=factors, state=state, lr=None)
+
+
+def adam_step(opt, budget: float, cfg: Config, timer) -> dict:
+    """AdamW's step (the dense baseline, or LoRA's adapters: infra/lora.py) at the learning rate
+    annealed as the KL budget (departure 1), lr_t = lr sqrt(budget_t / budget_0); the state it
+    holds (gradients and moments, all there before the gradients are dropped). No KL control."""
+    for group in opt.param_groups:
+        group["lr"] = opt.defaults["lr"] * math.sqrt(budget / cfg.kl_start)
+    opt.step()
+    state = policy.state_bytes(opt, None, cfg.optimizer)
+    opt.zero_grad(set_to_none=True)
+    timer("merge")
+    return dict(kl1=math.nan, alpha=math.nan, budget=math.nan, sketch_norm=math.nan, kl_real=math.nan, probed=0,
+                factors=None, state=state, lr=opt.param_groups[0]["lr"])
 
 
 # -----------------------------------------------------------------------------
