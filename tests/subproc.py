@@ -1,6 +1,6 @@
 """What the tests that start train.py or an engine in a subprocess share: the repository root,
 the environment such a process gets (one thread, offline, not part of a torchrun world), two
-torchrun "nodes" on this machine, and a run's checkpoint read back."""
+torchrun "nodes" on this machine, the processes an engine left, and a run's checkpoint read back."""
 
 import os
 import subprocess
@@ -61,6 +61,26 @@ def two_nodes(args, port, out_dir, *, own_mount=None, timeout=300, environ=None)
             out.close()
             err.close()
     return results
+
+
+def engine_processes(marker: str) -> list[int]:
+    """Live processes whose command line or environment mentions `marker` (a run's unique
+    folder): an engine process and vLLM's engine-core and worker processes inherit the
+    engine's environment, which names its log file."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if int(pid) != os.getpid() and not zombie and (marker.encode() in cmd or marker.encode() in environ):
+            found.append(int(pid))
+    return found
 
 
 def read_checkpoint(run_dir, name=None):

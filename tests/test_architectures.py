@@ -7,9 +7,6 @@ vLLM's CPU build: bench/architectures.py."""
 
 import copy
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ import sketch
 import sync
 from infra import architectures
 from infra.architectures import ArchitectureError
-from subproc import ROOT, env
+import in_process
 import tiny_families
 
 SEED, RANK = 3, 8
@@ -110,9 +107,8 @@ def test_a_family_without_a_row_is_refused_before_anything_loads(tmp_path):
     folder = tmp_path / "gpt2"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", "tiny-math", "--model-path",
-                          str(folder), "--train-data", "t.jsonl", "--eval-data", "e.jsonl", "--run-dir",
-                          str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, env=env(), timeout=120)
+    out = in_process.run(["--model", "tiny-math", "--model-path", str(folder), "--train-data", "t.jsonl", "--eval-data",
+                          "e.jsonl", "--run-dir", str(tmp_path / "run")], check=False)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "model_type 'gpt2' is not in the architecture table" in out.stderr and "phi3" in out.stderr
     assert not (tmp_path / "run").exists()

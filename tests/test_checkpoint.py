@@ -1,38 +1,29 @@
-"""Verified checkpoints (checkpoint.py, as train.py runs them): damaged files refused by name
-with nothing changed, the previous checkpoint offered and bitwise resumable, 2 ranks refusing
-together."""
+"""Verified checkpoints (checkpoint.py, as train.py runs them, in this process): damaged files
+refused by name with nothing changed, the previous checkpoint offered and bitwise resumable;
+2 ranks refusing together (the slow tier)."""
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import tomllib
 
 import pytest
 import torch
 
+import in_process
 import kl_control
 import ppo
-import train
 from infra import checkpoint, lifecycle
 from distributed import run_gloo
-from subproc import ROOT, env
+from subproc import ROOT
 
 # One short run, saved after every update (4 updates, --keep 2: checkpoint-3 and checkpoint-4
 # remain). 150 warm-up steps and a batch of 32: some responses are right at updates 2 and 4, so
 # the weights move before checkpoint-3 and between checkpoint-3 and checkpoint-4.
 ARGS = ["--warmup-steps", "150", "--batch", "32", "--eval-problems", "16", "--eval-every", "0", "--rank", "8",
         "--updates", "4", "--save-every", "1"]
-
-
-def train_py(args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, env=env(), timeout=300)
 
 
 def snapshot(run_dir):
@@ -68,11 +59,10 @@ def truncate(path):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The one real run of this module. Copies sit next to it: the warm-up's cache
-    (base-tiny-*.pt) is looked up beside the run directory."""
+    """The one real run of this module (in this process). Copies sit next to it: the warm-up's
+    cache (base-tiny-*.pt) is looked up beside the run directory."""
     d = tmp_path_factory.mktemp("ckpt") / "run"
-    out = train_py([*ARGS, "--run-dir", str(d)])
-    assert out.returncode == 0, out.stdout + out.stderr
+    in_process.run([*ARGS, "--run-dir", str(d)])
     return d
 
 
@@ -84,10 +74,8 @@ def copy_of(run, name):
 
 def resume_in_process(run_dir, *extra):
     """train.main(--resume) in this process: it must stop (exit 2) before the model exists."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
-        train.main([*ARGS, "--resume", str(run_dir), *extra])
-    return stop.value.code, err.getvalue()
+    out = in_process.run([*ARGS, "--resume", str(run_dir), *extra], check=False)
+    return out.returncode, out.stderr
 
 
 def test_project_version_is_pyprojects():
@@ -154,13 +142,12 @@ def test_previous_checkpoint_is_offered_and_resumes_bitwise(run):
     d = copy_of(run, "resume-previous")
     flip(d / "checkpoint-4" / "__0_0.distcp")
     before = snapshot(d)
-    out = train_py([*ARGS, "--resume", str(d)])
+    out = in_process.run([*ARGS, "--resume", str(d)], check=False)
     assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
     assert "checkpoint-4/__0_0.distcp does not match its sha256" in out.stderr
     assert f"--resume {d} --resume-from checkpoint-3" in out.stderr
     assert snapshot(d) == before
-    out = train_py([*ARGS, "--resume", str(d), "--resume-from", "checkpoint-3"])
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = in_process.run([*ARGS, "--resume", str(d), "--resume-from", "checkpoint-3"])
     assert f"resumed {d} at update 3 (checkpoint-3, verified)" in out.stdout
     whole, resumed, previous = (gathered(p / c) for p, c in ((run, "checkpoint-4"), (d, "checkpoint-4"),
                                                             (run, "checkpoint-3")))
@@ -230,6 +217,7 @@ def _two_ranks(rank, world, run_dir):
         json.dump(result, f)
 
 
+@pytest.mark.slow
 def test_two_ranks_refuse_a_damaged_shard_of_rank_1(tmp_path):
     d = tmp_path / "two"
     d.mkdir()

@@ -154,6 +154,7 @@ def _two_ranks(rank, world, out):
         json.dump({"made": len(factory.made), "events": engine.take_events(), "weights": ro[0][2]}, f)
 
 
+@pytest.mark.slow
 def test_one_ranks_lost_engine_mid_sync_keeps_both_ranks_in_step(tmp_path):
     run_gloo(_two_ranks, 2, str(tmp_path / "r"))
     zero, one = (json.load(open(tmp_path / f"r.{i}")) for i in range(2))

@@ -107,6 +107,7 @@ def _agree(rank, world, out, failing):
         json.dump({"results": results, "value": value}, f)
 
 
+@pytest.mark.slow
 def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
     failing = {"none": [], "rank1": [1], "both": [0, 1]}
     run_gloo(_agree, 2, str(tmp_path / "r"), failing)
@@ -131,6 +132,7 @@ def _probe(rank, world, folders, out):
             json.dump(result, f)
 
 
+@pytest.mark.slow
 def test_shared_folder_probe(tmp_path):
     """One folder seen by both ranks passes, and is left as it was (folders made for the probe
     are removed again); each rank given its own folder (what unshared mounts of one path look
@@ -169,6 +171,7 @@ def _agreed_layout(rank, world, out, environs):
         json.dump(result, f)
 
 
+@pytest.mark.slow
 def test_the_layout_is_agreed_or_refused_on_every_rank(tmp_path):
     """Nodes that run different numbers of ranks (torchrun allows it) are refused on every
     rank, including the node whose own numbers divide WORLD_SIZE; a sound layout is read the
@@ -207,6 +210,7 @@ def _preempted(rank, world, out):
         f.write(f"{seen}|{stop.received}")
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_check(tmp_path):
     run_gloo(_preempted, 2, str(tmp_path / "r"))
     assert open(tmp_path / "r.0").read() == "[False, True]|a signal to another rank"

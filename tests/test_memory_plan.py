@@ -125,6 +125,7 @@ def test_memory_estimate_matches_measured_tensors():
     assert probe[0] > 0
 
 
+@pytest.mark.slow
 def test_update_cost_runs_at_tiny_widths():
     """bench/update_cost.py, the prepared one-GPU script, at the tiny width on this CPU: both
     methods run every phase of an update in their own process, LoGRA's payload is the smaller,

@@ -1,8 +1,8 @@
-"""What an operator meets, through train.py in subprocesses: two runs on one directory, a lost
-or odd `latest`, a torn metrics line, signals in the set-up and in a stop's teardown, bad data
-and tokenizer files, read-only and full file systems (small tmpfs mounts in a mount
-namespace). Every refusal is one line and an exit code, with no traceback, and leaves the run
-directory's files as they were (hashes before and after)."""
+"""What an operator meets: a lost or odd `latest`, a torn metrics line, a run directory that is a
+file (in this process: the fast tier); two runs on one directory, signals in the set-up and in a
+stop's teardown, read-only and full file systems (small tmpfs mounts in a mount namespace), all
+through train.py in subprocesses (the slow tier). Every refusal is one line and an exit code,
+with no traceback, and leaves the run directory's files as they were (hashes before and after)."""
 
 import hashlib
 import json
@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+import in_process
 from subproc import ROOT, env
 
 # Tiny and fast: no warm-up (a random base policy is enough to exercise the run's files).
@@ -63,6 +64,7 @@ def rows(d):
 
 # --- one run at a time ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_runs_on_one_directory(tmp_path):
     """The same command twice at once: one runs, the other stops in one line naming the holder;
     a third with another seed, started while the first runs, is refused the same way. The
@@ -102,7 +104,7 @@ def test_two_runs_on_one_directory(tmp_path):
 def test_a_lost_or_odd_latest_and_a_torn_log(tmp_path):
     d = tmp_path / "run"
     args = [*QUICK, "--updates", "3", "--save-every", "1", "--keep", "3", "--run-dir", str(d)]
-    first = train(args)
+    first = in_process.run(args, check=False)
     assert first.returncode == 0, first.stderr[-3000:]
     done = tree(d)
 
@@ -111,7 +113,7 @@ def test_a_lost_or_odd_latest_and_a_torn_log(tmp_path):
     os.remove(d / "latest")
     os.remove(d / "checkpoint-3" / "manifest.json")
     (d / "latest.tmp4242").write_text("checkpoint-3")  # what a killed save leaves
-    out = train(args)
+    out = in_process.run(args, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{d}: latest is missing; continuing from checkpoint-2, the newest checkpoint that verifies" in out.stdout
     assert f"continued {d} at update 2" in out.stdout and "removed 1 temporary file(s)" in out.stdout
@@ -121,7 +123,8 @@ def test_a_lost_or_odd_latest_and_a_torn_log(tmp_path):
     # latest lost, other options: refused, nothing changed (config.json not overwritten)
     os.remove(d / "latest")
     before = tree(d)
-    out = train([*args[:-4], "--updates", "5", "--save-every", "1", "--keep", "3", "--run-dir", str(d)])
+    out = in_process.run([*args[:-4], "--updates", "5", "--save-every", "1", "--keep", "3", "--run-dir", str(d)],
+                         check=False)
     one_line(out, 2, f"train.py: error: {d} holds another run (its options differ: updates)")
     assert tree(d) == before
 
@@ -129,7 +132,7 @@ def test_a_lost_or_odd_latest_and_a_torn_log(tmp_path):
     for make in (lambda p: os.symlink("checkpoint-3", p), os.mkdir):
         make(d / "latest")
         before = tree(d)
-        line = one_line(train(args), 2, f"train.py: error: --run-dir {d}: {d}/latest is a ")
+        line = one_line(in_process.run(args, check=False), 2, f"train.py: error: --run-dir {d}: {d}/latest is a ")
         assert "it must be the regular file a save writes" in line and tree(d) == before
         (os.remove if os.path.islink(d / "latest") else os.rmdir)(d / "latest")
 
@@ -139,7 +142,7 @@ def test_a_lost_or_odd_latest_and_a_torn_log(tmp_path):
     good = shard.read_bytes()
     shard.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     before = tree(d)
-    line = one_line(train(args), 2, f"train.py: error: --run-dir {d}: checkpoint-3/__0_0.distcp does not match")
+    line = one_line(in_process.run(args, check=False), 2, f"train.py: error: --run-dir {d}: checkpoint-3/__0_0.distcp does not match")
     assert f"checkpoint-2 verifies: resume from it with --resume {d} --resume-from checkpoint-2" in line
     assert tree(d) == before
     shard.write_bytes(good)
@@ -147,7 +150,7 @@ def test_a_lost_or_odd_latest_and_a_torn_log(tmp_path):
     # a torn last metrics line (a power loss during an append): dropped, said, continued
     with open(d / "metrics.jsonl", "a") as f:
         f.write('{"update": 4, "rew')
-    out = train(args)
+    out = in_process.run(args, check=False)
     assert out.returncode == 0 and "dropped the torn last line of" in out.stdout, out.stderr[-3000:]
     assert rows(d) == [0, 1, 2, 3]
 
@@ -155,7 +158,7 @@ def test_a_lost_or_odd_latest_and_a_torn_log(tmp_path):
     for c in ("checkpoint-1", "checkpoint-2", "checkpoint-3"):
         shutil.rmtree(d / c)
     before = tree(d)
-    line = one_line(train(args), 2, f"train.py: error: --run-dir {d} holds this run's metrics.jsonl (4 rows, to update 3) "
+    line = one_line(in_process.run(args, check=False), 2, f"train.py: error: --run-dir {d} holds this run's metrics.jsonl (4 rows, to update 3) "
                                     f"but no checkpoint to continue from")
     assert f"rm -r {d}" in line and "another --run-dir" in line and tree(d) == before
 
@@ -163,12 +166,13 @@ def test_a_lost_or_odd_latest_and_a_torn_log(tmp_path):
 def test_a_run_dir_that_is_a_file(tmp_path):
     f = tmp_path / "notes"
     f.write_text("mine")
-    one_line(train([*QUICK, "--run-dir", str(f)]), 2, f"train.py: error: --run-dir {f} is a file, not a folder")
+    one_line(in_process.run([*QUICK, "--run-dir", str(f)], check=False), 2, f"train.py: error: --run-dir {f} is a file, not a folder")
     assert f.read_text() == "mine" and os.listdir(tmp_path) == ["notes"]
 
 
 # --- signals ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sigterm_in_the_warm_up_stops_at_once(tmp_path):
     """A seed with no cached base policy warms up for minutes; SIGTERM once the run holds its
     directory (the warm-up follows within a second) stops it in the warm-up, at the next step:
@@ -188,6 +192,7 @@ def test_sigterm_in_the_warm_up_stops_at_once(tmp_path):
     assert "Traceback" not in err and os.listdir(tmp_path) == []  # no run directory, no cache, no .tmp
 
 
+@pytest.mark.slow
 def test_more_signals_during_a_stop_keep_exit_75(tmp_path):
     """SIGTERM asks for a stop; once the stop has begun (its line printed, the teardown under
     way), a further SIGTERM and two SIGINTs a second apart change nothing: exit 75."""
@@ -240,6 +245,7 @@ def quick(extra=""):
     return f'"$PY" train.py {" ".join(QUICK)} --run-dir "$D/run" {extra}'
 
 
+@pytest.mark.slow
 def test_a_read_only_file_system_at_start_and_at_resume(tmp_path):
     out = in_tmpfs(tmp_path / "ro", f'mount -o remount,ro "$D" && {quick()}')
     one_line(out, 2, f"train.py: error: --run-dir {tmp_path}/ro/run cannot be used ({tmp_path}/ro/run: Read-only "
@@ -250,6 +256,7 @@ def test_a_read_only_file_system_at_start_and_at_resume(tmp_path):
                      f"Read-only file system)")
 
 
+@pytest.mark.slow
 def test_a_full_file_system_at_start_leaves_nothing(tmp_path):
     """One page: the lock fits, config.json does not. One line, the cause and the free space,
     and no 0-byte config.json, no temporary file, no run directory left."""
@@ -262,6 +269,7 @@ def test_a_full_file_system_at_start_leaves_nothing(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "exit 2" and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_mid_run_is_one_line(tmp_path):
     """The disk fills between two saves: the log's next write fails; one line names the file
     and the cause, exit 2, no traceback from any thread or at exit, and no torn row."""

@@ -189,6 +189,7 @@ def _two_rank_baseline(rank, world, out_dir):
     torch.save({"advs": advs, "b": bl.value}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_two_process_baseline_matches_concatenation(tmp_path):
     run_gloo(_two_rank_baseline, 2, str(tmp_path))
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

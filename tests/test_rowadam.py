@@ -552,6 +552,7 @@ def two_ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
+@pytest.mark.slow
 def test_directions_across_ranks_equal_the_plain_formulas(two_ranks):
     """Departure 1: each layer's rows of D and v from the sharded path on 2 gloo processes, put
     together, are bitwise `row_adam_direction` on the whole layer in one process, and so are
@@ -566,6 +567,7 @@ def test_directions_across_ranks_equal_the_plain_formulas(two_ranks):
         assert torch.equal(alone_D[i], D) and torch.equal(alone_v[i], new_v), i
 
 
+@pytest.mark.slow
 def test_row_sharded_state_equals_one_process_bitwise(two_ranks):
     """Departure 1: 2 gloo ranks, each holding its rows of S, U, v and W, end with bitwise the
     weights, directions and moments of one process whose sketch holds both ranks' batches."""

@@ -36,6 +36,7 @@ def hold_in_child(path, seconds):
     return p
 
 
+@pytest.mark.slow
 def test_a_second_holder_is_refused_naming_the_first(tmp_path):
     d = tmp_path / "run"
     child = hold_in_child(d, 30)
@@ -68,6 +69,7 @@ def test_a_refused_hold_changes_nothing_and_a_released_one_leaves_nothing(tmp_pa
     assert f.read_text() == "x"
 
 
+@pytest.mark.slow
 def test_a_read_only_folder_is_one_line(tmp_path):
     if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs mount namespaces (unshare --mount, as root) to make a read-only file system")
@@ -248,6 +250,7 @@ except launch.Stopped as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["free", "hold"])
 def test_a_second_sigint_and_a_held_stop(mode):
     out = subprocess.run([sys.executable, "-c", PREEMPTION, mode], cwd=ROOT, env=env(), capture_output=True,

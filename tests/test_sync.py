@@ -201,6 +201,7 @@ def _two_process(rank, world, out_dir):
     torch.save(prints, os.path.join(out_dir, f"fp{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_two_process_sync(tmp_path):
     run_gloo(_two_process, 2, str(tmp_path))
     trainer_fp, engine_fp = (torch.load(tmp_path / f"fp{r}.pt") for r in range(2))
@@ -644,6 +645,7 @@ def _gather_on_two_ranks(rank, world, out_dir):
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_changes_gathered_from_row_shards_equal_the_whole_weights(tmp_path):
     """gather_changes on 2 gloo ranks, each holding its rows (uneven) of one weight: every rank
     gets the positions and values changed_elements finds on the whole weight, also when one

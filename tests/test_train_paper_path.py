@@ -1,32 +1,24 @@
-"""train.py's paper path, its CPU-testable parts: presets and --dry-run, the probe's sample size,
-and the sharded checkpoint load (the engine processes: test_vllm_engine.py; the memory plan:
-test_memory_plan.py)."""
+"""train.py's paper path, its CPU-testable parts: presets and --dry-run (in this process), the
+probe's sample size, and the sharded checkpoint load on 2 ranks (the slow tier; the engine
+processes: test_vllm_engine.py; the memory plan: test_memory_plan.py)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import in_process
 import kl_control
 import train
 from infra import memory_plan, planning, policy
 from infra.errors import RunError
 from distributed import run_gloo
-from subproc import ROOT
 from tiny import tiny_qwen2
 
 
-
-def dry(*args, world=None):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("WORLD_SIZE", None)
-    if world:
-        env["WORLD_SIZE"] = str(world)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", *args], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=120)
+def dry(*args):
+    """train.py --dry-run ARGS, in this process."""
+    return in_process.run(["--dry-run", *args], check=False)
 
 
 # Parameter counts published with the checkpoints (an independent reference for the configs);
@@ -88,10 +80,8 @@ def test_dry_run_plans_several_nodes():
 
 
 def test_27b_needs_a_model_path(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", "27b", "--run-dir",
-                          str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="4"))
-    assert out.returncode == 2 and "--model-path" in out.stderr
+    out = in_process.run(["--model", "27b", "--run-dir", str(tmp_path / "r")], check=False, WORLD_SIZE="4")
+    assert out.returncode == 2 and "--model-path" in out.stderr and not (tmp_path / "r").exists()
 
 
 def _sharded_load(rank, world, path, out):
@@ -103,6 +93,7 @@ def _sharded_load(rank, world, path, out):
         torch.save(logits, out)
 
 
+@pytest.mark.slow
 def test_meta_init_sharded_load_matches_the_checkpoint(tmp_path):
     ref = tiny_qwen2()
     ref.save_pretrained(tmp_path / "ckpt")
