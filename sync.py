@@ -5,11 +5,58 @@ What it is
 ----------
 After update t is merged, the trainer sends each rollout engine, per target layer, only the
 bf16 factor `F = alpha U` (d, r) that RowAdam merged, plus the update number. The engine
-regenerates `A_t` from the seed rule of sketch.py and merges `W -= F @ A_t` itself. The
-payload is `sum_layers d * r * 2` bytes, about r/k of a full bf16 weight sync. The paper's
-method section on seed-based sync (arXiv:2610.06647) has the trainer send `alpha eta U` and a
-seed for `A`, O(d r) values instead of a full (d, k) delta; `F` is that `alpha eta U` in
-bf16 (rowadam.py's `U = c D` stands for the paper's `eta U`).
+regenerates `A_t` from the seed rule of sketch.py and merges `W -= F @ A_t` itself, exactly
+as the trainer did, so that its bf16 weights stay bf16 of the trainer's fp32 master. The
+payload is `sum_layers d * r * 2` bytes, about r/k of a full bf16 weight sync.
+
+Use
+---
+    import sketch
+    import sync
+    from rowadam import RowAdam, avoid_bf16_ties_
+    engine = sync.EngineWeights(engine_model, base_seed=0, rank=8)  # a bf16 copy + an int16 residual per target
+    layers = sketch.attach(model, rank=8, seed=0)                    # the trainer: S and A_0, weights frozen
+    opt = RowAdam(layers)
+    masters = {layer.name: avoid_bf16_ties_(layer.module.weight.data) for layer in layers}  # no bf16 ties
+    engine.load_full(sync.full_payload(masters, update=0, base_seed=0, rank=8, dtype=torch.float32))
+    loss_fn(model, ids).backward()                                   # into the sketches
+    opt.prepare()
+    factors = opt.merge(alpha)                                       # the trainer: W -= F A_0
+    payload = sync.Payload(0, 0, 8, {l.name: f for l, f in zip(layers, factors)})
+    engine.apply(sync.decode(sync.encode(payload)))                  # the engine: W -= F A_0, from the seed
+    sync.check_fingerprints(sync.fingerprint(layers), engine.fingerprint())  # equal, or it raises
+
+For a Hugging Face causal LM `model` with fp32 weights, `engine_model` a bf16 copy of it (an
+engine's weights), a batch `ids`, a `loss_fn(model, ids)` and a step `alpha` (kl_control.py).
+`encode` makes the one uint8 buffer that travels (any torch.distributed backend, vLLM's
+NCCL channel: infra/vllm_engine.py); the engine checks and merges it, and its weights then
+equal bf16 of the trainer's, which the fingerprints confirm after every sync.
+tests/test_sync.py::test_the_use_block_runs runs this block on the tiny Qwen2.
+
+The math
+--------
+The paper's method section on seed-based sync (arXiv:2610.06647) has the trainer send
+`alpha eta U` and a seed for `A`, O(d r) values instead of a full (d, k) delta; `F` is that
+`alpha eta U` in bf16 (rowadam.py's `U = c D` stands for the paper's `eta U`). At update t,
+per target layer:
+
+    F     = bf16(alpha U)                       (d, r), what the trainer merged and sends
+    A_t   = sketch.make_projection(r, k, projection_seed(base_seed, t, name))   (r, k)
+    W    <- W - F @ A_t                         the engine, in the trainer's row chunks
+    bytes = sum_layers 2 d r  (+ a header)      against sum_layers 2 d k for bf16 weights
+
+The engine's weight is bf16, and a relative step of 6e-5 is far below bf16's resolution
+(~4e-3): a plain in-place bf16 `W -= F @ A` rounds almost every update away and the engine
+drifts from the trainer (tests/test_sync.py shows it). So it keeps the master (departure 1):
+
+    W     = bf16(W) + j ulp(W)                  j an int16 (no bf16 ties: rowadam.py)
+    merge: W = join(bf16, j);  W -= F @ A_t;  bf16, j = split(W)    chunk by chunk
+
+and both sides check each other with two integer checksums per target of the bf16 weights,
+
+    fingerprint = ( sum_i x_i,  sum_i x_i (i mod 65521 + 1) )      x_i: the 16-bit words
+
+which add up over row shards (FSDP2) and name the first layer that differs.
 
 Pieces
 ------
@@ -17,35 +64,30 @@ Pieces
   per update (a checked header, then the tensors), so it travels over any
   `torch.distributed` backend as one message. `full_payload` carries full weights instead
   (start-up, recovery, and train.py's `--sync full` control), in the same format.
+- `EngineWeights(model, base_seed=..., rank=..., layout="hf" | "vllm", exact=True)`: the
+  engine side: the model's bf16 weights and, to merge factors, an int16 residual per target
+  weight (departure 1). With `exact=False` it keeps no residual and takes only sparse deltas
+  and full weights. Payloads must arrive in order; a full sync may be streamed one decoder
+  layer per payload (`layer_groups`). vLLM fuses q/k/v into `qkv_proj` (rows [q; k; v]) and
+  gate/up into `gate_up_proj` (rows [gate; up]); the "vllm" layout applies each sub-layer's
+  factor to its own row block (`engine_layers`: architectures.py's table).
+- `fingerprint(...)` / `EngineWeights.fingerprint()` / `check_fingerprints(a, b)`.
 - `Sparse`, `changed_elements`, `gather_changes`, `sparse_delta`, `encode_index`/`decode_index`:
-  the exact sparse bf16 delta (train.py's `--sync delta`, for any optimizer): per target, the
+  the exact sparse bf16 delta (`--sync delta`, any optimizer; departure 2): per target, the
   positions and new bf16 values of the elements whose bf16 value an update changed, the
   positions as a bitmap or as LEB128 gaps, whichever is smaller, or the whole bf16 weight
-  where that is no larger (so a delta never exceeds a full bf16 sync); it carries the checksum
-  of the weights it applies to. An engine built with `exact=False` writes them into its bf16 weights and keeps
-  no residual (departure 2).
-- `EngineWeights(model, base_seed=..., rank=..., layout="hf" | "vllm", exact=True)`: the
-  engine side. To merge factors it keeps, next to the model's bf16 weight, an int16 residual
-  per target weight, so that bf16 weight + residual is the trainer's fp32 master exactly
-  (departure 1); every merge rebuilds the master chunk by chunk, merges as the trainer does
-  and splits it again, so the model's weight is always bf16(trainer master). With
-  `exact=False` it keeps no residual and takes only sparse deltas and full weights. Payloads
-  must arrive in order; a full sync may be streamed one decoder layer per payload
-  (`layer_groups`).
-- `fingerprint(...)` / `EngineWeights.fingerprint()` / `check_fingerprints(a, b)`: two
-  integer checksums per layer of the bf16 weights, comparable between the trainer (whose
-  fp32 master is rounded the same way) and the engine; a mismatch names the first layer.
-- `send`/`recv` over a `torch.distributed` group. The vLLM side (the worker extension that
-  calls `EngineWeights` inside each vLLM worker, and the weight channel) is in infra/vllm_engine.py;
-  this file is pure torch.
+  where that is no larger (a delta never exceeds a full bf16 sync); it carries the checksum
+  of the weights it applies to.
+- `send`/`recv` over a `torch.distributed` group. The trainer's side of each sync (streamed
+  per decoder layer, row shards gathered) is infra/engine_sync.py; the vLLM side (the worker
+  extension that runs `EngineWeights` inside each vLLM worker, the weight channel) is
+  infra/'s too. This file is pure torch, with sketch.py and rowadam.py.
 
-Why the engine needs more than its bf16 weight: a relative step of 6e-5 is far below bf16's
-resolution (~4e-3). A plain in-place bf16 `W -= F @ A` rounds almost every update away, and
-the engine silently drifts from the trainer (tests/test_sync.py shows it).
-
-vLLM fuses q/k/v into `qkv_proj` (rows [q; k; v]) and gate/up into `gate_up_proj`
-(rows [gate; up]); the "vllm" layout applies each sub-layer's factor to its own row block
-(`engine_layers`: which trainer layers each vLLM layer holds; architectures.py's table).
+Defaults
+--------
+Factors in bf16, as the engines merge them (fp32 would double the payload); one payload per
+decoder layer for a full sync, so neither side holds more than one layer's targets beyond its
+state; `CHECK_WORDS` bounds a checksum's int64 work, `CODE_CHUNK` a position code's.
 
 Shape legend: d out rows, k in columns, r rank.
 
@@ -68,12 +110,15 @@ Departures from the paper
    factors use (PULSE, arXiv:2602.03839: most bf16 weights do not change in one RL step). It
    is exact, since it sends what changed after the bf16 cast, needs no master on the engine
    and works for AdamW and LoRA too; its cost moves to the trainer, which keeps a bf16 copy
-   of its rows of what the engines hold to find the changes (train.py's `delta_sync`). Whether
+   of its rows of what the engines hold to find the changes (infra/engine_sync.py's `delta`). Whether
    it is smaller than the factors depends on the share of elements that change, which the
    step sets (bench/README.md, sync_modes and sync_delta). A delta made for other weights than
    the engine holds is refused by its base checksum, also when its update number fits (the
-   trainer skipped sending one). Tests: tests/test_sync.py,
-   test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer and
+   trainer skipped sending one). A target whose changes would cost as many bytes as its bf16
+   weight or more (LoRA's first merge) goes whole, so a delta never sends more than a full
+   bf16 sync. Tests: tests/test_sync.py,
+   test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer,
+   test_a_delta_never_sends_more_than_the_full_weight and
    test_bad_sparse_deltas_are_refused_and_change_nothing.
 
 Implementation notes

@@ -15,7 +15,7 @@ import sketch
 import sync
 from distributed import run_gloo
 from standin import vllm_standin
-from tiny import tiny_batch, tiny_qwen2
+from tiny import tiny_batch, tiny_qwen2, use_block
 
 SEED, RANK = 17, 8
 
@@ -52,6 +52,32 @@ def step(model, layers, opt, i, group=None):
 def engine_weight(engine, name):
     s = engine.slots[name]
     return s.param.detach()[s.row:s.row + s.rows]
+
+
+def test_the_use_block_runs():
+    """The module docstring's Use block on the tiny Qwen2: after its one update the engine's
+    master (bf16 weight + int16 residual) is the trainer's fp32 weight bit for bit, the
+    trainer's weight is W_0 - F A_0 (A_0 drawn again from the seed rule, float64), and the
+    payload is the factors' 2 d r bytes and a header, far below bf16 weights."""
+    block = use_block(sync.__doc__)
+    assert len(block.splitlines()) >= 10, block
+    model = tiny_qwen2()
+    engine_model = copy.deepcopy(model).to(torch.bfloat16)
+    before = {n: m.weight.detach().clone() for n, m in sketch.target_modules(model).items()}
+    run = dict(model=model, engine_model=engine_model, ids=tiny_batch(batch=3, length=9), loss_fn=lm_loss,
+               alpha=1.0, torch=torch)
+    exec(block, run)
+    engine, factors, payload = run["engine"], run["factors"], run["payload"]
+    assert engine.update == 1
+    for (name, m), f in zip(sketch.target_modules(model).items(), factors):
+        assert torch.equal(engine.master(name), m.weight.detach()), name  # bit for bit
+        a0 = sketch.make_projection(8, m.in_features, sketch.projection_seed(0, 0, name), dtype=torch.float64)
+        expect = before[name].double() - f.double() @ a0  # (d, k)
+        tol = 2 * torch.finfo(torch.float32).eps * before[name].abs().max().item()  # rounding, a tie's ulp
+        torch.testing.assert_close(m.weight.detach().double(), expect, rtol=0, atol=tol)
+    factor_bytes = sum(2 * m.out_features * 8 for m in sketch.target_modules(model).values())
+    sent = sync.encode(payload).numel()
+    assert factor_bytes < sent < factor_bytes + 4096 < sum(2 * w.numel() for w in before.values())
 
 
 def test_200_payloads_track_the_trainer_in_both_layouts():
