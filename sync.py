@@ -29,7 +29,7 @@ Use
 For a Hugging Face causal LM `model` with fp32 weights, `engine_model` a bf16 copy of it (an
 engine's weights), a batch `ids`, a `loss_fn(model, ids)` and a step `alpha` (kl_control.py).
 `encode` makes the one uint8 buffer that travels (any torch.distributed backend, vLLM's
-NCCL channel: infra/vllm_engine.py); the engine checks and merges it, and its weights then
+NCCL channel: infra/vllm_channel.py); the engine checks and merges it, and its weights then
 equal bf16 of the trainer's, which the fingerprints confirm after every sync.
 tests/test_sync.py::test_the_use_block_runs runs this block on the tiny Qwen2.
 

@@ -55,7 +55,7 @@ import kl_control
 import ppo
 import sketch
 import sync
-from infra import engine_sync, launch, lifecycle, metrics, planning, policy, tasks, vllm_engine
+from infra import engine_sync, launch, lifecycle, metrics, planning, policy, task_data, tasks, vllm_engine
 from infra.engine import HFEngine, evaluate, rollout_slots
 from infra.errors import RunError
 from infra.options import Config
@@ -349,7 +349,7 @@ def setup(cfg: Config, opened, run_dir: str):
                 interrupt=lambda: opened.preemption.check("the engine's start")), **kw)
 
     if cfg.task in tasks.CHAT_TASKS:
-        task = launch.agreed(tasks.chat_task, cfg.task, cfg.model_path, seed=cfg.seed, eval_problems=cfg.eval_problems,
+        task = launch.agreed(task_data.chat_task, cfg.task, cfg.model_path, seed=cfg.seed, eval_problems=cfg.eval_problems,
                              train_data=cfg.train_data, eval_data=cfg.eval_data, gym_tasks=cfg.gym_tasks,
                              gym_level=cfg.gym_level, max_prompt_tokens=cfg.context - cfg.max_new_tokens)
         model = policy.load_pretrained_sharded(cfg.model_path, cfg.optimizer, device, layout.world, rank,

@@ -77,7 +77,7 @@ What TRL lacks for LoGRA's weight sync: TRL pushes every full weight to its vLLM
 broadcast of every parameter in server mode). LoGRA's seed-based sync sends only the bf16 factors
 F (d, r) and the update number and needs the merge `W -= F A_t` on the engine side, into an
 fp32 master kept as bf16 weight plus int16 residual (sync.py's `EngineWeights`;
-infra/vllm_engine.py runs it as a vLLM worker extension). TRL gives no place for it: colocate
+infra/vllm_serve.py runs it as a vLLM worker extension). TRL gives no place for it: colocate
 mode builds its `LLM` without a worker extension and server mode's `trl vllm-serve` has no
 command for it. So under TRL, LoGRA merges into the trainer's fp32 weights and TRL sends them
 whole, as train.py's `--sync full` control does: the same updates, the engine's bf16 weights

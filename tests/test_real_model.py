@@ -142,9 +142,9 @@ def test_the_task_files_are_the_paper_formats_disjoint_and_right(tmp_path):
     import re
 
     import train
-    from infra import tasks
+    from infra import task_data, tasks
 
-    train_set, heldout = tasks.load_math_data(*real_model.write_task(str(tmp_path)))
+    train_set, heldout = task_data.load_math_data(*real_model.write_task(str(tmp_path)))
     assert len(train_set) == len(heldout) == 200 == train.PRESETS["smollm2-cpu"].eval_problems
     pairs = []
     for question, gold in train_set + heldout:

@@ -1,4 +1,4 @@
-"""A chat task's files (tasks.chat_task): a bad data file or a model folder without a usable
+"""A chat task's files (task_data.chat_task): a bad data file or a model folder without a usable
 tokenizer is refused with one line (a TaskError: train.py prints `train.py: error: ...` and
 exits 2) that names the file, and for a data file the line or row, before any model or engine
 is loaded. The fixtures are tests/tiny_math.py's tokenizer and data files, without its model."""
@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 import tiny_math
-from infra import tasks
+from infra import task_data, tasks
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def _rows(path) -> list[dict]:
 
 
 def math_task(model, train, eval_data):
-    return tasks.chat_task("math", str(model), seed=0, eval_problems=8, train_data=str(train), eval_data=str(eval_data))
+    return task_data.chat_task("math", str(model), seed=0, eval_problems=8, train_data=str(train), eval_data=str(eval_data))
 
 
 def refusal(call, *args, names) -> str:
@@ -202,7 +202,7 @@ def test_the_reasoning_gym_task_checks_the_tokenizer_too(made, tmp_path):
     os.remove(os.path.join(folder, "tokenizer.json"))
 
     def gym_task(path):
-        return tasks.chat_task("reasoning-gym", path, seed=0, eval_problems=2, gym_tasks="chain_sum")
+        return task_data.chat_task("reasoning-gym", path, seed=0, eval_problems=2, gym_tasks="chain_sum")
 
     assert "no tokenizer files there" in refusal(gym_task, folder, names=f"--model-path {folder}")
 

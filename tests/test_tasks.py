@@ -4,7 +4,7 @@ tiny arithmetic task, and the supervised warm-up that makes its base policy."""
 import pytest
 import torch
 
-from infra import tasks
+from infra import task_data, tasks
 from tiny import tiny_qwen2
 
 
@@ -30,16 +30,16 @@ def test_dapo_prompt_extraction():
     content = ("Solve the following math problem step by step. The last line of your response should be of "
                "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
                "What is $1+1$?\n\nRemember to put your answer on its own line after \"Answer:\".")
-    assert tasks.dapo_problem(content) == "What is $1+1$?"
-    assert tasks.dapo_problem("  Plain problem.  ") == "Plain problem."
+    assert task_data.dapo_problem(content) == "What is $1+1$?"
+    assert task_data.dapo_problem("  Plain problem.  ") == "Plain problem."
 
 
 def test_missing_data_raises_a_task_error(tmp_path):
     with pytest.raises(tasks.TaskError, match="no .parquet, .jsonl or .json file"):
-        tasks.read_rows(str(tmp_path), "training data", "--train-data")
+        task_data.read_rows(str(tmp_path), "training data", "--train-data")
     (tmp_path / "rows.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
     with pytest.raises(tasks.TaskError, match="prompt\\[0\\].content"):
-        tasks.load_math_data(str(tmp_path / "rows.jsonl"), str(tmp_path / "rows.jsonl"))
+        task_data.load_math_data(str(tmp_path / "rows.jsonl"), str(tmp_path / "rows.jsonl"))
 
 
 def test_arithmetic_draws_no_heldout_problem_and_grades_exactly():

