@@ -112,7 +112,7 @@ Departures from the paper
    and works for AdamW and LoRA too; its cost moves to the trainer, which keeps a bf16 copy
    of its rows of what the engines hold to find the changes (infra/engine_sync.py's `delta`). Whether
    it is smaller than the factors depends on the share of elements that change, which the
-   step sets (bench/README.md, sync_modes and sync_delta). A delta made for other weights than
+   step sets (bench/README.md, `syncs`). A delta made for other weights than
    the engine holds is refused by its base checksum, also when its update number fits (the
    trainer skipped sending one). A target whose changes would cost as many bytes as its bf16
    weight or more (LoRA's first merge) goes whole, so a delta never sends more than a full

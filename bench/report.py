@@ -14,7 +14,10 @@ two marker lines changes; everything else in the file stays byte for byte as it 
 
     table(header, rows) -> str      a Markdown table, exactly as the scripts print it
     row(cells) -> str               one line of such a table (for scripts that print as they go)
-    publish(name, markdown)         replace the block NAME in README.md and bench/README.md
+    publish(name, markdown)         replace the block NAME in README.md and bench/README.md, and
+                                    record what it cost (bench/results/costs.json: the seconds since
+                                    the script imported this module, its command, date and machine;
+                                    bench/run.py lists them)
     check(*names)                   fail now, before a long run, if a block cannot be published
     parse_args(parser, *names)      a script's arguments with --markdown, the blocks checked
 
@@ -23,10 +26,12 @@ this module needs only infra/checkpoint.py, for its atomic write.
 """
 
 import datetime
+import json
 import os
 import platform
 import shlex
 import sys
+import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
@@ -35,6 +40,8 @@ from infra import checkpoint  # noqa: E402  (infra/checkpoint.py: write_atomic)
 # The files a block may live in. A name may appear in either or both; every file that has the
 # markers gets the new block.
 READMES = (os.path.join(ROOT, "README.md"), os.path.join(BENCH, "README.md"))
+COSTS = os.path.join(BENCH, "results", "costs.json")  # {block: its last regeneration's cost}
+STARTED = time.time()  # the script imports this module first: a block's cost is counted from here
 
 
 # --- Markdown tables -----------------------------------------------------------------------
@@ -194,4 +201,14 @@ def publish(name: str, markdown: str) -> list[str]:
     for path, new in updates.items():
         checkpoint.write_atomic(path, new.encode("utf-8"))  # a reader never sees half a file
         print(f"published bench:{name} in {os.path.relpath(path, ROOT)}")
+    record_cost(name)
     return list(updates)
+
+
+def record_cost(name: str) -> None:
+    """Write down what regenerating block `name` cost here: the seconds since the script
+    started (this module's import), with its command, the date and the machine."""
+    costs = json.load(open(COSTS)) if os.path.exists(COSTS) else {}
+    costs[name] = {"seconds": round(time.time() - STARTED), "command": command(), "machine": machine(),
+                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
+    checkpoint.write_atomic(COSTS, (json.dumps(costs, indent=1, sort_keys=True) + "\n").encode())

