@@ -399,11 +399,12 @@ def test_more_prompt_tokens_than_vllms_cpu_budget_in_one_call(cpu_engine, tiny_m
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllms_own_processes_dying_under_a_rollout_is_a_lost_engine(cpu_engine, tiny_math):
+def test_vllms_own_processes_dying_under_a_rollout_is_a_lost_engine(cpu_delta_engine, tiny_math):
     """The OOM killer's likelier victim is vLLM's engine-core or worker process, not the engine
     process, and vLLM then hangs in the rollout: the trainer watches every process of the
     engine and reports it lost within seconds (heal.py restarts it), not after the timeout.
-    Last user of the module's engine."""
+    The last user of the session's engine without a master (the slow tier's own engine)."""
+    cpu_engine = cpu_delta_engine
     pid = cpu_engine.proc.proc.pid
     children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == pid]
     assert children, "no vLLM process under the engine process"
@@ -500,7 +501,7 @@ def test_chat_tasks_with_vllm_engines(tiny_math, math_runs, task, world):
         config = json.load(open(run_dir / "config.json"))
         assert (config["task"], config["gym_tasks"], config["gym_level"]) == ("reasoning-gym",
                                                                                "chain_sum,fraction_simplification", 0)
-        assert "train_data" not in config and "on 20 held-out problems" in out.stdout
+        assert config["train_data"] is None and "on 20 held-out problems" in out.stdout
         assert all(0 <= r["accuracy"] <= 1 and -0.01 <= r["reward"] <= 1 for r in updates)
     # The engine's log-probs agree with the trainer's on the same tokens (bf16 engine, fp32 trainer).
     assert all(r["logp_gap_mean"] < 2e-2 and r["logp_gap_max"] < 0.25 for r in updates)
