@@ -242,7 +242,7 @@ def resume_path(run_dir: str, resume_from, *, rank: int, world: int, option: str
     if good:
         advice = f"{good} verifies: resume from it with --resume {run_dir} --resume-from {good}"
     else:
-        advice = (f"no other checkpoint verifies" if others else "no other checkpoint is kept (see --keep)") + \
+        advice = ("no other checkpoint verifies" if others else "no other checkpoint is kept (see --keep)") + \
             f": nothing here can be continued; {fresh}"
     raise CheckpointError(f"{option}: {problem}; {advice}")
 

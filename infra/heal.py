@@ -18,7 +18,7 @@ line and one entry of `take_events()` (its cause, its ranks, its cost), which tr
 to metrics.jsonl.
 
     engine = Supervisor(lambda: VLLMEngine(...), restarts=3, log=print)
-    engine.attach(resync=lambda target, update: full_sync(target, ...), fingerprint=trainer_fp)
+    engine.attach(resync=lambda target, update: engine_sync.full(target, ...), fingerprint=trainer_fp)
 
 Why a healed run is bitwise the run that met no fault
 -----------------------------------------------------

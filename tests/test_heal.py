@@ -140,7 +140,7 @@ def test_an_error_that_is_not_a_loss_is_not_restarted():
 
 def _two_ranks(rank, world, out):
     """Rank 1's engine is lost at the first payload of the second sync; between payloads every
-    rank runs a collective, as train.py's factor_sync gathers each layer's rows."""
+    rank runs a collective, as infra/engine_sync.py's factors gathers each layer's rows."""
     factory, trainer = Factory(plan={("apply", 3)} if rank == 1 else set()), Trainer()
     engine = supervised(factory, trainer)
     for _ in range(3):

@@ -108,7 +108,7 @@ def test_every_method_file_has_a_use_block_that_a_test_runs():
         module_doc = ast.get_docstring(ast.parse(open(path_of(name)).read()))
         assert len(use_block(module_doc).splitlines()) >= 5, name
         test = open(os.path.join(ROOT, "tests", f"test_{name}.py")).read()
-        assert re.search(rf"def test_the_use_block_runs\w*\(", test) and f"use_block({name}.__doc__)" in test, name
+        assert re.search(r"def test_the_use_block_runs\w*\(", test) and f"use_block({name}.__doc__)" in test, name
 
 
 def test_every_measured_block_has_a_table_that_regenerates_it():

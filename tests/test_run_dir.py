@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from infra import checkpoint, metrics, run_dir
+from infra import checkpoint, run_dir
 from subproc import ROOT, env
 
 HOLDER = """

@@ -168,8 +168,9 @@ def test_delta_sync_on_one_and_two_ranks(runs, optimizer):
     assert sent[0] == sent[1] and len(sent[0]) == 4 and max(sent[0]) <= full + headers, (sent, full)
     changed = [[r["sync_changed"] for r in map(json.loads, open(d / "metrics.jsonl")) if "sync_bytes" in r]
                for d in (one, two)]
-    # The share logged is the share sent: its bf16 values alone are 2 bytes an element of full / 2.
-    assert changed[0] == changed[1] and all(0 < c < 1 and c * full <= s for c, s in zip(changed[0], sent[0]))
+    # The share logged is the share sent: its bf16 values alone are 2 bytes an element of full / 2
+    # (all of them where LoGRA's or LoRA's first merge changes every element, as on some CPUs).
+    assert changed[0] == changed[1] and all(0 < c <= 1 and c * full <= s for c, s in zip(changed[0], sent[0]))
 
 
 # Groups of 4 responses per prompt, RLOO's advantages: two groups, one on each rank of two.
