@@ -146,13 +146,20 @@ def hold(run_dir: str, *, warn=print) -> Hold:
         raise RunDirError(f"--run-dir {run_dir} cannot be used ({os_cause(e)}): {os_advice(e)}") from None
 
 
-def holder(path: str) -> str:
-    """Who holds a lock file, from its bytes: "host H pid P since T"."""
-    try:
-        with open(path) as f:
-            return f.read().strip() or "its holder is still writing its name"
-    except (OSError, UnicodeDecodeError):
-        return "holder unknown"
+def holder(path: str, wait: float = 2.0) -> str:
+    """Who holds a lock file, from its bytes: "host H pid P since T". A holder writes its name
+    right after it takes the lock: a run that lost the race by microseconds finds the file
+    still empty, and reads it again for up to `wait` seconds."""
+    end = time.monotonic() + wait
+    while True:
+        try:
+            with open(path) as f:
+                name = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            return "holder unknown"
+        if name or time.monotonic() >= end:
+            return name or "its holder has not written its name"
+        time.sleep(0.01)
 
 
 def _remove_empty(folders):

@@ -36,6 +36,22 @@ def hold_in_child(path, seconds):
     return p
 
 
+def test_a_run_that_loses_the_race_by_microseconds_still_names_the_holder(tmp_path):
+    """Two runs started together: the winner writes its name just after it takes the lock, and
+    the loser, refused at that moment, reads an empty file; it reads again until the name is
+    there (the refusal names the holder whatever the machine's timing), or says it has none."""
+    import threading
+
+    path = tmp_path / "run.lock"
+    path.write_text("")
+    later = threading.Timer(0.2, lambda: path.write_text("host h pid 7 since now"))
+    later.start()
+    assert run_dir.holder(str(path)) == "host h pid 7 since now"
+    later.join()
+    path.write_text("")
+    assert run_dir.holder(str(path), wait=0.05) == "its holder has not written its name"
+
+
 @pytest.mark.slow
 def test_a_second_holder_is_refused_naming_the_first(tmp_path):
     d = tmp_path / "run"
