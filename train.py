@@ -236,9 +236,9 @@ def run(argv=None):
         # --- log, evaluate, checkpoint ------------------------------------------------------
         completed = update + 1  # updates completed
         row = metrics.update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss_stats,
-                                 mismatch=r.mismatch.m, sync_bytes=sync_bytes, sync_changed=changed, num_tokens=num_tokens,
-                                 seconds=sum(timer.times.values()), device=device, group_size=cfg.group_size,
-                                 flat_groups=flat)
+                                 mismatch=r.mismatch.m, sync_bytes=sync_bytes, sync_changed=changed,
+                                 num_tokens=num_tokens, seconds=sum(timer.times.values()), device=device,
+                                 group_size=cfg.group_size, flat_groups=flat)
         if cfg.eval_every and (completed % cfg.eval_every == 0 or completed == cfg.updates):
             row["pass1"], row["passk"] = evaluate(engine, task, **held_out)
             timer("eval")
@@ -349,9 +349,10 @@ def setup(cfg: Config, opened, run_dir: str):
                 interrupt=lambda: opened.preemption.check("the engine's start")), **kw)
 
     if cfg.task in tasks.CHAT_TASKS:
-        task = launch.agreed(task_data.chat_task, cfg.task, cfg.model_path, seed=cfg.seed, eval_problems=cfg.eval_problems,
-                             train_data=cfg.train_data, eval_data=cfg.eval_data, gym_tasks=cfg.gym_tasks,
-                             gym_level=cfg.gym_level, max_prompt_tokens=cfg.context - cfg.max_new_tokens)
+        task = launch.agreed(task_data.chat_task, cfg.task, cfg.model_path, seed=cfg.seed,
+                             eval_problems=cfg.eval_problems, train_data=cfg.train_data, eval_data=cfg.eval_data,
+                             gym_tasks=cfg.gym_tasks, gym_level=cfg.gym_level,
+                             max_prompt_tokens=cfg.context - cfg.max_new_tokens)
         model = policy.load_pretrained_sharded(cfg.model_path, cfg.optimizer, device, layout.world, rank,
                                                sketch_rank=cfg.sketch_rank, lora_alpha=cfg.lora_alpha, seed=cfg.seed)
         opened.commit()

@@ -93,7 +93,8 @@ def sizes() -> str:
         shapes, params = target_shapes(train.PRESETS[name].model)
         full_targets, whole = sum(d * k * 2 for d, k in shapes.values()), params * 2
         for r in (64, 256):
-            payload = sync.Payload(0, 0, r, {n: torch.zeros(d, r, dtype=torch.bfloat16) for n, (d, k) in shapes.items()})
+            zeros = {n: torch.zeros(d, r, dtype=torch.bfloat16) for n, (d, k) in shapes.items()}  # (d, r) each
+            payload = sync.Payload(0, 0, r, zeros)
             size = sync.encode(payload).numel()
             rows.append([name, r, f"{size / MIB:.1f} MiB", f"{full_targets / GIB:.2f} GiB",
                          f"1/{full_targets / size:.1f}", f"{whole / GIB:.2f} GiB", f"1/{whole / size:.1f}"])
@@ -113,7 +114,8 @@ def merge_timings(reps: int, rank: int) -> str:
     g = torch.Generator().manual_seed(0)
     times = {k: [] for k in ("encode", "decode", "apply", "load_full")}
     for i in range(reps + 1):
-        factors = {n: (torch.randn(s.rows, rank, generator=g) * 1e-4).to(torch.bfloat16) for n, s in engine.slots.items()}
+        factors = {n: (torch.randn(s.rows, rank, generator=g) * 1e-4).to(torch.bfloat16)  # (d, r)
+                   for n, s in engine.slots.items()}
         t0 = time.perf_counter()
         buf = sync.encode(sync.Payload(engine.update, 0, rank, factors))
         t1 = time.perf_counter()

@@ -167,12 +167,12 @@ def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss
     """The metrics row of one update (train.py's loop): rewards and accuracy over the global
     batch (sums and counts reduced across ranks), the step's KL control (`kl_step`: kl1,
     alpha, budget, sketch_norm, kl_real, probed), AdamW's or LoRA's learning rate (its `lr`;
-    None for LoGRA) and the method's state on this rank (its `state` bytes,
-    policy.state_bytes), the engine/trainer log-prob gap, the mismatch estimate, the sync's bytes (and with --sync
-    delta the share of target elements it changed, `sync_changed`), memory and throughput over
-    the update's `seconds`; with groups of `group_size` > 1 responses per prompt, the share of
-    groups whose rewards were all equal (`flat_groups`: this rank's count), which give no
-    signal."""
+    None for LoGRA) and the method's state on this rank (its `state` bytes:
+    policy.state_bytes), the engine/trainer log-prob gap, the mismatch estimate, the sync's
+    bytes (and with --sync delta the share of target elements it changed, `sync_changed`),
+    memory and throughput over the update's `seconds`; with groups of `group_size` > 1
+    responses per prompt, the share of groups whose rewards were all equal (`flat_groups`:
+    this rank's count), which give no signal."""
     flat = [] if flat_groups is None else [float(flat_groups)]
     (reward_sum, correct_sum, count, *flat), _ = global_sums(
         [rewards.sum().item(), correct.sum().item(), len(rewards), *flat], device=device)
@@ -181,7 +181,8 @@ def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss
     tis = loss_stats.get("tis_weight")
     return {"update": completed, "reward": reward_sum / count, "accuracy": correct_sum / count,
             "kl_pred": kl_step["alpha"]**2 * kl_step["kl1"], "kl_real": kl_step["kl_real"], "alpha": kl_step["alpha"],
-            "probe_responses": kl_step["probed"], "lr": kl_step["lr"], "budget": kl_step["budget"], "mismatch": mismatch,
+            "probe_responses": kl_step["probed"], "lr": kl_step["lr"], "budget": kl_step["budget"],
+            "mismatch": mismatch,
             "sketch_norm": kl_step["sketch_norm"], "tis_weight": None if tis is None else float(tis),
             "logp_gap_mean": gap_mean, "logp_gap_max": gap_max, "sync_bytes": sync_bytes,
             "mem_gib": memory_gib(device), "tokens": num_tokens, "tokens_per_s": num_tokens / seconds, **groups,

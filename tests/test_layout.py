@@ -143,7 +143,8 @@ CALLS = {
     "infra.launch": ("l = launch.Layout.from_env({'WORLD_SIZE': '8', 'LOCAL_WORLD_SIZE': '4'}, '4,5,6,7'); "
                      "launch.check(l, 8); launch.check_shared_folder('.'); assert l.engine_gpu(1) == 5 and l.nodes == 2"),
     "infra.options": ("flags, given = options.parse(['--rank', '4'], {'tiny': None}); "
-                      "assert given == {'sketch_rank': 4} and flags.model == 'tiny' and options.flag('sketch_rank') == '--rank'"),
+                      "assert given == {'sketch_rank': 4} and flags.model == 'tiny' "
+                      "and options.flag('sketch_rank') == '--rank'"),
     "infra.planning": ("import dataclasses; from infra.options import Config; "
                        "c = Config(preset='tiny', task='arithmetic', model=dict(hidden_size=64, intermediate_size=128, "
                        "num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1), sketch_rank=8, batch=8, "
