@@ -38,14 +38,14 @@ import glob
 import json
 import os
 
-from infra.tasks import GymTask, MathTask, TaskError, gym_mixture, one_line
+from infra.tasks import ChatTask, GymTask, MathTask, TaskError, gym_mixture, one_line
 
 DAPO_PREFIX = "Solve the following math problem step by step."
 DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
 
 
 def chat_task(task: str, model_path: str, *, seed: int, eval_problems: int, train_data=None, eval_data=None,
-              gym_tasks=None, gym_level=0, max_prompt_tokens=None):
+              gym_tasks=None, gym_level=0, max_prompt_tokens=None) -> ChatTask:
     """A chat checkpoint's task: the math task from this node's tokenizer and data files, or
     Reasoning Gym's problems made from the seed (at most `max_prompt_tokens` a prompt).
 

@@ -415,8 +415,6 @@ class VLLMEngine:
         self.proc.stop()
 
 
-
-
 def start_engine(*, layout, rank: int, model_path: str, context: int, seed: int, sketch_rank: int, device,
                  run_dir: str, timeout: float, restarts: int, log, progress=None, **engine_kw):
     """This training rank's vLLM engine, on its node: on the node's GPU engine_gpus[LOCAL_RANK]
