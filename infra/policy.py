@@ -6,7 +6,8 @@ What it is
 ----------
 - `tiny_policy(...)`: the tiny presets' Qwen2 (`build_model`, from the preset's widths, no
   download) and its base policy (`base_policy`: the supervised warm-up of tasks.warmup, cached
-  next to the run directory under a hash of everything it depends on, `base_policy_path`).
+  next to the run directory under a hash of everything it depends on, `base_policy_path`, and
+  copied into the run directory, from which a resumed run loads it).
 - `load_pretrained_sharded(...)`: a chat checkpoint on the meta device, FSDP2-sharded, then
   filled by a sharded load (rank 0 reads the checkpoint once; the state dict is broadcast).
 - `freeze_for(model, optimizer, ...)`: what trains. LoGRA: nothing has a gradient (the
@@ -97,9 +98,19 @@ def tiny_policy(widths: dict, task, run_dir: str, *, preset: str, seed: int, war
     failure on one rank stops all). `interrupt`: base_policy's."""
     model = build_model(widths, task.vocab_size, seed).to(device)
     if warmup["steps"]:
-        path = base_policy_path(widths, task, run_dir, preset=preset, seed=seed, warmup=warmup)
-        launch.agreed(lambda: base_policy(model, task, path, **warmup, seed=seed, log=log, interrupt=interrupt)
-                      if rank == 0 else None)
+        shared = base_policy_path(widths, task, run_dir, preset=preset, seed=seed, warmup=warmup)
+        # The run's own copy, in its directory: a run resumed elsewhere (a copied or moved run
+        # directory, another machine) starts its engine from the very bits it was trained from,
+        # not from a warm-up made again, whose bits another CPU's rounding may change.
+        own = os.path.join(run_dir, os.path.basename(shared))
+        path = own if os.path.exists(own) else shared
+
+        def load_or_make():
+            base_policy(model, task, path, **warmup, seed=seed, log=log, interrupt=interrupt)
+            if path != own:
+                checkpoint.write_atomic(own, open(path, "rb").read())
+
+        launch.agreed(lambda: load_or_make() if rank == 0 else None)
         if world > 1:
             launch.agreed(lambda: model.load_state_dict(torch.load(path, weights_only=True, map_location=device))
                           if rank else None)

@@ -12,15 +12,23 @@ processes (gloo ranks, torchrun, two "nodes"), runs train.py through vLLM engine
 faults (SIGKILL, SIGTERM, full and read-only file systems, engines killed mid-sync).
 
 Shared for the session: `runs`, the folder where tiny runs cache their base policy's warm-up
-(every run of the same warm-up and seed loads the one made first); `tiny_math`, the paper's
+(every run of the same warm-up and seed loads the one made first), which starts with the tiny
+preset's own for seed 0 (tests/data/base-tiny-seed0.pt: its 3000-step warm-up, made once by
+`python train.py`, right about a third of the time), so that every machine trains from the same
+bits and every batch of tests/test_train.py's runs is likely to hold a right answer, whatever
+a CPU's rounding samples (after a change of the warm-up or the task, its name no longer
+matches, the runs warm up again, and test_smoke_run says so); `tiny_math`, the paper's
 task formats at toy size (tests/tiny_math.py: a checkpoint, its tokenizer, train and eval
 files); `cpu_engine`, one vLLM CPU engine on that checkpoint that keeps the exact master
 (factor payloads), and `cpu_delta_engine`, one that keeps none (sparse deltas).
 """
 
+import os
+import shutil
+
 import pytest
 
-from subproc import engine_processes
+from subproc import ROOT, engine_processes
 
 RANK, SEED = 16, 5  # the session engines' sketch rank and base seed
 
@@ -46,8 +54,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """One folder for the session's tiny runs: their base policy is cached beside their run
-    directories (infra/policy.py), so that the warm-up runs once."""
-    return tmp_path_factory.mktemp("runs")
+    directories (infra/policy.py), so that the warm-up runs once; the tiny preset's own for
+    seed 0 is there from the start."""
+    import train
+    from infra import policy, tasks
+
+    folder = tmp_path_factory.mktemp("runs")
+    cfg = train.PRESETS["tiny"]
+    warmup = dict(steps=cfg.warmup_steps, batch=cfg.warmup_batch, lr=cfg.warmup_lr, unboxed=cfg.warmup_unboxed)
+    cached = policy.base_policy_path(cfg.model, tasks.Arithmetic(0, cfg.eval_problems), str(folder / "run"),
+                                     preset="tiny", seed=0, warmup=warmup)
+    shutil.copyfile(os.path.join(ROOT, "tests", "data", "base-tiny-seed0.pt"), cached)
+    return folder
 
 
 @pytest.fixture(scope="session")

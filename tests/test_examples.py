@@ -4,6 +4,7 @@ import os
 import statistics
 import sys
 
+import pytest
 import torch
 
 from subproc import ROOT
@@ -13,9 +14,17 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import minimal_loop  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The example runs on one thread; the session's count is given back after each test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_minimal_loop_learns_with_both_optimizers():
     """40 updates from chance (1/32 good tokens): both optimizers raise the reward several fold."""
-    torch.set_num_threads(1)
     for method in ("logra", "adamw"):
         rewards = minimal_loop.train(method, updates=40, batch=32, seed=0, log=lambda line: None)["rewards"]
         first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
@@ -27,7 +36,6 @@ def test_minimal_loop_moves_the_weights_as_logra_merges():
     weight W - F A, F the merged factors and A the update's projection: F A recomputed in
     float64 and rounded once to fp32, as rowadam.py states its merge (within the one fp32 ulp
     that the bf16-tie rule may add)."""
-    torch.set_num_threads(1)
     model = minimal_loop.tiny_model(0)
     layers = minimal_loop.sketch.attach(model, rank=32, seed=0)
     opt = minimal_loop.RowAdam(layers, base_seed=0, update_ratio=1e-2)

@@ -18,8 +18,9 @@ import torch
 import in_process
 from subproc import ROOT, env, model_state, read_checkpoint, two_nodes
 
-# A few small updates: a short warm-up (cached for the session: conftest.runs), batch 8, 16 held-out problems.
-SMALL = ["--warmup-steps", "300", "--batch", "8", "--eval-problems", "16", "--eval-every", "0", "--rank", "8"]
+# A few small updates from the tiny preset's base policy (shipped for seed 0: conftest.runs), batch 8,
+# 16 held-out problems.
+SMALL = ["--batch", "8", "--eval-problems", "16", "--eval-every", "0", "--rank", "8"]
 
 
 def run(args, *, check=True, **kw):
@@ -34,6 +35,7 @@ def run(args, *, check=True, **kw):
 def test_smoke_run(runs, optimizer):
     d = runs / f"smoke-{optimizer}"
     out = in_process.run([*SMALL, "--updates", "3", "--optimizer", optimizer, "--run-dir", str(d)])
+    assert "base policy: loaded" in out.stdout  # the shipped one (tests/data): regenerate it if this fails
     rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
     assert [r["update"] for r in rows] == [0, 1, 2, 3]
     assert "pass1" in rows[0] and all(-0.01 <= r["reward"] <= 1.0 for r in rows[1:])
@@ -69,18 +71,19 @@ def test_smoke_run(runs, optimizer):
 
 
 def test_lora_deltas_never_exceed_a_full_sync(runs):
-    """--optimizer lora --sync delta in one process: LoRA's first merge (B moves off zero)
-    changes most elements of every target (all of them on some CPUs), and its delta costs at
+    """--optimizer lora --sync delta in one process: whatever share of the elements an update
+    changes (LoRA's first merge moves B off zero: most elements, on some CPUs all; an update
+    whose rollouts all scored alike: none), its delta sends at least the changed values and at
     most a full bf16 sync and the payloads' headers (the dense form where that is smaller:
-    sync.sparse_delta); the next update changes fewer; the run checks the engine's
-    fingerprints after each."""
+    sync.sparse_delta); the run checks the engine's fingerprints after each. Bounds that hold
+    by construction, not a share that depends on which responses a CPU's rounding samples."""
     d = runs / "lora-delta"
     in_process.run([*SMALL, "--updates", "2", "--optimizer", "lora", "--sync", "delta", "--run-dir", str(d)])
     rows = [json.loads(line) for line in open(d / "metrics.jsonl")][1:]
     full = 2 * sum(d * k for d, k in [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176)]) * 2
     headers = 2 * (40 + 7 * 400)  # two payloads (one per decoder layer) of 7 targets, as in test_delta_sync_...
-    assert rows[0]["sync_changed"] > 0.5 and rows[0]["sync_bytes"] <= full + headers, rows[0]
-    assert 0 < rows[1]["sync_changed"] < rows[0]["sync_changed"] and rows[1]["sync_bytes"] <= full + headers, rows
+    assert len(rows) == 2 and all(0 <= r["sync_changed"] <= 1 for r in rows), rows
+    assert all(r["sync_changed"] * full <= r["sync_bytes"] <= full + headers for r in rows), rows
 
 
 @pytest.mark.slow
@@ -169,8 +172,9 @@ def test_delta_sync_on_one_and_two_ranks(runs, optimizer):
     changed = [[r["sync_changed"] for r in map(json.loads, open(d / "metrics.jsonl")) if "sync_bytes" in r]
                for d in (one, two)]
     # The share logged is the share sent: its bf16 values alone are 2 bytes an element of full / 2
-    # (all of them where LoGRA's or LoRA's first merge changes every element, as on some CPUs).
-    assert changed[0] == changed[1] and all(0 < c <= 1 and c * full <= s for c, s in zip(changed[0], sent[0]))
+    # (none where an update's rollouts all scored alike, all where a first merge changes every
+    # element, as on some CPUs).
+    assert changed[0] == changed[1] and all(0 <= c <= 1 and c * full <= s for c, s in zip(changed[0], sent[0]))
 
 
 # Groups of 4 responses per prompt, RLOO's advantages: two groups, one on each rank of two.
@@ -228,12 +232,13 @@ def test_a_prompts_responses_sit_on_one_rank_with_their_own_seeds():
 
 
 def wait_for_rows(metrics, rows, timeout=240):
-    """Until a run's metrics.jsonl has `rows` lines (or `timeout` seconds have passed)."""
+    """Until a run's metrics.jsonl has `rows` lines; fails, saying so, after `timeout` seconds."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if metrics.exists() and sum(1 for _ in open(metrics)) >= rows:
             return
         time.sleep(0.01)
+    raise AssertionError(f"{metrics} did not reach {rows} rows within {timeout} s")
 
 
 @pytest.mark.slow
@@ -457,7 +462,9 @@ def test_two_nodes_agree_with_one_node(runs):
 def test_resume_on_other_numbers_of_ranks(runs, tmp_path):
     """The 2-rank run resumed from checkpoint-2 on 1 process ends bitwise equal to it (one and
     two processes sum the sketches in the same order); on 4 ranks, whose micro-batches are half
-    as long (other sums), it continues to within float rounding. Each update is logged once."""
+    as long (other sums), it continues to within float rounding. Each update is logged once.
+    The engine starts from the run directory's own copy of the base policy (infra/policy.py), so
+    a copied run directory resumes from the bits it was trained from."""
     d = nodes_run(runs)
     final = model_state(d)
     halfway = read_checkpoint(d, "checkpoint-2")["model"]
