@@ -19,17 +19,17 @@ Use
     from rowadam import RowAdam
 
     temperature = 1.0                                  # the rollout's sampling temperature
-    layers = sketch.attach(model, rank=16, seed=0)     # S and A on every target nn.Linear (the paper: rank 256)
-    opt = RowAdam(layers, base_seed=0)                 # the seed attach drew A from
+    layers = sketch.attach(model, seed=0)              # S and A on every target nn.Linear; rank: sketch.default_rank
+    opt = RowAdam(layers)                              # row moments; the layers' seed
     # One update. The loss's backward goes into the sketches S = G A^T; no weight gradient exists.
     logp = ppo.response_logprobs(model(input_ids=ids).logits, ids, temperature)  # (B, T)
     loss, _ = ppo.policy_loss(logp, advantages, mask, num_tokens=ppo.global_token_count(mask))
     loss.backward()
-    opt.prepare()                                      # RowAdam's directions U (d, r): opt.directions
     try:
+        opt.prepare()                                  # RowAdam's directions U (d, r): opt.directions
         probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=temperature,
-                                 keep_positions=256)   # KL1, and the logits "before" at 256 positions
-        budget = kl_control.kl_budget(opt.update)      # 2e-4 -> 2e-5 nats per token over 300 updates
+                                 keep_positions=256)   # KL1; the logits "before" at 256 positions, for kl_real
+        budget = kl_control.budget_for(probe)          # nats per token: 0.1 of the entropy, <= 1 nat a response
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
     except Exception:
         opt.discard()                                  # nothing merged: weights and RowAdam as they were
@@ -38,13 +38,18 @@ Use
     kl_real = kl_control.realised_kl(probe, model, ids, mask)  # the merged step's exact KL per token
 
 `model` is a causal LM with fp32 weights (RowAdam merges into them), `ids` (B, T) prompt and
-response tokens, `mask` (B, T) True on response tokens, `advantages` (B,). The `Probe` that
-`probe` returns records what it scored (which responses, the token limit, the temperature)
-and the logits it kept, so `realised_kl` repeats none of it. With a separate rollout engine,
-also subtract the mismatch: `mismatch.observe(rollout_logprobs, logp.detach(), mask, eos)`
-after the backward and `budget = mismatch.adjust(kl_control.kl_budget(opt.update))` (a
-`Mismatch`, kept and checkpointed with the optimizer). Every trainer process makes the same
-calls (FSDP all-gathers inside).
+response tokens, `mask` (B, T) True on the response's tokens only (never a row's first
+position, which has no log-prob: refused), `advantages` (B,). The `Probe` that `probe` returns
+records what it scored (which responses, the token limit, the temperature), the policy's
+entropy and response length there, and the logits it kept (`keep_positions`; 0, the default,
+keeps none: only `realised_kl` reads them), so `realised_kl` and `budget_for` repeat none of
+it. The paper's schedule instead of the default budget:
+`kl_control.kl_budget(opt.update, start=2e-4, end=2e-5, horizon=300)` (its 7B run; the
+horizon is the run's length). With a separate rollout engine, also subtract the mismatch:
+`mismatch.observe(rollout_logprobs, logp.detach(), mask, eos)` after the backward and `budget =
+mismatch.adjust(budget)` (a `Mismatch`, kept and checkpointed with the optimizer). Every
+trainer process makes the same calls (FSDP all-gathers inside). `LoGRAOptimizer` (at the end
+of this file) is the same update as one `torch.optim` step: `opt.step(ids, mask)`.
 
 The math
 --------
@@ -71,8 +76,14 @@ paper's first 2 of each process, and more until they hold 512 scored tokens: dep
 sums and counts reduced across processes); then
 
     alpha  = min(alpha_max, sqrt(budget / KL1))        alpha_max = 3.0; KL1 = 0 gives 1.0
-    budget = end + (start - end) * 0.5 (1 + cos(pi min(n / (H - 1), 1)))
-             start = 2e-4, end = 2e-5, H = 300 updates
+    budget = end + (start - end) * 0.5 (1 + cos(pi min(n / (H - 1), 1)))     the paper's: `kl_budget`
+             start = 2e-4, end = 2e-5, H = 300 updates (its 7B run)
+
+and, this file's default where the paper's values are not given (`budget_for`, "Defaults" below),
+
+    budget = min(entropy_share * H_tok, per_response / L)   entropy_share = 0.1, per_response = 1 nat
+
+with H_tok the policy's mean entropy per probed token and L the probed tokens per response.
 
 `plain_probe` computes KL1 exactly as written here: dW, forward-mode AD through the model's
 own forward, kl1 at every scored position. `probe` is the fast path (`fast_probe`): the
@@ -95,9 +106,38 @@ width, M scored positions, c positions of one output-head chunk.
 
 Defaults, and how to choose them
 --------------------------------
-The paper's, for its 7B run: budget 2e-4 -> 2e-5 nats per token over H = 300 updates,
-alpha_max = 3, the first 2 responses of each process probed (and more until they hold 512
-scored tokens: departure 3), each cut to 4096 tokens; `temperature` is the sampling one.
+alpha_max = 3 and the 4096-token cut, the paper's; `temperature` is the sampling one; the
+probe scores the paper's share of each process's responses, an eighth, and at least 128
+tokens (departure 3). The budget, where none is given, is `budget_for`'s:
+
+    budget = min(0.2 * H_tok, 2 / L)        nats per token; H_tok entropy per token, L tokens per response
+
+The paper's values are explicit in its runs (train.py's presets pass them):
+`kl_budget(update, start=2e-4, end=2e-5, horizon=300)` with RowAdam's update_ratio 6e-5.
+
+Why this rule, and why it holds from a 64-wide toy to 7B. A KL is measured on the policy's
+output distributions, so nothing in it grows with the model's width (a learning rate does: the
+same rate moves a wider model's outputs further, which is why AdamW's best rate runs from 3e-3
+on a toy to 1e-6 at 7B). What a budget fixed in nats cannot know is how far the task needs
+the policy to move in an update, and two properties of the batch carry that:
+- The entropy per token. A policy near chance (a random toy: 2.5 nats a token) must move far
+  and can; a policy sure of its tokens (train.py's tiny base policy: 0.1-0.2 nats; a
+  pretrained LLM on math, a few tenths) has little to move per token without losing what it
+  knows. AdamW at its best rate spends a few percent of the entropy per update while it learns
+  (measured: 2-9% on the toy, 1-13% on the tiny base policy); LoGRA's 0.2 is a prediction,
+  which the realised KL meets at about half on the toy (median 0.45, seeds 0 and 1), so its
+  steps spend about 9%, where AdamW's do. As the policy grows sure,
+  the budget shrinks with its entropy: no horizon is needed.
+- The response's length. An outcome reward judges whole responses, so the step that matters
+  is the KL of a whole response, and `per_response` caps it at 2 nats an update. On the toys'
+  5-6 token responses the entropy term binds; at the paper's lengths the cap does: about 2e-3
+  per token over ~1000-token responses, ten times the paper's 2e-4 (its 7B run; not measured
+  here, and its preset keeps 2e-4).
+Measured (bench/README.md, `defaults.py`, five seeds, 60 updates of 32): with every default,
+examples/minimal_loop.py's random toy ends at 0.995 against AdamW's best 0.999, train.py's
+tiny base policy at 0.893 against 0.899; halving and doubling each setting moves neither by
+more than 0.04, except the toy at half the entropy share (0.958). On SmolLM2-135M-Instruct
+(`defaults.py --smollm2`) the defaults learn as well (bench/README.md's table).
 
 The budget and alpha. RowAdam (rowadam.py) scales U so that ||U A|| = update_ratio ||W||,
 and KL1 is quadratic in U, so with K the KL1 of the same direction scaled to ||U A|| = ||W||
@@ -114,30 +154,13 @@ and KL1 is quadratic in U, so with K the KL1 of the same direction scaled to ||U
   sqrt(budget / (alpha_max^2 KL1)).
 (tests/test_kl_control.py::test_update_ratio_sets_the_step_only_while_alpha_is_capped.)
 
-Rule: the budget is the KL, in nats per generated token, that one update may move the policy,
-not tied to the model's size: keep the paper's 2e-4 -> 2e-5 for a pretrained LLM (this
-repository's presets use it from 135M to 27B parameters); a toy policy that must move far in
-few updates takes about 100x (train.py's toy presets, "tiny" and "tiny-math": 2e-2 -> 5e-3
-over 150 updates, with update_ratio 2e-3). Measured on examples/minimal_loop.py's toy
-(bench/README.md, `defaults_sweep.py`; 40 updates, seeds 0-2; the paper's sizes not measured):
-the budget sets the pace once it binds. The paper's 2e-4 left the reward at chance; on the
-2-layer width-64 model 5e-2 -> 1e-2 raised it from 0.03 to 0.19 and 2e-1 -> 5e-2 to 0.67
-(AdamW: 0.99), with realised / predicted KL 0.85 and 0.63; on the 4-layer width-128 one no
-setting took it past 0.06 in 40 updates (AdamW: 1.00). On an 85M-parameter model of the same
-toy (16 layers, width 768, rank 32; `--large`, 20 updates) with the examples' std-0.2 weights
-no budget moved the reward from chance (0.034), the largest (2e-1 -> 5e-2) at realised /
-predicted KL 0.36, while AdamW went from 0.11 to 0.89: a random deep policy that chaotic
-spends the budget on directions the second-order prediction does not describe. With weights
-at a pretrained LLM's scale (std 0.02, `--init-std 0.02`) the toy rule learns there on every
-seed: 2e-1 -> 5e-2 with update_ratio 1e-2 took the reward from 0.11 to 0.88 (0.84..0.91;
-realised / predicted 0.75), where AdamW at lr 3e-3 reached 1.0 on two seeds and collapsed to
-0 on the third; the paper's 2e-4 left it at chance in 20 updates, as it should for a policy
-that must move this far. The paper's sizes and a pretrained ~100M model are not measured here.
-
-What to watch: alpha, every update. alpha = alpha_max in every update means the budget never
-binds (every step is update_ratio's, unbudgeted): raise update_ratio by the factor above. And
-the realised KL (`realised_kl`) against the prediction alpha^2 KL1, which is second order: a
-realised KL far from it means a step beyond that regime, so lower the budget.
+What to watch: alpha, every update. alpha = alpha_max for updates in a row means the budget
+does not bind (every step is update_ratio's, unbudgeted): raise update_ratio by the factor
+above (`LoGRAOptimizer` warns after CAPPED_UPDATES). A policy whose outputs barely depend on
+its weights (a random model at transformers' std 0.02) needs far more than 3% of ||W|| to
+spend any budget. And the realised KL (`realised_kl`) against the prediction alpha^2 KL1,
+which is second order: a realised KL far from it means a step beyond that regime, so lower
+the budget.
 
 Departures from the paper
 -------------------------
@@ -154,16 +177,17 @@ Departures from the paper
    zero there; the authors' code returns 1.0, even when `alpha_max` < 1. `alpha_max` is the
    user's bound on every step, and here it holds without exception. Test:
    tests/test_kl_control.py::test_solve_alpha.
-3. The probe scores, by default, the paper's first 2 responses of each process and more
-   until they hold 512 scored tokens (`probe_count`; all of them if they hold fewer). The
-   paper's responses run to thousands of tokens, where 2 responses already hold 512 and
-   this is the paper's rule; on short responses 2 of them are a few tokens (12 on 6-token
-   responses), and KL1 from those is noise. `max_responses=n` scores exactly the first n.
-   Test: tests/test_kl_control.py::test_the_default_probe_scores_512_tokens. With several
-   responses per prompt (GRPO-style groups in contiguous rows), the first rows are one
-   prompt's: pass the rows reordered so that each group's first response comes first (for
-   groups of G, `order = torch.arange(B).view(-1, G).t().reshape(-1)`, as train.py does), and
-   the same rows to `realised_kl`.
+3. The probe scores, by default, the first eighth of each process's responses, at least 2
+   (`PROBE_SHARE`, `PROBE_RESPONSES`): the paper probes the first 2 of each process's 16 (128
+   prompts over 8 GPUs), and this keeps that share at any batch, so that the probe's cost
+   stays a fixed part of the update's (a floor in tokens would make it score every response
+   of a small batch of short responses). `max_responses=n` scores exactly the first n;
+   `min_tokens=m` adds responses until they hold m scored tokens (train.py's presets:
+   `probe_count`). Test: tests/test_kl_control.py::test_the_default_probe_scores_the_papers_share_of_the_batch.
+   With several responses per prompt (GRPO-style groups in contiguous rows), the first rows
+   are one prompt's: pass the rows reordered so that each group's first response comes first
+   (for groups of G, `order = torch.arange(B).view(-1, G).t().reshape(-1)`, as train.py
+   does), and the same rows to `realised_kl`.
 4. `Mismatch.observe(..., ended_with_eos=None)` counts every response. The paper's rule
    counts only responses that ended with EOS (pass their flags for it); fixed-length
    responses never do, and under that rule the mismatch would never be observed nor
@@ -204,6 +228,7 @@ Implementation notes
 """
 
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -222,11 +247,21 @@ BYTES_PER_VOCAB_ENTRY = 56
 # Positions per block of the realised KL's float64 work (two log-softmaxes, a product: about
 # 32 V bytes a position, 311 MiB at a vocabulary of 152k).
 KL_CHUNK_POSITIONS = 64
-# What the probe scores by default: the paper's first 2 responses of each process, and more
-# until they hold 512 scored tokens (departure 3); each sequence cut to the paper's 4096 tokens.
+# What the probe scores by default: the paper's share of each process's responses, 2 of its 16
+# (128 prompts over 8 GPUs), so one in PROBE_SHARE and at least PROBE_RESPONSES, and more
+# until they hold PROBE_FLOOR scored tokens (departure 3); each sequence cut to the paper's
+# 4096 tokens. PROBE_TOKENS: the larger floor train.py's presets ask for (`probe_count`).
 PROBE_RESPONSES = 2
+PROBE_SHARE = 8
+PROBE_FLOOR = 128
 PROBE_TOKENS = 512
 MAX_TOKENS = 4096
+# The default budget (`budget_for`): a share of the policy's entropy per token, and at most so
+# many nats per response (the module docstring's "Defaults").
+ENTROPY_SHARE = 0.2
+PER_RESPONSE = 2.0
+# Updates in a row with alpha at its cap before LoGRAOptimizer (and train.py) warn.
+CAPPED_UPDATES = 5
 
 
 # -----------------------------------------------------------------------------
@@ -244,6 +279,12 @@ def token_kl(logits, tangent, temperature=1.0):
     # kl1 = 0.5 sum_v p_v (q_v - E_p[q])^2
     mean_q = (p * q).sum(-1, keepdim=True)  # (..., 1)
     return 0.5 * (p * (q - mean_q).square()).sum(-1)  # (...,)
+
+
+def token_entropy(logits, temperature=1.0):
+    """H(p) = -sum_v p_v log p_v, p = softmax(logits / T), per position (...,), in float64."""
+    log_p = torch.log_softmax(logits.to(torch.float64) / temperature, dim=-1)  # (..., V)
+    return -(log_p.exp() * log_p).sum(-1)  # (...,)
 
 
 # -----------------------------------------------------------------------------
@@ -286,7 +327,11 @@ def _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, att
     if not min_tokens >= 0:
         raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
     scored = response_mask[:, :max_tokens].bool()[:, 1:]  # (B, T' - 1)
-    n = probe_count(scored, PROBE_RESPONSES, min_tokens) if max_responses is None else max_responses
+    if max_responses is None:  # the paper's share of the batch (departure 3), and the token floor if asked
+        share = min(len(scored), max(PROBE_RESPONSES, -(-len(scored) // PROBE_SHARE)))
+        n = probe_count(scored, share, min_tokens) if min_tokens else share
+    else:
+        n = max_responses
     am = None if attention_mask is None else attention_mask[:n, :max_tokens]
     return input_ids[:n, :max_tokens], scored[:n], am
 
@@ -310,6 +355,15 @@ def _check_probe_inputs(layers, directions, temperature, keep_positions):
         raise ValueError(f"keep_positions must be >= 0, got {keep_positions}")
 
 
+def _check_first_position(rows):
+    """Refuse a response mask that covers the first position of `rows` rows: the token there
+    has no logits before it, so no log-prob, and a loss or probe would silently drop it."""
+    if rows:
+        raise ValueError(f"response_mask covers the first position of {rows} row(s): a row's first token has no "
+                         f"log-prob (nothing precedes it), so it cannot be a generated token; the mask is True on "
+                         f"the response's tokens only, after at least one prompt token")
+
+
 def _check_temperature(temperature):
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature}")
@@ -324,7 +378,9 @@ class Probe:
     kept: int  # rows of `logits`: min(keep_positions, this process's scored positions)
     responses: int  # this process's first `responses` responses were scored,
     max_tokens: int  # each cut to its first `max_tokens` tokens,
-    temperature: float  # at this temperature
+    temperature: float  # at this temperature;
+    entropy: float = math.nan  # the policy's mean entropy per scored token (nats), reduced over processes;
+    tokens_per_response: float = math.nan  # scored tokens per probed response, over all processes
 
 
 @torch.no_grad()
@@ -355,7 +411,7 @@ def probe_logits(model, layers, directions, input_ids, attention_mask=None):
 
 @torch.no_grad()
 def plain_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=None,
-                min_tokens=PROBE_TOKENS, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0) -> Probe:
+                min_tokens=PROBE_FLOOR, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0) -> Probe:
     """`probe` as the module docstring's math reads, on one process: the logits and their
     tangent at every position (`probe_logits`), then KL1 = the mean of kl1 over the scored
     positions. `probe`'s arguments (but `group`) and result, to rounding; it holds a dense
@@ -363,6 +419,7 @@ def plain_probe(model, layers, directions, input_ids, response_mask, *, temperat
     path avoids."""
     _check_probe_inputs(layers, directions, temperature, keep_positions)
     ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
+    _check_first_position(int(response_mask[:, 0].bool().sum()))
     z, u = probe_logits(model, layers, directions, ids, am)  # (B', T', V) each
     # (M, V) each: the positions that sampled a generated token
     z, u = z[:, :-1][scored], u[:, :-1][scored]
@@ -370,8 +427,10 @@ def plain_probe(model, layers, directions, input_ids, response_mask, *, temperat
         raise ValueError("no generated token to score: response_mask has no position after the first")
     # KL1 = mean over the scored positions of kl1 = 0.5 Var_p(u / T)
     kl1 = token_kl(z, u, temperature).mean().item()
+    entropy = token_entropy(z, temperature).mean().item()
     kept = z[:keep_positions] if keep_positions > 0 else None  # (kept, V)
-    return Probe(kl1, kept, 0 if kept is None else kept.shape[0], ids.shape[0], max_tokens, float(temperature))
+    return Probe(kl1, kept, 0 if kept is None else kept.shape[0], ids.shape[0], max_tokens, float(temperature),
+                 entropy, z.shape[0] / ids.shape[0])
 
 
 # -----------------------------------------------------------------------------
@@ -507,7 +566,7 @@ def _head_chunks(model, hidden, tangent=None):
 
 @torch.no_grad()
 def fast_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=None,
-               min_tokens=PROBE_TOKENS, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0,
+               min_tokens=PROBE_FLOOR, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0,
                group=None) -> Probe:
     """KL1, the mean second-order KL per generated token for the direction alpha = 1, from one
     forward pass with tangents over this process's probed responses: the fast path (above), the
@@ -527,7 +586,10 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
     _check_probe_inputs(layers, directions, temperature, keep_positions)
     ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     decoder = model.get_decoder()
-    total = torch.zeros(2, dtype=torch.float64, device=ids.device)  # (sum kl1, count)
+    # (sum kl1, scored positions, sum entropy, probed responses, rows whose mask covers position 0)
+    total = torch.zeros(5, dtype=torch.float64, device=ids.device)
+    total[3] = ids.shape[0]
+    total[4] = response_mask[:, 0].bool().sum()  # read with the sums below: no host read of its own
     kept = []
     with _root_gathered(model), probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level(), \
             _ConstantOperands():
@@ -540,17 +602,19 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
             kl = token_kl(z, u, temperature)  # (c,)
             total[0] += kl.sum()
             total[1] += kl.numel()
+            total[2] += token_entropy(z, temperature).sum()
             need = keep_positions - sum(len(k) for k in kept)
             if need > 0:  # a part of a chunk is copied, so that the chunk itself is freed
                 kept.append(z[:need].clone() if need < len(z) else z)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total, group=group)
-    kl_sum, count = total.tolist()
+    kl_sum, count, entropy_sum, responses, first = total.tolist()
+    _check_first_position(int(first))  # on every process alike: the counts are reduced
     if count == 0:
         raise ValueError("no generated token to score: response_mask has no position after the first")
     logits = torch.cat(kept) if keep_positions > 0 else None  # (kept, V)
     return Probe(kl_sum / count, logits, 0 if logits is None else logits.shape[0], ids.shape[0], max_tokens,
-                 float(temperature))
+                 float(temperature), entropy_sum / count, count / responses)
 
 
 # The probe to call: the fast path.
@@ -566,7 +630,7 @@ def predict_kl(model, layers, directions, input_ids, response_mask, **kwargs) ->
 # The realised KL of a merged step
 
 @torch.no_grad()
-def scored_logits(model, input_ids, response_mask, *, max_responses=None, min_tokens=PROBE_TOKENS,
+def scored_logits(model, input_ids, response_mask, *, max_responses=None, min_tokens=PROBE_FLOOR,
                   max_positions=512, max_tokens=MAX_TOKENS, attention_mask=None) -> torch.Tensor:
     """The policy's logits (M', V) at the probe's first `max_positions` scored positions (all of
     them when there are fewer), the probe's arguments choosing the positions, by the probe's path
@@ -597,7 +661,7 @@ def realised_kl(probe, model, input_ids, response_mask, *, attention_mask=None, 
         limit = MAX_TOKENS if max_tokens is None else max_tokens
         temperature = 1.0 if temperature is None else temperature
         _check_temperature(temperature)
-        ids, _, _ = _scored(input_ids, response_mask, max_responses, PROBE_TOKENS, limit, attention_mask)
+        ids, _, _ = _scored(input_ids, response_mask, max_responses, PROBE_FLOOR, limit, attention_mask)
         probe = Probe(math.nan, probe, probe.shape[0], ids.shape[0], limit, temperature)
     elif isinstance(probe, Probe):
         given = (("temperature", temperature, probe.temperature), ("max_tokens", max_tokens, probe.max_tokens),
@@ -648,10 +712,35 @@ def solve_alpha(kl1, *, budget, alpha_max=3.0) -> float:
     return min(alpha_max, math.sqrt(budget / kl1))
 
 
-def kl_budget(update, *, start=2e-4, end=2e-5, horizon=300) -> float:
-    """Cosine schedule from `start` (update 0) to `end` (update horizon - 1 and later)."""
+def budget_for(probe, *, entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE) -> float:
+    """The default KL budget of one update, in nats per generated token, read from its probe:
+
+        budget = min(entropy_share * H, per_response / L)
+
+    H the policy's mean entropy per scored token, L the scored tokens per probed response
+    (`Probe.entropy`, `Probe.tokens_per_response`). Why, and what it gives from a toy to the
+    paper's 7B: the module docstring's "Defaults". Constant settings, no horizon: the policy's
+    own entropy shrinks the budget as it grows sure."""
+    if not isinstance(probe, Probe):
+        raise TypeError(f"budget_for takes the Probe that probe(...) returned, got {type(probe).__name__}")
+    if not (entropy_share > 0 and per_response > 0):
+        raise ValueError(f"need entropy_share > 0 and per_response > 0, got {entropy_share}, {per_response}")
+    if not (math.isfinite(probe.entropy) and math.isfinite(probe.tokens_per_response)):
+        raise ValueError("this Probe carries no entropy or response length (made by the older realised_kl form): "
+                         "pass the Probe that probe(...) returned")
+    budget = min(entropy_share * probe.entropy, per_response / probe.tokens_per_response)
+    # A policy sure of every token (entropy 0) gets the smallest positive budget, not 0: solve_alpha needs > 0.
+    return max(budget, 1e-12)
+
+
+def kl_budget(update, *, start, end, horizon) -> float:
+    """Cosine schedule in nats per generated token, from `start` (update 0) to `end` (update
+    horizon - 1 and later): the paper's form (its 7B run: start 2e-4, end 2e-5, horizon 300).
+    All three are given: the horizon is the run's length, which only the caller knows."""
     if update < 0 or horizon < 2:
         raise ValueError(f"need update >= 0 and horizon >= 2, got {update}, {horizon}")
+    if not (start > 0 and end > 0):
+        raise ValueError(f"need start > 0 and end > 0 (nats per token), got {start}, {end}")
     w = 0.5 * (1.0 + math.cos(math.pi * min(update / (horizon - 1), 1.0)))  # 1 -> 0
     return w * start + (1.0 - w) * end
 
@@ -727,3 +816,130 @@ def probe_count(mask, responses: int, tokens: int) -> int:
             break
         count, seen = count + 1, seen + n
     return max(count, min(responses, len(per_response)))
+
+
+# -----------------------------------------------------------------------------
+# The whole update as one torch.optim step
+
+class LoGRAOptimizer(torch.optim.Optimizer):
+    """LoGRA as one `torch.optim` optimizer: the module docstring's Use block, one `step` a batch.
+
+        opt = kl_control.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=0)))
+        loss.backward()                                  # into the sketches S = G A^T
+        opt.step(ids, mask)                              # RowAdam, probe, alpha, merge: one update
+        opt.zero_grad()                                  # nothing to zero; kept for the loop's shape
+
+    `rowadam`: a RowAdam (rowadam.py) over the sketched layers of `model`; this file imports
+    neither, so that it copies alone. `step(ids, mask, attention_mask=None)`, after the batch's
+    backward (or its micro-batches'): `RowAdam.prepare`, the probe on (ids, mask), the budget
+    (`budget_for(probe)` by default, or the paper's `kl_budget` schedule when `kl_start`,
+    `kl_end` and `horizon` are given; less `mismatch`'s estimate when its `observe` saw a
+    batch), `solve_alpha`, `RowAdam.merge`. Bit for bit the three calls' update
+    (tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise). A
+    failure between prepare and merge discards the batch: weights, moments and counter as they
+    were, and the error raised. A trainer that calls `step()` without arguments (TRL's) sets
+    `opt.batch = (ids, attention_mask, mask)` before it. `mask` (B, T): True on the generated
+    tokens, never on a row's first position (no log-prob there: refused).
+
+    `last` holds the step's alpha, budget, predicted KL alpha^2 KL1, entropy and, with
+    `keep_positions` > 0, the realised KL; `log(name, value)` receives them too. When alpha has
+    sat at `alpha_max` for CAPPED_UPDATES updates in a row, one `UserWarning` per optimizer says
+    the budget does not bind and names the knob (RowAdam's `update_ratio`). `state_dict()` holds
+    RowAdam's (moments, update counter, settings), the mismatch estimate and that count.
+
+    One param group of the target weights with `lr` 0.0, for schedulers and loggers that read
+    it: LoGRA's step size is the KL budget's, and `lr` is not read. `temperature`: the sampling
+    one; `group`: processes whose whole sketches are summed in prepare (the paper's all_reduce).
+    """
+
+    def __init__(self, model, rowadam, *, temperature=1.0, alpha_max=3.0, kl_start=None, kl_end=None,
+                 horizon=None, keep_positions=0, max_responses=None, group=None, log=None):
+        schedule = (kl_start, kl_end, horizon)
+        if any(v is not None for v in schedule) and any(v is None for v in schedule):
+            raise ValueError("the paper's budget schedule needs kl_start, kl_end and horizon (the run's updates) "
+                             "together; leave all three out for the default budget (budget_for)")
+        _check_temperature(temperature)
+        if not alpha_max > 0 or not keep_positions >= 0:
+            raise ValueError(f"need alpha_max > 0 and keep_positions >= 0, got {alpha_max}, {keep_positions}")
+        if not all(hasattr(rowadam, a) for a in ("prepare", "merge", "discard", "directions", "layers")):
+            raise TypeError(f"LoGRAOptimizer(model, rowadam) takes a RowAdam (rowadam.py) over the model's "
+                            f"sketched layers, got {type(rowadam).__name__}")
+        layers = rowadam.layers
+        super().__init__([layer.module.weight for layer in layers], {"lr": 0.0})
+        self.model, self.rowadam, self.layers, self.group = model, rowadam, layers, group
+        self.temperature, self.alpha_max, self.schedule = float(temperature), float(alpha_max), schedule
+        self.keep_positions, self.max_responses = keep_positions, max_responses
+        self.mismatch = Mismatch()  # observe(...) it before step when another engine sampled the batch
+        self.log = log or (lambda name, value: None)
+        self.batch = None  # (ids, attention_mask, mask), for a trainer that calls step() without arguments
+        self.last, self.factors = {}, None
+        self.capped = 0  # updates in a row with alpha at alpha_max
+        self.warned = False
+
+    @property
+    def update(self) -> int:
+        return self.rowadam.update
+
+    def zero_grad(self, set_to_none=True):
+        """Nothing to zero: no target weight has a gradient, and `merge` zeroed the sketches."""
+
+    @torch.no_grad()
+    def step(self, ids=None, mask=None, attention_mask=None, *, closure=None):
+        if closure is not None:
+            raise ValueError("LoGRAOptimizer.step takes no closure: run the backward, then step(ids, mask)")
+        if ids is None:
+            if self.batch is None:
+                raise RuntimeError("step() needs the batch its backward ran on: step(ids, mask), or set "
+                                   "opt.batch = (ids, attention_mask, mask) first")
+            ids, attention_mask, mask = self.batch
+        elif mask is None:
+            raise ValueError("step(ids, mask): the response mask (B, T) is needed with the ids")
+        self.batch = None
+        opt = self.rowadam
+        opt.prepare(self.group)  # U = c D per layer (d, r); nothing changed yet
+        try:
+            probe = fast_probe(self.model, self.layers, opt.directions, ids, mask, temperature=self.temperature,
+                               max_responses=self.max_responses, attention_mask=attention_mask,
+                               keep_positions=self.keep_positions, group=self.group)
+            kl_start, kl_end, horizon = self.schedule
+            budget = budget_for(probe) if kl_start is None else \
+                kl_budget(opt.update, start=kl_start, end=kl_end, horizon=horizon)
+            budget = self.mismatch.adjust(budget)
+            alpha = solve_alpha(probe.kl1, budget=budget, alpha_max=self.alpha_max)
+        except BaseException:
+            opt.discard()  # nothing merged: weights, moments and counter as they were
+            raise
+        self.factors = opt.merge(alpha)  # W -= F A_t, F = bf16(alpha U): what an engine would receive
+        self.last = {"alpha": alpha, "budget": budget, "kl_predicted": alpha**2 * probe.kl1,
+                     "entropy": probe.entropy}
+        if self.keep_positions:
+            self.last["kl_realised"] = realised_kl(probe, self.model, ids, mask, attention_mask=attention_mask,
+                                                   group=self.group)
+        for name, value in self.last.items():
+            self.log(f"logra/{name}", value)
+        self._watch_the_cap(alpha)
+
+    def _watch_the_cap(self, alpha):
+        """Count the updates in a row at alpha_max, and warn once when they reach CAPPED_UPDATES."""
+        self.capped = self.capped + 1 if alpha >= self.alpha_max else 0
+        if self.capped >= CAPPED_UPDATES and not self.warned:
+            self.warned = True
+            warnings.warn(capped_message(self.capped, self.alpha_max, self.rowadam.update_ratio), stacklevel=3)
+
+    def state_dict(self) -> dict:
+        """RowAdam's state (moments, update counter, settings), the mismatch estimate and the
+        count of updates at the cap: what a checkpoint saves and resumes."""
+        return {"rowadam": self.rowadam.state_dict(), "mismatch": self.mismatch.state_dict(),
+                "capped": self.capped, "warned": self.warned}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rowadam.load_state_dict(state["rowadam"])
+        self.mismatch.load_state_dict(state["mismatch"])
+        self.capped, self.warned = int(state["capped"]), bool(state["warned"])
+
+
+def capped_message(updates, alpha_max, update_ratio) -> str:
+    """The warning for alpha at its cap, LoGRAOptimizer's and train.py's one line."""
+    return (f"alpha has been at its cap alpha_max={alpha_max:g} for {updates} updates in a row: the KL budget "
+            f"does not bind, and the step is update_ratio's alone ({alpha_max:g} x {update_ratio:g} of ||W||); "
+            f"raise update_ratio (RowAdam's, now {update_ratio:g}) until alpha falls below the cap")

@@ -14,10 +14,10 @@ Use
     import sketch
     from rowadam import RowAdam
     layers = sketch.attach(model, rank=8, seed=0)  # S and A_0 on every target nn.Linear; weights frozen
-    opt = RowAdam(layers)                          # the layers' seed (base_seed=0 would be checked)
+    opt = RowAdam(layers)                          # the layers' seed (seed=0 would be checked)
     loss_fn(model, ids).backward()                 # into the sketches S = G A^T; no weight gradient
-    opt.prepare()                                  # U = c D per layer in opt.directions; nothing changed
     try:
+        opt.prepare()                              # U = c D per layer in opt.directions; nothing changed
         alpha = choose_alpha(layers, opt.directions)
     except Exception:
         opt.discard()                              # the batch dropped: S zeroed; W, v, counter kept
@@ -65,7 +65,8 @@ correction's step is t + 1, the number of sketches v has averaged, this one incl
 
 Defaults, and how to choose them
 --------------------------------
-The paper's: beta2 = 0.95, eps = 1e-8, update_ratio = 6e-5, factor dtype bf16.
+beta2 = 0.95, eps = 1e-8 and factor dtype bf16, the paper's; update_ratio = 1e-2
+(`UPDATE_RATIO`), where the paper takes 6e-5 (train.py's paper presets keep it).
 - update_ratio and the KL budget. `prepare` scales U so that ||U A|| = update_ratio ||W||,
   and kl_control.py's KL1 is quadratic in U: KL1 = update_ratio^2 K, where K is the KL1 of
   the same direction scaled to ||U A|| = ||W||. alpha = min(alpha_max, sqrt(budget / KL1))
@@ -73,22 +74,20 @@ The paper's: beta2 = 0.95, eps = 1e-8, update_ratio = 6e-5, factor dtype bf16.
 
       ||alpha U A|| / ||W|| = min(alpha_max * update_ratio, sqrt(budget / K))
 
-  While alpha is at its cap, the step is alpha_max * update_ratio and the predicted KL
-  alpha^2 KL1 stays below the budget, which then does nothing. Once the budget binds (alpha <
-  alpha_max, predicted KL = budget), the step is sqrt(budget / K): update_ratio no longer
-  matters. So choose update_ratio for the budget to bind from the first updates: from one
-  update's logged KL1 and budget (the budget after the mismatch), any update_ratio above
-  update_ratio * sqrt(budget / (alpha_max^2 KL1)) does, and twice that starts alpha near
-  alpha_max / 2. Log alpha to check: alpha = alpha_max means the budget is not binding and
-  update_ratio alone is the step. The paper pairs 6e-5 with its budget 2e-4 -> 2e-5 for its
-  Qwen models; train.py's tiny and tiny-math presets take 2e-3 with 2e-2 -> 5e-3 (the
-  README's tiny run has alpha at its cap of 3 at its first steps, 0.74 at step 150).
-  Measured (bench/README.md, `defaults_sweep.py`: examples/minimal_loop.py's toy, 40 updates,
-  seeds 0-2; the paper's sizes not measured): with a toy budget of 5e-2 or 2e-1 per token,
-  update_ratio 6e-5 left alpha at its cap in 100% of updates and the reward at chance at both
-  sizes; 1e-2 put it below the cap in every update. (On its 85M-parameter variant the budget
-  bound from the first update even at 6e-5; with std-0.02 weights, update_ratio 1e-2 and a
-  toy budget learned in 20 updates: kl_control.py's rule paragraph.)
+  Once the budget binds (alpha < alpha_max, predicted KL = budget), the step is
+  sqrt(budget / K) and update_ratio does not matter; while alpha sits at its cap, the step is
+  alpha_max * update_ratio and the budget does nothing. So update_ratio is the largest step
+  an update may take, as a share of the weights: the default allows 3% of ||W|| (alpha_max 3
+  x 1e-2), so that the KL budget, which is what knows how far the policy may move, sets the
+  step. Measured with the default budget (bench/README.md, `defaults.py`: two small policies,
+  five seeds), alpha was below its cap in every update. The paper's 6e-5 with its budget
+  of 2e-4 per token leaves alpha at its cap and examples/minimal_loop.py's toy at chance: a
+  policy that must move far needs steps the cap forbids. Where the paper's pair binds (its
+  7B run; not measured here), 1e-2 gives the same steps: it only raises a bound the budget
+  sits under. If
+  alpha sits at its cap for updates in a row (kl_control.LoGRAOptimizer and train.py warn
+  after 5), raise update_ratio: any value above update_ratio * sqrt(budget / (alpha_max^2
+  KL1)), from one update's logged KL1 and budget, makes the budget bind.
 - beta2: v averages the squared sketch rows over about 1 / (1 - beta2) = 20 updates.
 - eps is relative to mean(root), so it does not depend on the scale of the loss.
 - factor dtype: what the engines receive and merge; fp32 would double the sync payload.
@@ -165,8 +164,11 @@ Implementation notes
   Tests: tests/test_rowadam.py::test_zero_sketch_gives_zero_direction,
   tests/test_rowadam.py::test_prepare_without_a_backward_is_refused.
 - float64 weights are accepted (for tests against float64 references); bf16/fp16 weights
-  are refused: an update of 6e-5 relative is far below their resolution. Test:
-  tests/test_rowadam.py::test_bf16_weights_refused.
+  are refused: a relative update of 1e-2 and less is mostly below their resolution (cast to
+  bf16, a merge loses most of it in rounding). So is a cast after the constructor
+  (`model.to(torch.bfloat16)`), at the next `prepare` or `merge`, before anything changes.
+  Tests: tests/test_rowadam.py::test_bf16_weights_refused,
+  tests/test_rowadam.py::test_a_cast_after_the_constructor_is_refused.
 """
 
 import math
@@ -177,6 +179,9 @@ import torch.distributed as dist
 from sketch import LayerSketch
 
 MERGE_CHUNK_ROWS = 1024
+# ||U A|| / ||W|| before alpha: with the default budget (kl_control.budget_for) binding, only the
+# largest step, alpha_max * UPDATE_RATIO of ||W||, depends on it ("Defaults" above).
+UPDATE_RATIO = 1e-2
 
 
 # -----------------------------------------------------------------------------
@@ -296,37 +301,37 @@ class RowAdam:
     Arguments:
         layers: `sketch.attach(model, ...)`'s layers: one model, one seed, one update number
             and one process group (or none); their weights fp32 (or float64, for tests).
-        base_seed: optional, the seed they were attached with (`attach`'s `seed`), which they
-            hold; given, it is checked against theirs. A_t is drawn from it.
+        seed: optional, the seed they were attached with (`attach`'s `seed`), which they hold;
+            given, it is checked against theirs. A_t is drawn from it.
         beta2: decay of the row second moments v (0.95).
         eps: added to each row's root as eps * mean(root), with the root's tiny as a floor (1e-8).
-        update_ratio: ||U A|| / ||W|| over all target layers, before alpha (6e-5).
+        update_ratio: ||U A|| / ||W|| over all target layers, before alpha (1e-2; the paper's 6e-5):
+            the largest step is alpha_max times it ("Defaults").
         factor_dtype: the dtype of F = alpha U, as merged here and sent to the engines (bf16).
     """
 
-    def __init__(self, layers: list[LayerSketch], *, base_seed=None, beta2=0.95, eps=1e-8,
-                 update_ratio=6e-5, factor_dtype=torch.bfloat16):
+    def __init__(self, layers: list[LayerSketch], *, seed=None, beta2=0.95, eps=1e-8,
+                 update_ratio=UPDATE_RATIO, factor_dtype=torch.bfloat16):
         if not layers:
             raise ValueError("RowAdam needs at least one LayerSketch")
         for layer in layers:
-            dtype = layer.module.weight.dtype
-            if dtype not in (torch.float32, torch.float64):
-                raise TypeError(f"{layer.name}: weight is {dtype}; RowAdam merges into fp32 master "
-                                f"weights (a relative update of ~{update_ratio:g} is below bf16's "
-                                f"resolution of ~4e-3 and would be rounded away)")
+            _check_master_dtype(layer, layer.module.weight.dtype, update_ratio)
         if len({layer.update for layer in layers}) != 1 or len({l.base_seed for l in layers}) != 1:
             raise ValueError("all layers must share one base seed and update number")
         if len({id(layer.group) for layer in layers}) != 1:
             raise ValueError("all layers must share one process group (or none)")
-        if base_seed is not None and layers[0].base_seed != base_seed:
-            raise ValueError(f"layers were attached with seed {layers[0].base_seed}, not base_seed={base_seed}: "
-                             f"pass attach's seed, or leave base_seed out (the layers hold it)")
+        if seed is not None and layers[0].base_seed != seed:
+            raise ValueError(f"layers were attached with seed {layers[0].base_seed}, not seed={seed}: "
+                             f"pass attach's seed, or leave seed out (the layers hold it)")
         if not 0.0 <= beta2 < 1.0 or not eps > 0 or not update_ratio > 0:
             raise ValueError("need 0 <= beta2 < 1, eps > 0, update_ratio > 0")
         self.layers = layers
         self.group = layers[0].group  # rows are sharded over it (departure 1), or None
         self.base_seed, self.beta2, self.eps = layers[0].base_seed, beta2, eps
         self.update_ratio, self.factor_dtype = update_ratio, factor_dtype
+        # The weights' dtype now: a model cast afterwards (model.to(torch.bfloat16)) is refused at
+        # the next prepare or merge, before anything changes (the class docstring).
+        self._dtypes = [layer.module.weight.dtype for layer in layers]
         # t, the 0-based count of merged updates (sketch.py, "The update counter"); step t + 1
         self.update = layers[0].update
         # v: one fp32 second moment per output row this process holds, per layer.
@@ -357,6 +362,7 @@ class RowAdam:
         if self.directions is not None:
             raise RuntimeError("prepare() was already called for this update and its directions are in "
                                "opt.directions: merge(alpha) them, or discard() the batch and run a new backward")
+        self._check_dtypes()
         whole = group is not None and self.group is None  # whole sketches on every process: summed here
         self._check_a_backward_ran(group if whole else None)
         if whole:
@@ -401,6 +407,15 @@ class RowAdam:
         self._pending_moments = moments
         return math.sqrt(S_sq.sum().item())
 
+    def _check_dtypes(self):
+        """Refuse weights whose dtype changed since the constructor (a cast of the model)."""
+        for layer, dtype in zip(self.layers, self._dtypes):
+            now = layer.module.weight.dtype
+            if now != dtype:
+                _check_master_dtype(layer, now, self.update_ratio)  # bf16 and fp16: the reason below
+                raise TypeError(f"{layer.name}: the weight is {now}, but was {dtype} when RowAdam was built: the "
+                                f"model was cast since; cast it back (nothing was changed)")
+
     def _check_a_backward_ran(self, group):
         """Refuse a batch that no backward reached. sketch.py's `LayerSketch.backwards` counts
         the backwards into a layer's sketch since its last `zero_()`, which `merge` and
@@ -437,6 +452,7 @@ class RowAdam:
         as merged (`sketch.gather_rows` completes them). alpha = 0 changes no weight (departure 2)."""
         if self.directions is None:
             raise RuntimeError("merge() needs prepare() first")
+        self._check_dtypes()
         alpha = float(alpha)
         if not math.isfinite(alpha) or alpha < 0:
             raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
@@ -500,6 +516,13 @@ class RowAdam:
         for layer in self.layers:
             layer.zero_()
             layer.refresh(self.update)
+
+
+def _check_master_dtype(layer, dtype, update_ratio):
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{layer.name}: weight is {dtype}; RowAdam merges into fp32 master weights (a relative "
+                        f"update of ~{update_ratio:g} and less is mostly below bf16's resolution of ~4e-3 and "
+                        f"would be rounded away): keep the weights fp32 (nothing was changed)")
 
 
 def _sum_squares(t, block=2**20):

@@ -54,11 +54,15 @@ the weights that `t` merges have made, and once it is merged the counter reads `
 layer switches to `A_{t+1}` (`LayerSketch.refresh(t + 1)`). The same number is
 `LayerSketch.update`, `attach(..., update=)` (a resumed run's count), the `update` of
 `projection_seed(base_seed, update, name)`, RowAdam's `update` (rowadam.py), the `update` of
-`kl_budget(update)` (kl_control.py) and the rollout engines' (sync.py). A formula written with
+`kl_budget(update, ...)` (kl_control.py) and the rollout engines' (sync.py). A formula written with
 steps counted from 1, as Adam's bias correction `1 - beta2^t` is, takes `t = update + 1` and says
 so where it does.
 
-Defaults: rank r = 256 (the rank of Table 1's LoGRA runs); targets = the attention/MLP
+Defaults: rank r = 256 (the rank of Table 1's LoGRA runs), or half the narrowest target's
+input width rounded down to a power of 2 where that is smaller (`default_rank`: 32 on a
+64-wide toy, 256 from 512 wide on), so that a sketch never holds more than half of the
+gradient it stands for (rank 32 learned on examples/minimal_loop.py's 64-wide toy as fast as
+AdamW: bench/README.md, `defaults.py`); targets = the attention/MLP
 projections in `TARGETS`: the seven of Qwen2-like models, and the fused `qkv_proj` and
 `gate_up_proj` of models whose Hugging Face code fuses them (Phi-3; architectures.py;
 departure 2). Any other model names its own (`attach(..., targets=...)`).
@@ -150,6 +154,8 @@ import torch.nn.functional as F
 
 # Every name a row of architectures.py makes a target (a model holds the names of its own row).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+# The rank of Table 1's LoGRA runs: `attach`'s without one, where the targets are wide enough (`default_rank`).
+PAPER_RANK = 256
 
 # Module-path parts that wrappers insert and that must not change a layer's seed:
 # FSDP1, activation checkpointing and torch.compile. (FSDP2 inserts none.)
@@ -406,13 +412,24 @@ def _require_grad_hook(module, args, output):
     return output.requires_grad_(True) if torch.is_grad_enabled() else output
 
 
-def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: int = 0,
-           group=None) -> list[LayerSketch]:
+def default_rank(modules) -> int:
+    """The rank `attach` takes when none is given: the paper's 256, or half the narrowest
+    target's input width rounded down to a power of 2 where that is smaller (64 -> 32, 576 -> 256),
+    so that the sketch (d, r) stays half or less of the weight (d, k) it stands for."""
+    narrowest = min(m.in_features for m in modules)
+    return max(1, min(PAPER_RANK, 2 ** int(math.floor(math.log2(max(narrowest // 2, 1))))))
+
+
+def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TARGETS, *,
+           update: int = 0, group=None) -> list[LayerSketch]:
     """Install sketches on every target `nn.Linear` of `model`; freeze every parameter.
 
     `model`: any `nn.Module`; a Hugging Face causal LM's targets are found by the default
-    `targets`. `targets`: names (a module's last name part or its clean name), or a
-    {name: module} mapping of modules of `model` (`target_modules`). `update`: the updates
+    `targets`. `rank`: r of every sketch; None, `default_rank`'s rule (the paper's 256, capped
+    at half the narrowest target's width). `seed`: the base seed every projection A is drawn
+    from (RowAdam and the engines read it from the layers). `targets`: names (a module's last
+    name part or its clean name), or a {name: module} mapping of modules of `model`
+    (`target_modules`). `update`: the updates
     already merged (the update counter; a resumed run's), which picks A_update. `group`: the
     FSDP2 data-parallel group of an FSDP2-sharded model. Each process then keeps only its rows
     of every sketch (the rows it holds of the weight), summed over the group in backward
@@ -420,17 +437,25 @@ def attach(model: nn.Module, rank: int, seed: int, targets=TARGETS, *, update: i
 
     Everything is checked before anything changes: a refused attach leaves the model's
     forwards, requires_grad flags and hooks as they were. Undo with `detach(model)`.
+
+    Afterwards the model has no trainable parameter (`requires_grad` is False everywhere): the
+    target weights still change, by RowAdam's merge, but through no `.grad`. A trainer that
+    counts trainable parameters, or builds its optimizer from them, counts 0; the weights
+    LoGRA trains are `[layer.module.weight for layer in layers]` (kl_control.LoGRAOptimizer's
+    param group).
     """
     # -- checks: nothing of the model changes until all of them have passed
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach needs an nn.Module, got {type(model).__name__}")
     if getattr(model, "_logra_attached", None) is not None:
         raise RuntimeError("model already has sketches attached; call detach(model) first")
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank <= 0:
-        raise ValueError(f"rank must be a positive int, got {rank!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank <= 0):
+        raise ValueError(f"rank must be a positive int (or None: default_rank's rule), got {rank!r}")
     if update < 0:
         raise ValueError(f"update must be >= 0, got {update}")
     found = target_modules(model, targets)
+    if rank is None and found and all(isinstance(m, nn.Linear) for m in found.values()):
+        rank = default_rank(found.values())
     members = {id(m) for m in model.modules()}
     for name, module in found.items():
         if id(module) not in members:

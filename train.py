@@ -217,6 +217,7 @@ def run(argv=None):
         budget = kl_control.kl_budget(update, start=cfg.kl_start, end=cfg.kl_end, horizon=cfg.kl_horizon)
         if r.logra:
             kl_step = logra_step(model, opt, r.layers, rollout, r.mismatch.adjust(budget), cfg, timer)
+            r.watch_alpha(kl_step["alpha"])  # says so once a run when alpha sits at its cap
         else:
             kl_step = adam_step(opt, budget, cfg, timer)
 

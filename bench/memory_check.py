@@ -107,7 +107,7 @@ def loss_of(model, ids):
 def logra_step(model_cfg, r, rank):
     model = build(model_cfg, "logra")
     layers = sketch.attach(model, rank=r, seed=0, group=dist.group.WORLD)
-    opt = rowadam.RowAdam(layers, base_seed=0, update_ratio=6e-5)
+    opt = rowadam.RowAdam(layers, seed=0, update_ratio=6e-5)
     ids, mask = batch(model_cfg, rank)
     loss_of(model, ids).backward()
     persistent = nbytes(p for p in model.parameters()) + nbytes(l.sketch for l in layers) + nbytes(opt._u) \

@@ -123,7 +123,7 @@ LOGRA_PHASES = {"backward": [], "prepare": [], "probe": [], "merge": []}
 def logra(base, rank):
     model = copy.deepcopy(base)
     layers = sketch.attach(model, rank=rank, seed=0)
-    opt = rowadam.RowAdam(layers, base_seed=0)
+    opt = rowadam.RowAdam(layers, seed=0)
 
     def step(ids, mask, adv, probe=True):
         # The whole update as train.py runs it: backward into the sketches, RowAdam, the KL

@@ -74,7 +74,7 @@ def main():
 
     # LoGRA: sketches, projections, moments and directions.
     layers = sketch.attach(model, rank=args.rank, seed=0)
-    opt = rowadam.RowAdam(layers, base_seed=0)
+    opt = rowadam.RowAdam(layers, seed=0)
     loss_of(model, ids).backward()
     opt.prepare()
     s_bytes = nbytes(l.sketch for l in layers)

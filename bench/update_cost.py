@@ -128,7 +128,7 @@ def one(width, method, reps, device):
     try:
         if method == "logra":
             layers = sketch.attach(model, rank=rank, seed=0)
-            opt = rowadam.RowAdam(layers, base_seed=0)
+            opt = rowadam.RowAdam(layers, seed=0)
             state = [p for p in model.parameters()] + [l.sketch for l in layers] + [l.signs for l in layers] \
                 + opt.moments + opt._u
         else:

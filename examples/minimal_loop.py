@@ -18,14 +18,13 @@ MLP projections; embeddings, norms and the head stay frozen, as in the paper). C
 LoGRA lines of `update_logra` into your own loop: the rest is the loop any REINFORCE trainer
 already has.
 
-The LoGRA settings: rank 32 (the model's widths are 64 and 128), update_ratio 1e-2 and a KL
-budget of 5e-2 -> 1e-2 nats per token over the run (kl_control.py's and rowadam.py's
-docstrings say how to choose them: the budget is what moves the policy; update_ratio only has
-to be large enough that alpha starts below its cap of 3).
+LoGRA runs on the method files' defaults, nothing tuned: the rank from sketch.py's rule (32
+here: half the narrowest width of 64), RowAdam's update_ratio, the probe's share of the batch
+and kl_control.budget_for's budget (a share of the policy's entropy per token, at most so much
+per response). AdamW runs at its best learning rate from bench/defaults.py's sweep (3e-3).
 """
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -76,20 +75,22 @@ def loss_of(model, ids, mask, advantages):
     return loss
 
 
-def update_logra(model, layers, opt, ids, mask, advantages, update, updates, kl_start=5e-2, kl_end=1e-2):
-    """One LoGRA update: backward into the sketches, RowAdam, the KL probe picks alpha for this
-    update's budget, the merge; returns (alpha, predicted KL, realised KL)."""
+def update_logra(model, layers, opt, ids, mask, advantages, *, realised=True, **budget):
+    """One LoGRA update: backward into the sketches, RowAdam, the KL probe, alpha for the
+    default budget, the merge; returns (alpha, predicted KL, realised KL or None). `budget`:
+    kl_control.budget_for's settings (bench/defaults.py sweeps them); `realised=False` skips
+    the realised KL's extra forward (it only measures)."""
     loss_of(model, ids, mask, advantages).backward()  # into S = G A^T; no weight gradient exists
     opt.prepare()  # RowAdam's directions U (d, r) per layer; nothing changed yet
-    budget = kl_control.kl_budget(update, start=kl_start, end=kl_end, horizon=updates)
     try:
-        probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=ids.numel())
-        alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
+        keep = ids.numel() if realised else 0  # the logits "before", for the realised KL
+        probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=keep)
+        alpha = kl_control.solve_alpha(probe.kl1, budget=kl_control.budget_for(probe, **budget))
     except Exception:
         opt.discard()  # weights, moments and counter as they were
         raise
     opt.merge(alpha)  # W -= bf16(alpha U) A_t, then A_t -> A_{t+1}
-    return alpha, alpha**2 * probe.kl1, kl_control.realised_kl(probe, model, ids, mask)
+    return alpha, alpha**2 * probe.kl1, kl_control.realised_kl(probe, model, ids, mask) if realised else None
 
 
 def update_adamw(model, opt, ids, mask, advantages):
@@ -98,21 +99,24 @@ def update_adamw(model, opt, ids, mask, advantages):
     opt.zero_grad(set_to_none=True)
 
 
-def train(method: str, *, updates: int, batch: int, seed: int, log=print, update_ratio: float = 1e-2,
-          kl_start: float = 5e-2, kl_end: float = 1e-2, hidden: int = 64, num_layers: int = 2,
-          init_std: float = 0.2) -> dict:
+LR = 3e-3  # AdamW's best on this toy (bench/defaults.py: 1e-3, 3e-3, 1e-2, 3e-2 swept)
+
+
+def train(method: str, *, updates: int, batch: int, seed: int, log=print, lr: float = LR, realised: bool = True,
+          hidden: int = 64, num_layers: int = 2, init_std: float = 0.2, **budget) -> dict:
     """One run of `method` ("logra" or "adamw"): its reward per update and update times (and,
-    for LoGRA, alpha and the predicted and realised KL per update). The keyword arguments after
-    `log` are the example's settings (bench/defaults_sweep.py varies them)."""
+    for LoGRA, alpha and the predicted and realised KL per update). `lr` is AdamW's, `budget`
+    LoGRA's budget_for settings (their defaults unless given); the model's size and
+    initialisation are the example's unless given."""
     model = tiny_model(seed, hidden=hidden, num_layers=num_layers, init_std=init_std)
     if method == "logra":
-        layers = sketch.attach(model, rank=32, seed=seed)  # every weight frozen; the targets sketched
-        opt = RowAdam(layers, base_seed=seed, update_ratio=update_ratio)
+        layers = sketch.attach(model, seed=seed)  # every weight frozen; the targets sketched
+        opt = RowAdam(layers)
     else:
         targets = [m.weight for m in sketch.target_modules(model).values()]  # what LoGRA trains, no more
         for p in model.parameters():
             p.requires_grad_(any(p is t for t in targets))
-        opt = torch.optim.AdamW(targets, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+        opt = torch.optim.AdamW(targets, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     baseline = ppo.RunningBaseline(weight=0.1)
     prompts_gen, sample_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
     rewards, times, alphas, kls = [], [], [], []
@@ -123,11 +127,11 @@ def train(method: str, *, updates: int, batch: int, seed: int, log=print, update
         advantages = baseline.advantages(reward)
         t0 = time.perf_counter()
         if method == "logra":
-            alpha, kl_pred, kl_real = update_logra(model, layers, opt, ids, mask, advantages, update, updates,
-                                                   kl_start, kl_end)
+            alpha, kl_pred, kl_real = update_logra(model, layers, opt, ids, mask, advantages, realised=realised,
+                                                   **budget)
             alphas.append(alpha)
             kls.append((kl_pred, kl_real))
-            info = f"alpha {alpha:.2f} | kl {kl_pred:.1e} (real {kl_real:.1e})"
+            info = f"alpha {alpha:.2f} | kl {kl_pred:.1e}" + (f" (real {kl_real:.1e})" if realised else "")
         else:
             update_adamw(model, opt, ids, mask, advantages)
             info = f"lr {opt.param_groups[0]['lr']:.0e}"
@@ -145,7 +149,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # small matmuls: threads only add overhead, and the timing is steadier
-    runs = {m: train(m, updates=args.updates, batch=args.batch, seed=args.seed) for m in ("logra", "adamw")}
+    runs = {m: train(m, updates=args.updates, batch=args.batch, seed=args.seed, realised=False)
+            for m in ("logra", "adamw")}
     for method, run in runs.items():
         first, last = run["rewards"][:5], run["rewards"][-5:]
         print(f"{method}: reward {statistics.mean(first):.3f} (first 5) -> {statistics.mean(last):.3f} (last 5); "

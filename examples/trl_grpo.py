@@ -11,10 +11,10 @@ and calls `loss.backward()` and `optimizer.step()` where it always does. `LoGRAG
 overrides two methods of `GRPOTrainer`:
 - `create_optimizer`, which TRL's Trainer calls once the model is placed, attaches the sketches
   (sketch.py: every weight frozen, the attention/MLP projections sketched, fp32 master
-  weights) and returns `LoGRAOptimizer`, a `torch.optim.Optimizer` whose `step()` is one LoGRA
-  update: RowAdam's directions (rowadam.py), the KL probe on the last micro-batch's tokens and
-  completion mask, alpha for this update's KL budget (kl_control.py), the merge
-  `W -= bf16(alpha U) A`, and the realised KL. `zero_grad()` does nothing (no weight has a
+  weights) and returns kl_control.py's `LoGRAOptimizer`, a `torch.optim.Optimizer` whose
+  `step()` is one LoGRA update: RowAdam's directions (rowadam.py), the KL probe on the last
+  micro-batch's tokens and completion mask, alpha for the update's KL budget (kl_control.py),
+  the merge `W -= bf16(alpha U) A`, and the realised KL. `zero_grad()` does nothing (no weight has a
   gradient; the merge zeroes the sketches); its one param group has an `lr` that nothing reads,
   so that TRL's scheduler and logger find one (it logs learning_rate 0 and grad_norm 0).
 - `compute_loss`, which records the micro-batch's ids, attention mask and completion mask for
@@ -86,11 +86,9 @@ each step's F, what a sync would send. Nor is kl_control.py's mismatch subtracti
 TRL's batch carries vLLM's log-probs (`sampling_per_token_logps`), but here only TRL's own
 importance weights use them, in the loss.
 
-The LoGRA settings of the toy: rank 32 (the model's widths are 64 and 128), update_ratio 1e-2
-(alpha stays below its cap of 3), and a KL budget of 1e-1 -> 2e-2 nats per token over the run,
-five times examples/minimal_loop.py's, for a toy that must move in 30 steps; the realised KL
-it prints stays within 40% below the prediction (kl_control.py's and rowadam.py's docstrings
-say how to choose them). AdamW's lr is 3e-3, as minimal_loop.py's.
+The LoGRA settings of the toy: the method files' defaults, nothing tuned (rank 32 by
+sketch.default_rank, RowAdam's update_ratio, the probe's share of the batch and
+kl_control.budget_for's budget); AdamW's lr is 3e-3, minimal_loop.py's best.
 """
 
 import argparse
@@ -122,95 +120,40 @@ GOOD, PROMPT, COMPLETION = "a", 4, 8
 # -----------------------------------------------------------------------------
 # LoGRA as the Trainer's optimizer
 
-class LoGRAOptimizer(torch.optim.Optimizer):
-    """One LoGRA update per `step()`, for a trainer that calls `loss.backward()` and then
-    `optimizer.step()`: the backward has filled the sketches S = G A^T, and `step()` runs
-
-        RowAdam.prepare -> U per layer                         (rowadam.py)
-        probe on `batch` -> KL1; alpha = min(3, sqrt(budget / KL1)), budget = kl_budget(update)
-        RowAdam.merge(alpha): W -= bf16(alpha U) A_t, then A_t -> A_{t+1}
-        realised_kl: the merged step's exact KL on the probed tokens   (kl_control.py)
-
-    `batch` = (ids (B, T), attention_mask (B, T), response_mask (B, T)) is set by the trainer
-    before each step (its last micro-batch). A failure between prepare and merge discards the
-    update: weights, moments and counter as they were. `log(name, value)` receives alpha, the
-    predicted and realised KL and the budget of every step; `factors` is the last step's F."""
-
-    def __init__(self, model, layers, rowadam, *, temperature=1.0, kl_start=2e-4, kl_end=2e-5, horizon=300,
-                 group=None, log=None):
-        # One param group with an `lr`, for schedulers and loggers; LoGRA's step is the KL budget's.
-        super().__init__([layer.module.weight for layer in layers], {"lr": 0.0})
-        self.model, self.layers, self.rowadam = model, layers, rowadam
-        self.temperature, self.kl_start, self.kl_end, self.horizon = temperature, kl_start, kl_end, horizon
-        self.group = group  # several processes: their whole sketches are summed in prepare (the paper's)
-        self.log = log or (lambda name, value: None)
-        self.batch = None
-        self.factors = None
-
-    def zero_grad(self, set_to_none=True):
-        """Nothing to zero: no weight has a gradient, and `merge` has zeroed the sketches."""
-
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("LoGRAOptimizer.step takes no closure: run the backward before step()")
-        if self.batch is None:
-            raise RuntimeError("step() without a batch to probe: set optimizer.batch = (ids, attention_mask, "
-                               "response_mask) after the backward (LoGRAGRPOTrainer.compute_loss does)")
-        ids, attention_mask, mask = self.batch
-        self.rowadam.prepare(self.group)  # U = c D per layer (d, r); nothing changed yet
-        budget = kl_control.kl_budget(self.rowadam.update, start=self.kl_start, end=self.kl_end, horizon=self.horizon)
-        try:
-            probe = kl_control.probe(self.model, self.layers, self.rowadam.directions, ids, mask,
-                                     temperature=self.temperature, attention_mask=attention_mask,
-                                     keep_positions=512)  # KL1, and the logits "before" for the realised KL
-            alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
-        except Exception:
-            self.rowadam.discard()  # nothing merged: weights, moments and counter as they were
-            raise
-        self.factors = self.rowadam.merge(alpha)  # W -= F A_t, F = bf16(alpha U): what a seed sync would send
-        kl_real = kl_control.realised_kl(probe, self.model, ids, mask, attention_mask=attention_mask)
-        self.batch = None
-        for name, value in (("alpha", alpha), ("kl_predicted", alpha**2 * probe.kl1), ("kl_realised", kl_real),
-                            ("kl_budget", budget)):
-            self.log(f"logra/{name}", value)
-
-    def state_dict(self):
-        """RowAdam's moments, counter and settings: what a Trainer checkpoint saves and resumes."""
-        return self.rowadam.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.rowadam.load_state_dict(state_dict)
-
-
 class LoGRAGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with LoGRA as its optimizer: `rank` of the sketches, `seed` of their
-    projections, `update_ratio` (RowAdam), and the KL budget `kl_start` -> `kl_end` (cosine
-    over the run's steps, nats per completion token); the defaults are the paper's. The model
-    must hold fp32 weights, and `args.max_grad_norm` must be 0.
+    """GRPOTrainer with LoGRA as its optimizer (kl_control.LoGRAOptimizer): `rank` of the
+    sketches, `seed` of their projections, `update_ratio` (RowAdam), and the KL budget: the
+    method's default (kl_control.budget_for), or `kl_start` -> `kl_end` nats per completion
+    token, cosine over the run's steps. Every setting left out is the method files' default.
+    The model must hold fp32 weights, and `args.max_grad_norm` must be 0.
 
         trainer = LoGRAGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(..., max_grad_norm=0.0),
                                    train_dataset=dataset, processing_class=tokenizer)
         trainer.train()                              # every optimizer step one LoGRA update
     """
 
-    def __init__(self, *args, rank=256, seed=0, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, **kwargs):
+    def __init__(self, *args, rank=None, seed=0, update_ratio=None, kl_start=None, kl_end=None, **kwargs):
         super().__init__(*args, **kwargs)
         if self.args.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={self.args.max_grad_norm}: set it to 0 for LoGRA, which forms no "
                              f"gradient to clip (its step is bounded by the KL budget)")
+        if (kl_start is None) != (kl_end is None):
+            raise ValueError("kl_start and kl_end go together (the schedule's two ends), or neither (the default "
+                             "budget)")
         self.logra_settings = dict(rank=rank, seed=seed, update_ratio=update_ratio, kl_start=kl_start, kl_end=kl_end)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             model = self.model if model is None else model
             s = self.logra_settings
-            layers = sketch.attach(model, rank=s["rank"], seed=s["seed"])  # S and A_0 on every target; all frozen
-            group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
-            self.logra = LoGRAOptimizer(model, layers, RowAdam(layers, base_seed=s["seed"],
-                                                               update_ratio=s["update_ratio"]),
-                                        temperature=self.temperature, kl_start=s["kl_start"], kl_end=s["kl_end"],
-                                        horizon=self.state.max_steps, group=group,  # the run's steps, by TRL
-                                        log=lambda name, value: self._metrics["train"][name].append(value))
+            layers = sketch.attach(model, s["rank"], s["seed"])  # S and A_0 on every target; all frozen
+            schedule = {} if s["kl_start"] is None else dict(kl_start=s["kl_start"], kl_end=s["kl_end"],
+                                                             horizon=self.state.max_steps)  # the run's steps
+            settings = {} if s["update_ratio"] is None else {"update_ratio": s["update_ratio"]}
+            self.logra = kl_control.LoGRAOptimizer(
+                model, RowAdam(layers, **settings), temperature=self.temperature,
+                keep_positions=512, group=dist.group.WORLD if self.accelerator.num_processes > 1 else None,
+                log=lambda name, value: self._metrics["train"][name].append(value), **schedule)
             self.optimizer = self.logra  # accelerate wraps it next; self.logra stays ours
         return self.optimizer
 
@@ -291,7 +234,7 @@ def make_trainer(method: str, *, steps: int, seed: int, output_dir: str, callbac
                   args=config(method, steps=steps, seed=seed, output_dir=output_dir, **overrides),
                   train_dataset=prompts(64, seed))
     if method == "logra":
-        trainer = LoGRAGRPOTrainer(**common, rank=32, seed=seed, update_ratio=1e-2, kl_start=1e-1, kl_end=2e-2)
+        trainer = LoGRAGRPOTrainer(**common, seed=seed)  # every LoGRA setting the method files' default
     else:
         targets = [m.weight for m in sketch.target_modules(model).values()]  # what LoGRA trains, no more
         for p in model.parameters():
@@ -322,7 +265,7 @@ class StepLog(TrainerCallback):
         self.rest.append(logs["step_time"])
         if self.method == "logra":
             info = (f"alpha {logs['logra/alpha']:.2f} | kl {logs['logra/kl_predicted']:.1e} "
-                    f"(real {logs['logra/kl_realised']:.1e}) | budget {logs['logra/kl_budget']:.1e}")
+                    f"(real {logs['logra/kl_realised']:.1e}) | budget {logs['logra/budget']:.1e}")
         else:
             info = f"lr {logs['learning_rate']:.1e} | grad norm {logs['grad_norm']:.2f}"
         self.log(f"{self.method:5s} step {state.global_step:3d} | reward {logs['reward']:.3f} | {info} | "

@@ -30,6 +30,7 @@ import sys
 
 import torch
 
+import kl_control
 from infra import checkpoint, launch, metrics, planning, run_dir as run_dirs
 from infra.errors import os_advice, os_cause
 from infra.options import Config
@@ -178,6 +179,7 @@ class Run:
         self.device, self.rank, self.log = self.opened.device, self.opened.rank, self.opened.log
         self.logra = self.cfg.optimizer == "logra"  # else the dense AdamW baseline or LoRA
         self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        self.capped, self.said_capped = 0, False  # updates in a row with alpha at its cap; said (watch_alpha)
 
     def resume(self, *, explicit: bool, wandb=None):
         """A resumed run's state from its verified checkpoint (the update it continues from, its
@@ -205,6 +207,16 @@ class Run:
                  f"{len(self.task.heldout)} held-out problems")
         if self.metrics_log:
             self.metrics_log.append({"update": 0, "pass1": pass1, "passk": passk}, first=True)
+
+    def watch_alpha(self, alpha: float) -> None:
+        """Count the updates in a row with alpha at --alpha-max; when they reach
+        kl_control.CAPPED_UPDATES, say once a run (as kl_control.LoGRAOptimizer warns) that the
+        budget does not bind and that --update-ratio is the knob."""
+        self.capped = self.capped + 1 if alpha >= self.cfg.alpha_max else 0
+        if self.capped == kl_control.CAPPED_UPDATES and not self.said_capped:
+            self.said_capped = True
+            self.log(f"warning: {kl_control.capped_message(self.capped, self.cfg.alpha_max, self.cfg.update_ratio)} "
+                     f"(--update-ratio)")
 
     def record(self, completed: int, row: dict, times: dict):
         """An update done: its phases' times in the row, its line, the row and the engine's events

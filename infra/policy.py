@@ -214,7 +214,7 @@ def make_optimizer(model, optimizer: str, *, sketch_rank: int, seed: int, update
     if optimizer == "logra":
         sharded = any(hasattr(module.weight, "to_local") for module in sketch.target_modules(model).values())
         layers = sketch.attach(model, rank=sketch_rank, seed=seed, group=dist.group.WORLD if sharded else None)
-        return rowadam.RowAdam(layers, base_seed=seed, update_ratio=update_ratio), layers
+        return rowadam.RowAdam(layers, seed=seed, update_ratio=update_ratio), layers
     if optimizer == "lora":  # its adapters, at its own learning rate (lora.py)
         trained, lr = [p for p in model.parameters() if p.requires_grad], lora_lr
     else:

@@ -50,7 +50,7 @@ def test_every_family_trains_and_its_engines_follow(model_type, tied):
     engine_model = copy.deepcopy(model).to(torch.bfloat16)
     fused = tiny_families.vllm_layout(engine_model)
     layers = sketch.attach(model, rank=RANK, seed=SEED)
-    opt = rowadam.RowAdam(layers, base_seed=SEED, update_ratio=1e-3)
+    opt = rowadam.RowAdam(layers, seed=SEED, update_ratio=1e-3)
     engines = [sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK),
                sync.EngineWeights(fused, base_seed=SEED, rank=RANK, layout="vllm", engine_layers=arch.engine)]
     start = sync.full_payload({l.name: l.module.weight.detach() for l in layers}, update=0, base_seed=SEED,
@@ -129,7 +129,7 @@ def test_the_probe_sees_the_logits_the_model_gives(model_type):
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     logits = model(input_ids=ids).logits
     F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-    opt = rowadam.RowAdam(layers, base_seed=SEED, update_ratio=1e-2)
+    opt = rowadam.RowAdam(layers, seed=SEED, update_ratio=1e-2)
     opt.prepare()
     mask = torch.zeros_like(ids)
     mask[:, 4:] = 1

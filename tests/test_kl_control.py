@@ -5,7 +5,9 @@ the Use block as written."""
 import copy
 import dataclasses
 import math
+import os
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import torch.autograd.forward_ad as fwAD
 from hypothesis import given, settings, strategies as st
 
 import kl_control
+import ppo
 import rowadam
 import sketch
 from tiny import VOCAB, tiny_batch, tiny_qwen2, use_block
@@ -90,7 +93,7 @@ def prepared(dtype=F64, update_ratio=1e-2, seed=3):
     ids = tiny_batch(batch=3, length=9, seed=seed)
     logits = model(input_ids=ids).logits
     torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-    opt = rowadam.RowAdam(layers, base_seed=seed, update_ratio=update_ratio, factor_dtype=dtype)
+    opt = rowadam.RowAdam(layers, seed=seed, update_ratio=update_ratio, factor_dtype=dtype)
     opt.prepare()
     mask = torch.zeros_like(ids)
     mask[:, 4:] = 1  # the last 5 tokens of each sequence are "generated"
@@ -311,7 +314,7 @@ def test_probe_errors():
     wrong_shape[2] = wrong_shape[2].t()
     refusals = [
         (dict(directions=None), r"directions is None: .* call opt\.prepare\(\) first"),
-        (dict(directions=rowadam.RowAdam(layers, base_seed=3).directions), r"call opt\.prepare\(\) first"),
+        (dict(directions=rowadam.RowAdam(layers, seed=3).directions), r"call opt\.prepare\(\) first"),
         (dict(directions=opt.directions[:-1]), rf"{len(layers)} layers but {len(layers) - 1} directions"),
         (dict(directions=wrong_shape), rf"{re.escape(layers[2].name)}: direction \(8, 24\), but the layer's U "
                                        rf"is \(24, 8\)"),
@@ -345,27 +348,38 @@ def test_probe_errors():
     assert_unchanged(model, snap)
 
 
-def test_the_default_probe_scores_512_tokens():
-    """Departure 3: by default the probe scores the first 2 responses and more until they hold
-    512 scored tokens: 103 of 120 five-token responses (515 tokens), all of 10 (50 tokens), the
-    paper's 2 of 260-token responses; counted within `max_tokens`. Its KL1 is the probe of
-    exactly those responses, and `realised_kl` repeats them from the Probe."""
+def test_the_default_probe_scores_the_papers_share_of_the_batch():
+    """Departure 3: by default the probe scores the first eighth of the responses (the paper's 2
+    of each process's 16), at least 2, and more until they hold 128 scored tokens: 26 of 120
+    five-token responses (130 tokens), all of 10 (50), 2 of 260-token ones; `min_tokens=0`, the
+    share alone (15 of 120); a larger floor (train.py's presets: 512), 103 of 120 (515),
+    counted within `max_tokens`. Its KL1 is the probe of exactly those responses,
+    `realised_kl` repeats them from the Probe, and the Probe says how long they were and how
+    unsure the policy is on them (numpy's entropy as the reference)."""
     model, layers, opt, _, _ = PREPARED
     ids = tiny_batch(batch=120, length=9, seed=5)
     mask = torch.zeros_like(ids)
     mask[:, 4:] = 1  # 5 scored positions a response
-    probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=600)
-    assert probe.responses == 103 and probe.kept == 515  # all its positions: fewer than the 600 asked for
-    assert probe.kl1 == kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=103).kl1
-    assert kl_control.realised_kl(probe, model, ids, mask) == 0.0  # no merge: the same 515 positions
+    probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=200)
+    assert probe.responses == 26 and probe.kept == 130 and probe.tokens_per_response == 5.0
+    assert probe.kl1 == kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=26).kl1
+    assert kl_control.realised_kl(probe, model, ids, mask) == 0.0  # no merge: the same 130 positions
+    z = probe.logits.double().numpy()
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    assert math.isclose(probe.entropy, float(-(p * np.log(p)).sum(1).mean()), rel_tol=1e-9)
+    assert kl_control.probe(model, layers, opt.directions, ids, mask, min_tokens=0).responses == 15
+    floor = kl_control.probe(model, layers, opt.directions, ids, mask, min_tokens=512, keep_positions=600)
+    assert floor.responses == 103 and floor.kept == 515  # all its positions: fewer than the 600 asked for
     assert kl_control.probe(model, layers, opt.directions, ids[:10], mask[:10]).responses == 10
-    assert kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=2).responses == 2
-    assert kl_control.probe(model, layers, opt.directions, ids, mask, min_tokens=0).responses == 2
+    assert kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=7).responses == 7
     long = tiny_batch(batch=3, length=300, seed=6)
     long_mask = torch.zeros_like(long)
     long_mask[:, 40:] = 1  # 260 scored positions a response
     assert kl_control.probe(model, layers, opt.directions, long, long_mask).responses == 2
-    assert kl_control.probe(model, layers, opt.directions, long, long_mask, max_tokens=200).responses == 3
+    assert kl_control.probe(model, layers, opt.directions, long, long_mask, min_tokens=512).responses == 2
+    assert kl_control.probe(model, layers, opt.directions, long, long_mask, min_tokens=512,
+                            max_tokens=200).responses == 3
 
 
 def test_realised_kl_refusals():
@@ -436,11 +450,44 @@ def test_solve_alpha():
 
 
 def test_kl_budget_schedule():
-    assert kl_control.kl_budget(0) == 2e-4
-    assert kl_control.kl_budget(299) == 2e-5 and kl_control.kl_budget(1000) == 2e-5
-    values = [kl_control.kl_budget(n) for n in range(301)]
+    """The paper's schedule, every value given (no hidden horizon): exactly start at 0 and end
+    from horizon - 1 on, falling in between; a missing value is refused, naming it."""
+    paper = dict(start=2e-4, end=2e-5, horizon=300)
+    assert kl_control.kl_budget(0, **paper) == 2e-4
+    assert kl_control.kl_budget(299, **paper) == 2e-5 and kl_control.kl_budget(1000, **paper) == 2e-5
+    values = [kl_control.kl_budget(n, **paper) for n in range(301)]
     assert all(a >= b for a, b in zip(values, values[1:]))
-    assert math.isclose(kl_control.kl_budget(149.5), 0.5 * (2e-4 + 2e-5))  # the cosine's midpoint
+    assert math.isclose(kl_control.kl_budget(149.5, **paper), 0.5 * (2e-4 + 2e-5))  # the cosine's midpoint
+    with pytest.raises(TypeError, match="horizon"):
+        kl_control.kl_budget(0, start=2e-4, end=2e-5)
+    with pytest.raises(ValueError, match="start > 0"):
+        kl_control.kl_budget(0, start=0.0, end=2e-5, horizon=10)
+
+
+def test_the_default_budget_is_a_share_of_the_entropy_capped_per_response():
+    """budget_for: min(0.2 H, 2 / L), from the Probe's own entropy and response length, each
+    against a float64 recomputation from the kept logits; the cap binds on long responses;
+    a sure policy (H -> 0) still gets a positive budget; anything but a Probe, or a Probe of
+    the older form, is refused."""
+    model, layers, opt, _, _ = PREPARED
+    ids = tiny_batch(batch=16, length=12, seed=5)
+    mask = torch.zeros_like(ids)
+    mask[:, 4:] = 1  # 8 scored positions a response
+    probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=10**6)
+    assert probe.responses == 16 and probe.tokens_per_response == 8.0  # the 128-token floor: all 16
+    logp = torch.log_softmax(probe.logits.double(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1).mean().item()
+    assert math.isclose(probe.entropy, entropy, rel_tol=1e-12)
+    assert kl_control.budget_for(probe) == min(0.2 * entropy, 2.0 / 8)
+    assert kl_control.budget_for(probe, per_response=0.05) == 0.05 / 8  # the cap binds
+    sure = dataclasses.replace(probe, entropy=0.0)
+    assert 0 < kl_control.budget_for(sure) <= 1e-12
+    with pytest.raises(TypeError, match="takes the Probe"):
+        kl_control.budget_for(probe.kl1)
+    with pytest.raises(ValueError, match="no entropy"):
+        kl_control.budget_for(dataclasses.replace(probe, entropy=math.nan))
+    with pytest.raises(ValueError, match="entropy_share > 0"):
+        kl_control.budget_for(probe, entropy_share=0.0)
 
 
 def test_mismatch_without_eos_flags():
@@ -532,7 +579,7 @@ def test_kl1_in_bf16_against_float64(how):
         layers = sketch.attach(ref, rank=8, seed=seed)
         logits = ref(input_ids=ids).logits
         torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-        opt = rowadam.RowAdam(layers, base_seed=seed, update_ratio=1e-2)
+        opt = rowadam.RowAdam(layers, seed=seed, update_ratio=1e-2)
         opt.prepare()
         u = [d.float() for d in opt.directions]  # fp32, as RowAdam gives them
         exact = kl_control.predict_kl(ref, layers, [d.double() for d in u], ids, mask)
@@ -555,7 +602,7 @@ def test_the_use_block_runs_one_update():
     advantages: one update merged, every target weight moved by exactly -F A_0 with F the
     factors it returned and A_0 drawn again from the seed rule (entries +-1/4, so F A_0 is
     exact in float64; rounded once to fp32, bf16 ties moved one ulp as rowadam.py merges);
-    alpha = min(3, sqrt(2e-4 / KL1)) at update 0, so alpha^2 KL1 is within the budget; the
+    alpha = min(3, sqrt(budget / KL1)) for the default budget, so alpha^2 KL1 is within it; the
     realised KL finite, >= 0 and close to the prediction."""
     model = tiny_qwen2()
     ids = tiny_batch(batch=4, length=11, seed=2)
@@ -565,8 +612,9 @@ def test_the_use_block_runs_one_update():
     ns = dict(torch=torch, model=model, ids=ids, mask=mask, advantages=torch.tensor([1.0, -0.5, 0.25, -0.75]))
     exec(use_block(kl_control.__doc__), ns)
     opt, probe, alpha, budget, kl_real = (ns[k] for k in ("opt", "probe", "alpha", "budget", "kl_real"))
-    assert opt.update == 1 and opt.directions is None and budget == 2e-4
-    assert probe.responses == 4 and probe.kept == 24  # all 24 scored positions, fewer than the 256 asked
+    assert opt.update == 1 and opt.directions is None and opt.rank == 16  # sketch.default_rank: 48 wide -> 16
+    assert budget == min(0.2 * probe.entropy, 2.0 / 6)  # budget_for: 6 scored tokens a response
+    assert probe.responses == 4 and probe.kept == 24  # the 128-token floor: all 4 responses, 24 positions
     assert probe.kl1 > 0 and alpha == min(3.0, math.sqrt(budget / probe.kl1))
     assert alpha**2 * probe.kl1 <= budget * (1 + 1e-12)
     assert math.isfinite(kl_real) and kl_real >= 0
@@ -586,3 +634,175 @@ def test_the_docstrings_are_self_contained_and_cite_tests_that_exist():
     cited = set(re.findall(r"tests/test_kl_control\.py::(test_\w+)", source))
     assert len(cited) >= 8 and not {c for c in cited if c not in globals()}, cited - set(globals())
     assert not re.search(r"train\.py's departure|SPEC", source)
+
+
+# ---------------------------------------------------------------------------
+# The one-call form: LoGRAOptimizer
+
+def policy_batch(seed, batch=8, length=10, prompt=4):
+    """A batch of the tiny vocabulary, its response mask (after `prompt` tokens) and advantages."""
+    ids = tiny_batch(batch=batch, length=length, seed=seed)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, prompt:] = True
+    advantages = torch.linspace(-1.0, 1.0, batch, dtype=torch.float32)
+    return ids, mask, advantages
+
+
+def reinforce_loss(model, ids, mask, advantages):
+    logp = ppo.response_logprobs(model(input_ids=ids).logits, ids)  # (B, T)
+    return ppo.policy_loss(logp, advantages, mask, num_tokens=int(mask.sum()))[0]
+
+
+def adamw_loop(model, opt, batches):
+    """A plain AdamW loop, as a user has it; LoGRA is swapped in by the optimizer line and the
+    batch passed to step, nothing else (test_the_one_call_optimizer_swaps_into_an_adamw_loop)."""
+    for ids, mask, advantages in batches:
+        reinforce_loss(model, ids, mask, advantages).backward()
+        opt.step() if isinstance(opt, torch.optim.AdamW) else opt.step(ids, mask)
+        opt.zero_grad()
+
+
+def test_the_one_call_optimizer_is_the_three_calls_bitwise():
+    """Three updates of LoGRAOptimizer with every default end bit for bit where the README's
+    three calls with every default end: weights, moments, counter, and its `last` alpha is
+    theirs. One optimizer line and `step(ids, mask)` replace the three calls in an AdamW loop."""
+    batches = [policy_batch(seed) for seed in (1, 2, 3)]
+    one = tiny_qwen2(seed=4)
+    opt = kl_control.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=2)))
+    assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == 0.0
+    assert opt.param_groups[0]["params"] == [layer.module.weight for layer in opt.layers]
+    adamw_loop(one, opt, batches)
+
+    three = tiny_qwen2(seed=4)
+    layers = sketch.attach(three, seed=2)
+    ra = rowadam.RowAdam(layers)
+    for ids, mask, advantages in batches:
+        reinforce_loss(three, ids, mask, advantages).backward()
+        ra.prepare()
+        probe = kl_control.probe(three, layers, ra.directions, ids, mask)
+        alpha = kl_control.solve_alpha(probe.kl1, budget=kl_control.budget_for(probe))
+        ra.merge(alpha)
+    assert opt.update == ra.update == 3 and opt.last["alpha"] == alpha
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), three.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(opt.rowadam.moments, ra.moments))
+
+
+def test_the_one_call_optimizer_swaps_into_an_adamw_loop():
+    """The same loop runs AdamW (with gradients) and LoGRA (with none): each moves the target
+    weights, LoGRA's only through its merges, and the loop learns the batch's preferred
+    responses under both: the advantage-weighted log-prob rises."""
+    batches = [policy_batch(5)] * 4
+    ids, mask, advantages = batches[0]
+    for make in (lambda m: torch.optim.AdamW([p for n, p in m.named_parameters() if "proj" in n], lr=1e-3),
+                 lambda m: kl_control.LoGRAOptimizer(m, rowadam.RowAdam(sketch.attach(m, seed=0)))):
+        model = tiny_qwen2(seed=6)
+        opt = make(model)
+        with torch.no_grad():
+            before = -reinforce_loss(model, ids, mask, advantages).item()
+        adamw_loop(model, opt, batches)
+        with torch.no_grad():
+            after = -reinforce_loss(model, ids, mask, advantages).item()
+        assert after > before, (type(opt).__name__, before, after)
+
+
+def test_the_one_call_optimizer_resumes_from_its_state_dict():
+    """state_dict mid-run (after 2 of 4 updates), loaded into a new optimizer on a copy of the
+    model: the next 2 updates are bitwise the uninterrupted run's. The state holds the update
+    counter, the moments, the mismatch estimate and the count of updates at the cap."""
+    batches = [policy_batch(seed) for seed in (7, 8, 9, 10)]
+    model = tiny_qwen2(seed=1)
+    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=3)))
+    adamw_loop(model, opt, batches[:2])
+    opt.mismatch.m, opt.mismatch.active = 1e-3, True  # an estimate to carry over
+    state = copy.deepcopy(opt.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    assert state["rowadam"]["update"] == 2 and state["mismatch"]["m"] == 1e-3
+    adamw_loop(model, opt, batches[2:])
+
+    again = tiny_qwen2(seed=1)
+    again.load_state_dict(weights)
+    resumed = kl_control.LoGRAOptimizer(again, rowadam.RowAdam(sketch.attach(again, seed=3)))
+    resumed.load_state_dict(state)
+    resumed.mismatch.active = True  # as observe() would set it for the batch
+    adamw_loop(again, resumed, batches[2:])
+    assert resumed.update == opt.update == 4 and resumed.last == opt.last
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_alpha_at_its_cap_is_warned_about_once():
+    """With the paper's update_ratio and a budget far above what its steps can spend, alpha sits
+    at its cap: after 5 updates in a row one UserWarning names update_ratio, and never again in
+    that optimizer; with the defaults on the same batches, none. (The tiny Qwen2's weights are
+    drawn at std 0.2 here, as the examples' are: at transformers' 0.02 a random model's outputs
+    barely depend on its weights, and even the default update_ratio's 3% of ||W|| cannot spend
+    the budget, which is what the warning is for.)"""
+    batches = [policy_batch(seed) for seed in range(11, 18)]
+    model = tiny_qwen2(seed=2, initializer_range=0.2)
+    capped = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=0), update_ratio=6e-5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adamw_loop(model, capped, batches)
+    assert capped.last["alpha"] == 3.0 and capped.capped == 7
+    lines = [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "its cap" in str(w.message)]
+    assert len(lines) == 1 and "for 5 updates in a row" in lines[0] and "raise update_ratio" in lines[0], lines
+    model = tiny_qwen2(seed=2, initializer_range=0.2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adamw_loop(model, kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=0))), batches)
+    assert not [w for w in caught if "its cap" in str(w.message)]
+
+
+def test_one_call_refusals_change_nothing():
+    """step without a batch, a closure, half a budget schedule, a response mask that covers a
+    row's first position (no log-prob there), a probe that fails: each refused with its fix,
+    the weights, moments and counter as they were, and the batch dropped (sketches zeroed)."""
+    model = tiny_qwen2(seed=3)
+    with pytest.raises(ValueError, match="kl_start, kl_end and horizon"):
+        kl_control.LoGRAOptimizer(model, None, kl_start=1e-3)
+    with pytest.raises(TypeError, match="takes a RowAdam"):
+        kl_control.LoGRAOptimizer(model, torch.optim.SGD([torch.zeros(1)], lr=1.0))
+    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=1)))
+    ids, mask, advantages = policy_batch(4)
+    adamw_loop(model, opt, [(ids, mask, advantages)])
+    snap = copy.deepcopy(model.state_dict()), [v.clone() for v in opt.rowadam.moments], opt.update
+    with pytest.raises(RuntimeError, match=r"step\(ids, mask\)"):
+        opt.step()
+    with pytest.raises(ValueError, match="takes no closure"):
+        opt.step(closure=lambda: 0.0)
+    bad = mask.clone()
+    bad[1, 0] = True
+    for m, error in ((bad, "covers the first position of 1 row"), (torch.zeros_like(mask), "no generated token")):
+        reinforce_loss(model, ids, mask, advantages).backward()
+        with pytest.raises(ValueError, match=error):
+            opt.step(ids, m)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), snap[0].values()))
+        assert all(torch.equal(a, b) for a, b in zip(opt.rowadam.moments, snap[1])) and opt.update == snap[2]
+        assert all(layer.sketch.abs().sum() == 0 for layer in opt.layers) and opt.rowadam.directions is None
+    with pytest.raises(ValueError, match="covers the first position"):  # the plain probe refuses it too
+        opt.rowadam.directions = [torch.zeros_like(layer.sketch) for layer in opt.layers]
+        kl_control.plain_probe(model, opt.layers, opt.rowadam.directions, ids, bad)
+
+
+def test_the_readmes_trainer_blocks_run():
+    """README.md's "LoGRA in your trainer" blocks, run as written on the tiny Qwen2 (weights at
+    std 0.2): the three calls with every default merge one update; the one-call form, on a model
+    of the same weights and batch, merges the same bits."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = readme[readme.index("## LoGRA in your trainer"):readme.index("## Results")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    ids, mask, advantages = policy_batch(21)
+    models = []
+    for block in blocks:
+        model = tiny_qwen2(seed=8, initializer_range=0.2)
+
+        class Loss:  # `loss` as the block's loop has it: the forward runs when the block calls backward
+            def backward(self, model=model):
+                reinforce_loss(model, ids, mask, advantages).backward()
+
+        ns = dict(torch=torch, sketch=sketch, RowAdam=rowadam.RowAdam, kl_control=kl_control, model=model, ids=ids,
+                  mask=mask, loss=Loss())
+        exec(block, ns)
+        assert ns["opt"].update == 1
+        models.append(model)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))

@@ -98,8 +98,8 @@ def lm_loss(model, ids):
 def kl_probe_alpha(model, ids, mask):
     """The block's `choose_alpha`, as train.py chooses alpha: the KL probe, then solve_alpha."""
     def choose_alpha(layers, directions):
-        kl1 = kl_control.predict_kl(model, layers, directions, ids, mask)
-        return kl_control.solve_alpha(kl1, budget=kl_control.kl_budget(0))
+        probe = kl_control.probe(model, layers, directions, ids, mask)
+        return kl_control.solve_alpha(probe.kl1, budget=kl_control.budget_for(probe))
     return choose_alpha
 
 
@@ -158,7 +158,7 @@ def setup(dtype=torch.float32, rank=8, seed=5, **kw):
     model = tiny_qwen2(dtype)
     layers = sketch.attach(model, rank=rank, seed=seed)
     kw.setdefault("factor_dtype", torch.bfloat16)
-    return model, layers, rowadam.RowAdam(layers, base_seed=seed, **kw)
+    return model, layers, rowadam.RowAdam(layers, seed=seed, **kw)
 
 
 def weights(layers):
@@ -402,21 +402,21 @@ def test_discard_drops_the_batch_and_keeps_the_optimizer():
     assert all(torch.equal(a, b) for a, b in zip(opt.moments, twin.moments))
 
 
-def test_base_seed_is_the_layers_and_checked_when_given():
-    """RowAdam takes the seed the layers were attached with; a base_seed that is given must be
-    that seed (refused otherwise, naming both and the fix)."""
+def test_seed_is_the_layers_and_checked_when_given():
+    """RowAdam takes the seed the layers were attached with; a seed that is given must be that
+    seed (refused otherwise, naming both and the fix): one name, attach's."""
     _, layers, _ = setup(seed=7)
-    assert rowadam.RowAdam(layers).base_seed == rowadam.RowAdam(layers, base_seed=7).base_seed == 7
+    assert rowadam.RowAdam(layers).base_seed == rowadam.RowAdam(layers, seed=7).base_seed == 7
     assert rowadam.RowAdam(layers).state_dict()["base_seed"] == 7
-    with pytest.raises(ValueError, match=r"attached with seed 7, not base_seed=8.*leave base_seed out"):
-        rowadam.RowAdam(layers, base_seed=8)
+    with pytest.raises(ValueError, match=r"attached with seed 7, not seed=8.*leave seed out"):
+        rowadam.RowAdam(layers, seed=8)
 
 
 def test_bf16_weights_refused():
     model = tiny_qwen2(torch.bfloat16)
     layers = sketch.attach(model, rank=4, seed=0)
     with pytest.raises(TypeError, match="resolution"):
-        rowadam.RowAdam(layers, base_seed=0)
+        rowadam.RowAdam(layers, seed=0)
 
 
 def run_updates(model, layers, opt, n, first):
@@ -489,7 +489,7 @@ def _fsdp_updates(rank):
         fully_shard(layer)
     fully_shard(model)
     layers = sketch.attach(model, rank=8, seed=3, group=torch.distributed.group.WORLD)
-    opt = rowadam.RowAdam(layers, base_seed=3, update_ratio=1e-3)
+    opt = rowadam.RowAdam(layers, seed=3, update_ratio=1e-3)
     for step in range(2):
         lm_loss(model, tiny_batch(seed=10 + 2 * step + rank)).backward()  # each rank its own data
         opt.prepare()
@@ -574,7 +574,7 @@ def test_row_sharded_state_equals_one_process_bitwise(two_ranks):
     got = two_ranks[0]["fsdp"]
     model = tiny_qwen2()
     layers = sketch.attach(model, rank=8, seed=3)
-    opt = rowadam.RowAdam(layers, base_seed=3, update_ratio=1e-3)
+    opt = rowadam.RowAdam(layers, seed=3, update_ratio=1e-3)
     with one_thread():
         for step in range(2):
             for r in range(2):
@@ -622,3 +622,28 @@ def test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss():
             assert gap < 1e-12
         else:
             assert gap > 1e-3, (step, gap)
+
+
+def test_a_cast_after_the_constructor_is_refused():
+    """model.to(torch.bfloat16) after RowAdam was built: the next prepare refuses, and so does a
+    merge whose prepare came before the cast, each with one line naming the cast and before
+    anything changes (weights, moments, counter); cast back, the update goes through."""
+    model, layers, opt = setup()
+    ids = tiny_batch(batch=2, length=7, seed=3)
+    lm_loss(model, ids).backward()
+    moments, update = [v.clone() for v in opt.moments], opt.update
+    model.to(torch.bfloat16)
+    before = weights(layers)
+    with pytest.raises(TypeError, match=r"was torch.float32 when RowAdam was built|resolution"):
+        opt.prepare()
+    model.to(torch.float32)
+    opt.prepare()
+    model.to(torch.bfloat16)
+    before = weights(layers)
+    with pytest.raises(TypeError, match="keep the weights fp32"):
+        opt.merge(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(weights(layers), before))
+    assert all(torch.equal(a, b) for a, b in zip(opt.moments, moments)) and opt.update == update
+    model.to(torch.float32)
+    opt.merge(1.0)
+    assert opt.update == update + 1

@@ -32,7 +32,7 @@ def trainer(update_ratio=6e-5):
             rowadam.avoid_bf16_ties_(m.weight)
     engine_model = copy.deepcopy(model).to(torch.bfloat16)
     layers = sketch.attach(model, rank=RANK, seed=SEED)
-    opt = rowadam.RowAdam(layers, base_seed=SEED, update_ratio=update_ratio)
+    opt = rowadam.RowAdam(layers, seed=SEED, update_ratio=update_ratio)
     return model, layers, opt, engine_model
 
 
@@ -518,7 +518,7 @@ def test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer(optimi
     targets = sketch.target_modules(model)
     if optimizer == "logra":
         layers = sketch.attach(model, rank=RANK, seed=SEED)
-        opt = rowadam.RowAdam(layers, base_seed=SEED, update_ratio=1e-3)
+        opt = rowadam.RowAdam(layers, seed=SEED, update_ratio=1e-3)
     else:
         params = [m.weight for m in targets.values()]
         if optimizer == "lora":  # adapters A (r, k), B (d, r) beside frozen weights, B from zero

@@ -36,6 +36,7 @@ def test_smoke_run(runs, optimizer):
     d = runs / f"smoke-{optimizer}"
     out = in_process.run([*SMALL, "--updates", "3", "--optimizer", optimizer, "--run-dir", str(d)])
     assert "base policy: loaded" in out.stdout  # the shipped one (tests/data): regenerate it if this fails
+    assert "at its cap" not in out.stdout
     rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
     assert [r["update"] for r in rows] == [0, 1, 2, 3]
     assert "pass1" in rows[0] and all(-0.01 <= r["reward"] <= 1.0 for r in rows[1:])
@@ -525,3 +526,11 @@ def test_a_run_dir_the_nodes_do_not_share_is_refused_on_every_node(runs, tmp_pat
         assert files(mounted) == before and sorted(os.listdir(mounted)) == ["old"]
         print(f"{args[0]}: refused on both nodes in {elapsed:.0f} s")
         assert elapsed < 200
+
+
+def test_alpha_at_its_cap_is_said_once(runs):
+    """An update_ratio far too small for the budget pins alpha at its cap: after 5 updates in a
+    row the log says so once, naming --update-ratio (the smoke run, at the preset's, does not)."""
+    out = in_process.run([*SMALL, "--updates", "7", "--update-ratio", "1e-9", "--run-dir", str(runs / "capped")])
+    lines = [line for line in out.stdout.splitlines() if "at its cap" in line]
+    assert len(lines) == 1 and "for 5 updates in a row" in lines[0] and "--update-ratio" in lines[0], lines

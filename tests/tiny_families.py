@@ -98,7 +98,7 @@ def follow_with_vllm(model_type, folder, *, tied=False, updates=3, seed=3, rank=
                                             rank=rank, dtype=torch.float32))
         sync.check_fingerprints(sync.fingerprint(trainer), eng.fingerprint())
         layers = sketch.attach(trainer, rank=rank, seed=seed)
-        opt = rowadam.RowAdam(layers, base_seed=seed, update_ratio=1e-3)
+        opt = rowadam.RowAdam(layers, seed=seed, update_ratio=1e-3)
         g = torch.Generator().manual_seed(7)
         sent = []
         for update in range(updates):
