@@ -72,8 +72,8 @@ With temperature T,
 
 which is the second-order term of KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3). KL1 is the
 mean of kl1 over the generated tokens of the probed responses of every trainer process (the
-paper's first 2 of each process, and more until they hold 512 scored tokens: departure 3;
-sums and counts reduced across processes); then
+paper's first 2 of each process's 16: an eighth, and more until they hold 128 scored tokens,
+departure 3; sums and counts reduced across processes); then
 
     alpha  = min(alpha_max, sqrt(budget / KL1))        alpha_max = 3.0; KL1 = 0 gives 1.0
     budget = end + (start - end) * 0.5 (1 + cos(pi min(n / (H - 1), 1)))     the paper's: `kl_budget`
@@ -135,8 +135,9 @@ the policy to move in an update, and two properties of the batch carry that:
   here, and its preset keeps 2e-4).
 Measured (bench/README.md, `defaults.py`, five seeds, 60 updates of 32): with every default,
 examples/minimal_loop.py's random toy ends at 0.995 against AdamW's best 0.999, train.py's
-tiny base policy at 0.893 against 0.899; halving and doubling each setting moves neither by
-more than 0.04, except the toy at half the entropy share (0.958). On SmolLM2-135M-Instruct
+tiny base policy at 0.893 against 0.899 (AdamW's best of five rates). Halving either setting
+costs the toy 0.04 (0.958 and 0.952), doubling it gains at most 0.004; the tiny base policy
+moves by 0.009 at most. On SmolLM2-135M-Instruct
 (`defaults.py --smollm2`) the defaults learn as well (bench/README.md's table).
 
 The budget and alpha. RowAdam (rowadam.py) scales U so that ||U A|| = update_ratio ||W||,

@@ -298,7 +298,8 @@ def main():
     note = (f"{args.updates} updates of batch {args.batch}, seeds {', '.join(map(str, args.seeds))} (mean +- sd, "
             f"min..max over seeds); LoGRA's defaults: rank {sketch.PAPER_RANK} capped by sketch.default_rank "
             f"(32 here), "
-            f"update_ratio {RowAdam.__init__.__kwdefaults__['update_ratio']:g}, the probe's share of the batch, "
+            f"update_ratio {RowAdam.__init__.__kwdefaults__['update_ratio']:g}, the probe on an eighth of the "
+            f"batch and at least {kl_control.PROBE_FLOOR} tokens, "
             f"budget_for(entropy_share={E:g}, per_response={R:g}). One thread; whole sweep {minutes:.1f} min.")
     print("\n" + note + "\n" + "\n".join(gaps))
     if args.markdown:
