@@ -137,8 +137,9 @@ Measured (bench/README.md, `defaults.py`, five seeds, 60 updates of 32): with ev
 examples/minimal_loop.py's random toy ends at 0.995 against AdamW's best 0.999, train.py's
 tiny base policy at 0.893 against 0.899 (AdamW's best of five rates). Halving either setting
 costs the toy 0.04 (0.958 and 0.952), doubling it gains at most 0.004; the tiny base policy
-moves by 0.009 at most. On SmolLM2-135M-Instruct
-(`defaults.py --smollm2`) the defaults learn as well (bench/README.md's table).
+moves by 0.009 at most. On SmolLM2-135M-Instruct (`defaults.py --smollm2`, 3 seeds, 30
+updates of 16) held-out pass@1 went from 0.170 to 0.71-0.82, with alpha below 0.01: there
+the budget binds at steps under 1e-4 of ||W||, the paper's scale, found rather than set.
 
 The budget and alpha. RowAdam (rowadam.py) scales U so that ||U A|| = update_ratio ||W||,
 and KL1 is quadratic in U, so with K the KL1 of the same direction scaled to ||U A|| = ||W||

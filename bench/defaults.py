@@ -234,7 +234,7 @@ def smollm2(args):
         out = sums_run(env, seed=seed, updates=args.smollm2_updates, batch=16)
         rows.append([seed, f"{out['base']:.3f}", f"{out['final']:.3f}", f"{out['final'] - out['base']:+.3f}",
                      f"{statistics.mean(out['rewards'][:5]):.3f}", f"{statistics.mean(out['rewards'][-5:]):.3f}",
-                     f"{statistics.median(out['alphas']):.2f}", f"{statistics.median(out['budgets']):.2e}",
+                     f"{statistics.median(out['alphas']):.2g}", f"{statistics.median(out['budgets']):.2e}",
                      f"{100 * sum(a >= 3.0 for a in out['alphas']) / len(out['alphas']):.0f}%"])
         print(report.row(rows[-1]), flush=True)
     note = (f"SmolLM2-135M-Instruct ({args.smollm2}: bench/real_model.py's checkpoint), its 200 training sums, "
