@@ -117,20 +117,21 @@ The paper's values are explicit in its runs (train.py's presets pass them):
 
 Why this rule, and why it holds from a 64-wide toy to 7B. A KL is measured on the policy's
 output distributions, so nothing in it grows with the model's width (a learning rate does: the
-same rate moves a wider model's outputs further, which is why AdamW's best rate runs from 3e-3
-on a toy to 1e-6 at 7B). What a budget fixed in nats cannot know is how far the task needs
+same rate moves a wider model's outputs further, which is why AdamW's best rate is 3e-3 on
+examples/minimal_loop.py's toy and train.py's 7B preset takes 1e-6). What a budget fixed in nats cannot know is how far the task needs
 the policy to move in an update, and two properties of the batch carry that:
 - The entropy per token. A policy near chance (a random toy: 2.5 nats a token) must move far
-  and can; a policy sure of its tokens (train.py's tiny base policy: 0.1-0.2 nats; a
-  pretrained LLM on math, a few tenths) has little to move per token without losing what it
-  knows. AdamW at its best rate spends a few percent of the entropy per update while it learns
+  and can; a policy sure of its tokens (train.py's tiny base policy: 0.07-0.17 nats, falling
+  as it learns) has little to move per token without losing what it knows. AdamW at its best rate spends a few percent of the entropy per update while it learns
   (measured: 2-9% on the toy, 1-13% on the tiny base policy); LoGRA's 0.2 is a prediction,
   which the realised KL meets at about half on the toy (median 0.45, seeds 0 and 1), so its
   steps spend about 9%, where AdamW's do. As the policy grows sure,
   the budget shrinks with its entropy: no horizon is needed.
 - The response's length. An outcome reward judges whole responses, so the step that matters
-  is the KL of a whole response, and `per_response` caps it at 2 nats an update. On the toys'
-  5-6 token responses the entropy term binds; at the paper's lengths the cap does: about 2e-3
+  is the KL of a whole response, and `per_response` caps it at 2 nats an update. On the
+  random toy's 6-token responses the cap binds while it is near chance (0.2 x 2.5 nats > 2 / 6)
+  and the entropy term once it grows sure; on the tiny base policy the entropy term binds
+  throughout; at the paper's lengths the cap does: about 2e-3
   per token over ~1000-token responses, ten times the paper's 2e-4 (its 7B run; not measured
   here, and its preset keeps 2e-4).
 Measured (bench/README.md, `defaults.py`, five seeds, 60 updates of 32): with every default,

@@ -428,6 +428,11 @@ def check_shared_folder(path: str, *, option: str = "--run-dir"):
                 os.rmdir(folder)
             except OSError:  # another rank's, or not empty: left
                 pass
+        if facts is not None:
+            # Every rank's folders removed before any rank goes on: rank 0 next makes the run
+            # directory again for its lock, and a slower rank's rmdir of the (again empty) folder
+            # would pull it away between its mkdir and the lock file's creation (seen: ENOENT).
+            dist.barrier()
     blind = [f for f in facts if len(f["seen"]) < world]  # the same list on every rank
     if blind:
         f = blind[0]

@@ -5,6 +5,7 @@ two torchrun "nodes" on this machine: test_train.py and test_vllm_engine.py."""
 import ipaddress
 import json
 import os
+import time
 
 import pytest
 
@@ -215,3 +216,51 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_check(tmp_path):
     run_gloo(_preempted, 2, str(tmp_path / "r"))
     assert open(tmp_path / "r.0").read() == "[False, True]|a signal to another rank"
     assert open(tmp_path / "r.1").read() == "[False, True]|SIGTERM"
+
+
+def _probe_then_hold(rank, world, path, out):
+    """check_shared_folder on a folder that does not exist yet, which both ranks count as made
+    by them (rank 0 makes it a second late), rank 1's removal of it slowed down by a second;
+    then rank 0 takes the run directory's lock there, as train.py does."""
+    from infra import run_dir
+
+    launch.PROBE_WAIT_S = 1
+    if rank == 1:
+        real = os.rmdir
+
+        def slow_rmdir(folder):
+            time.sleep(1.0)
+            try:
+                real(folder)  # may be gone already: rank 0 removed it first
+            finally:
+                with open(f"{out}-removed", "w") as f:
+                    f.write(str(time.time()))
+
+        os.rmdir = slow_rmdir
+    else:  # rank 0 makes the folder late, so that both ranks count it as theirs to remove
+        real_makedirs = os.makedirs
+
+        def late_makedirs(*args, **kwargs):
+            time.sleep(1.0)
+            return real_makedirs(*args, **kwargs)
+
+        os.makedirs = late_makedirs
+    launch.check_shared_folder(path)
+    if rank == 0:
+        returned = time.time()
+        held = run_dir.hold(path)
+        with open(f"{out}-0.json", "w") as f:
+            json.dump({"returned": returned, "held": held.fd is not None}, f)
+
+
+@pytest.mark.slow
+def test_the_probe_has_removed_its_folder_on_every_rank_before_any_goes_on(tmp_path):
+    """A rank slower to remove the folder the probe made must be done before rank 0 makes the
+    run directory again for its lock (it once pulled the folder away from under the lock file:
+    ENOENT in a two-node run): rank 0 returns only after rank 1 removed it, and holds the lock."""
+    path = str(tmp_path / "runs" / "new")
+    run_gloo(_probe_then_hold, 2, path, str(tmp_path / "t"))
+    got = json.load(open(tmp_path / "t-0.json"))
+    removed = float(open(tmp_path / "t-removed").read())
+    assert got["held"] and got["returned"] >= removed, (got, removed)
+    assert os.path.exists(os.path.join(path, "run.lock"))
