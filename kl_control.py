@@ -839,8 +839,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     `kl_end` and `horizon` are given; less `mismatch`'s estimate when its `observe` saw a
     batch), `solve_alpha`, `RowAdam.merge`. Bit for bit the three calls' update
     (tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise). A
-    failure between prepare and merge discards the batch: weights, moments and counter as they
-    were, and the error raised. A trainer that calls `step()` without arguments (TRL's) sets
+    failure before the merge (a non-finite sketch, the probe, the budget) discards the batch:
+    weights, moments and counter as they were, and the error raised. A trainer that calls `step()` without arguments (TRL's) sets
     `opt.batch = (ids, attention_mask, mask)` before it. `mask` (B, T): True on the generated
     tokens, never on a row's first position (no log-prob there: refused).
 
@@ -899,8 +899,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError("step(ids, mask): the response mask (B, T) is needed with the ids")
         self.batch = None
         opt = self.rowadam
-        opt.prepare(self.group)  # U = c D per layer (d, r); nothing changed yet
         try:
+            opt.prepare(self.group)  # U = c D per layer (d, r); nothing changed yet
             probe = fast_probe(self.model, self.layers, opt.directions, ids, mask, temperature=self.temperature,
                                max_responses=self.max_responses, attention_mask=attention_mask,
                                keep_positions=self.keep_positions, group=self.group)

@@ -806,3 +806,20 @@ def test_the_readmes_trainer_blocks_run():
         assert ns["opt"].update == 1
         models.append(model)
     assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))
+
+
+def test_the_one_call_optimizer_drops_a_non_finite_batch():
+    """A backward that left a non-finite sketch: step refuses in prepare, weights, moments and
+    counter as they were, the batch dropped, and the next batch updates as usual."""
+    model = tiny_qwen2(seed=5, initializer_range=0.2)
+    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=4)))
+    ids, mask, advantages = policy_batch(6)
+    reinforce_loss(model, ids, mask, advantages).backward()
+    opt.layers[0].sketch[0, 0] = float("nan")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(FloatingPointError, match="not finite"):
+        opt.step(ids, mask)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.values()))
+    assert opt.update == 0 and all(layer.sketch.abs().sum() == 0 for layer in opt.layers)
+    adamw_loop(model, opt, [(ids, mask, advantages)])
+    assert opt.update == 1
