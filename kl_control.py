@@ -29,7 +29,7 @@ Use
         opt.prepare()                                  # RowAdam's directions U (d, r): opt.directions
         probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=temperature,
                                  keep_positions=256)   # KL1; the logits "before" at 256 positions, for kl_real
-        budget = kl_control.budget_for(probe)          # nats per token: 0.1 of the entropy, <= 1 nat a response
+        budget = kl_control.budget_for(probe)          # nats per token: 0.2 of the entropy, <= 2 nats a response
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
     except Exception:
         opt.discard()                                  # nothing merged: weights and RowAdam as they were
@@ -81,7 +81,7 @@ departure 3; sums and counts reduced across processes); then
 
 and, this file's default where the paper's values are not given (`budget_for`, "Defaults" below),
 
-    budget = min(entropy_share * H_tok, per_response / L)   entropy_share = 0.1, per_response = 1 nat
+    budget = min(entropy_share * H_tok, per_response / L)   entropy_share = 0.2, per_response = 2 nats
 
 with H_tok the policy's mean entropy per probed token and L the probed tokens per response.
 
