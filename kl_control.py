@@ -116,17 +116,19 @@ The paper's values are explicit in its runs (train.py's presets pass them):
 `kl_budget(update, start=2e-4, end=2e-5, horizon=300)` with RowAdam's update_ratio 6e-5.
 
 Why this rule, and why it holds from a 64-wide toy to 7B. A KL is measured on the policy's
-output distributions, so nothing in it grows with the model's width (a learning rate does: the
-same rate moves a wider model's outputs further, which is why AdamW's best rate is 3e-3 on
-examples/minimal_loop.py's toy and train.py's 7B preset takes 1e-6). What a budget fixed in nats cannot know is how far the task needs
-the policy to move in an update, and two properties of the batch carry that:
+output distributions, so nothing in it grows with the model's width (a learning rate does:
+the same rate moves a wider model's outputs further, which is why AdamW's best rate is 3e-3
+on examples/minimal_loop.py's toy and train.py's 7B preset takes 1e-6). What a budget fixed
+in nats cannot know is how far the task needs the policy to move in an update, and two
+properties of the batch carry that:
 - The entropy per token. A policy near chance (a random toy: 2.5 nats a token) must move far
   and can; a policy sure of its tokens (train.py's tiny base policy: 0.07-0.17 nats, falling
-  as it learns) has little to move per token without losing what it knows. AdamW at its best rate spends a few percent of the entropy per update while it learns
-  (measured: 2-9% on the toy, 1-13% on the tiny base policy); LoGRA's 0.2 is a prediction,
-  which the realised KL meets at about half on the toy (median 0.45, seeds 0 and 1), so its
-  steps spend about 9%, where AdamW's do. As the policy grows sure,
-  the budget shrinks with its entropy: no horizon is needed.
+  as it learns) has little to move per token without losing what it knows. AdamW at its best
+  rate spends a few percent of the entropy per update while it learns (measured: 2-9% on the
+  toy, 1-13% on the tiny base policy); LoGRA's 0.2 is a prediction, which the realised KL
+  meets at about half on the toy (median 0.45, seeds 0 and 1), so its steps spend about 9%,
+  where AdamW's do. As the policy grows sure, the budget shrinks with its entropy: no horizon
+  is needed.
 - The response's length. An outcome reward judges whole responses, so the step that matters
   is the KL of a whole response, and `per_response` caps it at 2 nats an update. On the
   random toy's 6-token responses the cap binds while it is near chance (0.2 x 2.5 nats > 2 / 6)
@@ -836,13 +838,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     neither, so that it copies alone. `step(ids, mask, attention_mask=None)`, after the batch's
     backward (or its micro-batches'): `RowAdam.prepare`, the probe on (ids, mask), the budget
     (`budget_for(probe)` by default, or the paper's `kl_budget` schedule when `kl_start`,
-    `kl_end` and `horizon` are given; less `mismatch`'s estimate when its `observe` saw a
-    batch), `solve_alpha`, `RowAdam.merge`. Bit for bit the three calls' update
-    (tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise). A
-    failure before the merge (a non-finite sketch, the probe, the budget) discards the batch:
-    weights, moments and counter as they were, and the error raised. A trainer that calls `step()` without arguments (TRL's) sets
-    `opt.batch = (ids, attention_mask, mask)` before it. `mask` (B, T): True on the generated
-    tokens, never on a row's first position (no log-prob there: refused).
+    `kl_end` and `horizon` are given; less `mismatch`'s estimate when its `observe` saw a batch),
+    `solve_alpha`, `RowAdam.merge`. Bit for bit the three calls' update
+    (tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise). A failure
+    before the merge (a non-finite sketch, the probe, the budget) discards the batch: weights,
+    moments and counter as they were, and the error raised. A trainer that calls `step()` without
+    arguments (TRL's) sets `opt.batch = (ids, attention_mask, mask)` before it. `mask` (B, T):
+    True on the generated tokens, never on a row's first position (no log-prob there: refused).
 
     `last` holds the step's alpha, budget, predicted KL alpha^2 KL1, entropy and, with
     `keep_positions` > 0, the realised KL; `log(name, value)` receives them too. When alpha has
@@ -876,12 +878,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.log = log or (lambda name, value: None)
         self.batch = None  # (ids, attention_mask, mask), for a trainer that calls step() without arguments
         self.last, self.factors = {}, None
-        self.capped = 0  # updates in a row with alpha at alpha_max
-        self.warned = False
+        self.cap = CapWatch(alpha_max)  # updates in a row at the cap, and whether that was said
 
     @property
     def update(self) -> int:
         return self.rowadam.update
+
+    @property
+    def capped(self) -> int:
+        """Updates in a row with alpha at alpha_max, up to now."""
+        return self.cap.capped
 
     def zero_grad(self, set_to_none=True):
         """Nothing to zero: no target weight has a gradient, and `merge` zeroed the sketches."""
@@ -920,25 +926,35 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                                                    group=self.group)
         for name, value in self.last.items():
             self.log(f"logra/{name}", value)
-        self._watch_the_cap(alpha)
-
-    def _watch_the_cap(self, alpha):
-        """Count the updates in a row at alpha_max, and warn once when they reach CAPPED_UPDATES."""
-        self.capped = self.capped + 1 if alpha >= self.alpha_max else 0
-        if self.capped >= CAPPED_UPDATES and not self.warned:
-            self.warned = True
-            warnings.warn(capped_message(self.capped, self.alpha_max, self.rowadam.update_ratio), stacklevel=3)
+        if self.cap.see(alpha):
+            warnings.warn(capped_message(self.capped, self.alpha_max, self.rowadam.update_ratio), stacklevel=2)
 
     def state_dict(self) -> dict:
         """RowAdam's state (moments, update counter, settings), the mismatch estimate and the
         count of updates at the cap: what a checkpoint saves and resumes."""
         return {"rowadam": self.rowadam.state_dict(), "mismatch": self.mismatch.state_dict(),
-                "capped": self.capped, "warned": self.warned}
+                "capped": self.cap.capped, "warned": self.cap.said}
 
     def load_state_dict(self, state: dict) -> None:
         self.rowadam.load_state_dict(state["rowadam"])
         self.mismatch.load_state_dict(state["mismatch"])
-        self.capped, self.warned = int(state["capped"]), bool(state["warned"])
+        self.cap.capped, self.cap.said = int(state["capped"]), bool(state["warned"])
+
+
+class CapWatch:
+    """The updates in a row with alpha at alpha_max (`capped`); `see(alpha)` counts one and is
+    True once, when the count first reaches CAPPED_UPDATES: when LoGRAOptimizer warns and
+    train.py logs `capped_message`."""
+
+    def __init__(self, alpha_max):
+        self.alpha_max, self.capped, self.said = alpha_max, 0, False
+
+    def see(self, alpha) -> bool:
+        self.capped = self.capped + 1 if alpha >= self.alpha_max else 0
+        if self.capped < CAPPED_UPDATES or self.said:
+            return False
+        self.said = True
+        return True
 
 
 def capped_message(updates, alpha_max, update_ratio) -> str:

@@ -454,8 +454,6 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
     if update < 0:
         raise ValueError(f"update must be >= 0, got {update}")
     found = target_modules(model, targets)
-    if rank is None and found and all(isinstance(m, nn.Linear) for m in found.values()):
-        rank = default_rank(found.values())
     members = {id(m) for m in model.modules()}
     for name, module in found.items():
         if id(module) not in members:
@@ -464,7 +462,7 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
         if not isinstance(module, nn.Linear):
             raise TypeError(f"target {name} is a {type(module).__name__}, not nn.Linear: "
                             f"remove its name from `targets`")
-        if rank > module.in_features:
+        if rank is not None and rank > module.in_features:  # default_rank never exceeds it
             raise ValueError(f"rank {rank} exceeds in_features {module.in_features} of {name}: "
                              f"choose rank <= {module.in_features}")
         if "forward" in vars(module):  # detach() could not restore what it would replace
@@ -482,6 +480,8 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
         what = "an empty mapping" if isinstance(targets, Mapping) else f"no nn.Linear named one of {targets}"
         raise ValueError(f"{what} in {type(model).__name__}: pass `targets`, names of its nn.Linear "
                          f"modules or a {{name: module}} mapping")
+    if rank is None:  # every target an nn.Linear, checked above
+        rank = default_rank(found.values())
     embedding = _input_embedding(model)  # None: the sketched layers' own leaf inputs (module notes)
 
     # -- the state of each layer: allocated before the model is touched
