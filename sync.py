@@ -87,7 +87,8 @@ Defaults
 --------
 Factors in bf16, as the engines merge them (fp32 would double the payload); one payload per
 decoder layer for a full sync, so neither side holds more than one layer's targets beyond its
-state; `CHECK_WORDS` bounds a checksum's int64 work, `CODE_CHUNK` a position code's.
+state; `CHECK_WORDS` bounds a checksum's int64 work, `CODE_CHUNK` a position code's; `FACTOR_PAYLOAD_BYTES`
+joins decoder layers into one factor payload while they fit (`payload_groups`).
 
 Shape legend: d out rows, k in columns, r rank.
 
@@ -144,6 +145,7 @@ VERSION = 1
 ALIGN = 16
 CHECK_MOD = 65521  # positional weights of the checksum cycle through 1..65521
 CHECK_WORDS = 2**20  # 16-bit words per checksum block (about 32 MiB of int64 work at most)
+FACTOR_PAYLOAD_BYTES = 32 * 2**20  # bf16 factors per payload at most (one decoder layer's if larger)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # vLLM's target layers and the trainer's layers each holds, in row order (Qwen2, Llama, ...;
 # architectures.py has one such map per model family and passes it as `engine_layers`).
@@ -383,6 +385,21 @@ def layer_groups(names) -> list[list[str]]:
     return [groups[k] for k in sorted(groups)]
 
 
+def payload_groups(groups: list[list[str]], nbytes, cap: int) -> list[list[str]]:
+    """Consecutive `groups` (layer_groups') joined while their `nbytes(name)` add up to at most
+    `cap`, at least one group each: a sync whose payloads are small (LoGRA's factors on a small
+    model) goes in fewer round trips, and one at the paper's scale stays one layer a payload."""
+    joined, size = [], cap + 1
+    for names in groups:
+        n = sum(nbytes(name) for name in names)
+        if size + n > cap:
+            joined.append([])
+            size = 0
+        joined[-1] += names
+        size += n
+    return joined
+
+
 def checksum(t: torch.Tensor) -> tuple[int, int]:
     """(sum of x, sum of x * (i mod 65521 + 1)) over the raw 16-bit words x of `t`, in int64.
 
@@ -395,17 +412,25 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _checksum_rows(rows: torch.Tensor, row_offset: int) -> tuple[int, int]:
-    words = rows.contiguous().view(torch.int16)  # (n, k * bytes / 2): raw 16-bit words
-    width = words.shape[1]
-    s1 = torch.zeros((), dtype=torch.int64, device=rows.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=rows.device)
-    block_rows = max(1, CHECK_WORDS // max(width, 1))
-    for start in range(0, words.shape[0], block_rows):
-        block = words[start:start + block_rows].to(torch.int64)  # (c, k')
-        first = (row_offset + start) * width
-        weight = torch.arange(first, first + block.numel(), device=rows.device, dtype=torch.int64)
-        s1 += block.sum()
-        s2 += weight.remainder_(CHECK_MOD).add_(1).mul_(block.flatten()).sum()  # in place: 16 bytes a word
+    # Word i's weight is (i mod M) + 1, so s2 = sum_j (j + 1) c_j with c_j the sum of the words
+    # whose global position is j mod M: the words viewed as rows of M, summed down the columns
+    # (one pass, no per-word index), with the part before the first whole row and after the
+    # last added on their own. Integer sums: the same value in any order, on any machine.
+    words = rows.contiguous().view(torch.int16).reshape(-1)  # raw 16-bit words, flat
+    first = (row_offset * (words.numel() // max(rows.shape[0], 1))) % CHECK_MOD  # residue of word 0
+    cols = torch.zeros(CHECK_MOD, dtype=torch.int64, device=rows.device)
+    head = min(words.numel(), (CHECK_MOD - first) % CHECK_MOD)  # words before residue 0
+    cols[first:first + head] += words[:head]
+    body = words[head:]
+    whole = body.numel() // CHECK_MOD
+    step = max(1, CHECK_WORDS // CHECK_MOD)  # rows of M words per block: CHECK_WORDS bounds the int64 work
+    for start in range(0, whole, step):
+        stop = min(start + step, whole)
+        cols += body[start * CHECK_MOD:stop * CHECK_MOD].view(-1, CHECK_MOD).sum(0, dtype=torch.int64)
+    tail = body[whole * CHECK_MOD:]
+    cols[:tail.numel()] += tail
+    s1 = cols.sum()
+    s2 = cols.mul_(torch.arange(1, CHECK_MOD + 1, device=rows.device, dtype=torch.int64)).sum()
     return int(s1), int(s2)
 
 

@@ -119,12 +119,14 @@ PRESETS = {
         PAPER, model_path="HuggingFaceTB/SmolLM2-135M-Instruct", model=SMOLLM2_135M, sketch_rank=64, batch=32,
         micro_batch=4, updates=100, max_new_tokens=512, context=1024, eval_problems=100, device="cpu",
         engine_gpus="1", gpu_memory_utilization=0.3, checkpointing=False),
-    # The same model at a CPU's settings: bench/real_model.py's runs (why these: bench/README.md).
+    # The same model at a CPU's settings, every LoGRA default of the modules (the budget from the probe:
+    # --kl-entropy-share): bench/real_model.py's comparison, which adds each method's setting (bench/README.md).
     "smollm2-cpu": dataclasses.replace(
         PAPER, train_data=None, eval_data=None, model=SMOLLM2_135M, sketch_rank=64, batch=8, micro_batch=4,
-        updates=20, max_new_tokens=64, context=512, update_ratio=2e-3, kl_start=1e-2, kl_end=2e-3, kl_horizon=20,
-        adam_lr=1e-5, lora_lr=1e-4, eval_problems=200, eval_samples=1, save_every=0, checkpointing=False,
-        device="cpu", gpu_memory_utilization=0.1, engine_timeout=600),
+        updates=40, max_new_tokens=64, context=512, update_ratio=1e-2, kl_entropy_share=0.2, kl_per_response=2.0,
+        probe_tokens=128, kl_start=1e-2, kl_end=2e-3, kl_horizon=40, adam_lr=1e-5, lora_lr=1e-4, eval_problems=200,
+        eval_samples=4, curve_problems=50, curve_samples=1, save_every=10, checkpointing=False, device="cpu",
+        gpu_memory_utilization=0.1, engine_timeout=600),
     # The paper's task path at toy scale on a CPU, vLLM's CPU build as the engines: --model-path,
     # --train-data and --eval-data in the paper's formats required (python tests/tiny_math.py DIR).
     "tiny-math": dataclasses.replace(
@@ -165,8 +167,9 @@ def run(argv=None):
     modules = sketch.target_modules(model)  # the seven projections of every decoder layer, by name
     held_out = dict(samples=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, world=world, rank=r.rank, device=device)
-    if r.start == 0:
-        r.record_base(*evaluate(engine, task, **held_out))
+    curve = dict(held_out, problems=cfg.curve_problems or None, samples=cfg.curve_samples or cfg.eval_samples)
+    if r.start == 0:  # the start's fingerprint, and (unless --no-eval-base) the base policy's evaluation
+        r.record_base(evaluate(engine, task, **held_out) if cfg.eval_base else None)
 
     for update in range(r.start, cfg.updates):
         timer = metrics.Laps(device)  # wall time per phase, and the update's peak memory
@@ -216,7 +219,7 @@ def run(argv=None):
         # --- RowAdam, KL probe, merge (LoGRA), or the AdamW step -----------------------------
         budget = kl_control.kl_budget(update, start=cfg.kl_start, end=cfg.kl_end, horizon=cfg.kl_horizon)
         if r.logra:
-            kl_step = logra_step(model, opt, r.layers, rollout, r.mismatch.adjust(budget), cfg, timer)
+            kl_step = logra_step(model, opt, r.layers, rollout, budget_rule(cfg, r.mismatch, budget), cfg, timer)
             r.watch_alpha(kl_step["alpha"])  # says so once a run when alpha sits at its cap
         else:
             kl_step = adam_step(opt, budget, cfg, timer)
@@ -241,7 +244,7 @@ def run(argv=None):
                                  num_tokens=num_tokens, seconds=sum(timer.times.values()), device=device,
                                  group_size=cfg.group_size, flat_groups=flat)
         if cfg.eval_every and (completed % cfg.eval_every == 0 or completed == cfg.updates):
-            row["pass1"], row["passk"] = evaluate(engine, task, **held_out)
+            row.update(evaluate(engine, task, **(held_out if completed == cfg.updates else curve)))
             timer("eval")
         r.record(completed, row, timer.times)  # the log line and row, a checkpoint when due, a signal's stop
 
@@ -249,11 +252,24 @@ def run(argv=None):
     r.close(summary=os.path.join(run_dir, "curves.png"))
 
 
-def logra_step(model, opt, layers, rollout, budget, cfg: Config, timer) -> dict:
-    """RowAdam, the KL probe, alpha, the merge and the realised KL of the merged step: the
-    step's KL control (kl1, alpha, budget, sketch_norm, kl_real, probed; no lr), the method's
-    state bytes and the merged `factors` the sync sends. A failure before the merge discards the
-    prepared update, so weights and optimizer state stay as they were."""
+def budget_rule(cfg: Config, mismatch, scheduled: float):
+    """The update's KL budget as a function of its probe: the --kl-start schedule's `scheduled`,
+    or with --kl-entropy-share the modules' default rule (kl_control.budget_for, read from the
+    probe's entropy and response length); less the engine/trainer mismatch either way."""
+    def budget_of(probe):
+        if not cfg.kl_entropy_share:
+            return mismatch.adjust(scheduled)
+        return mismatch.adjust(kl_control.budget_for(probe, entropy_share=cfg.kl_entropy_share,
+                                                     per_response=cfg.kl_per_response))
+    return budget_of
+
+
+def logra_step(model, opt, layers, rollout, budget_of, cfg: Config, timer) -> dict:
+    """RowAdam, the KL probe, alpha for the budget `budget_of(probe)`, the merge and the realised
+    KL of the merged step: the step's KL control (kl1, alpha, budget, sketch_norm, kl_real,
+    probed; no lr), the method's state bytes and the merged `factors` the sync sends. A failure
+    before the merge discards the prepared update, so weights and optimizer state stay as they
+    were."""
     ids, mask = rollout.ids, rollout.mask
     # --- RowAdam ---------------------------------------------------------------------------
     sketch_norm = opt.prepare()
@@ -265,6 +281,7 @@ def logra_step(model, opt, layers, rollout, budget, cfg: Config, timer) -> dict:
     try:  # KL1, and the policy's logits at the first scored positions (the realised KL's "before")
         probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=cfg.temperature,
                                  max_responses=probed, keep_positions=cfg.kl_real_positions)
+        budget = budget_of(probe)
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget, alpha_max=cfg.alpha_max)
     except Exception:
         opt.discard()  # nothing is merged: weights and optimizer state stay as they were

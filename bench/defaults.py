@@ -120,9 +120,19 @@ def additions_run(env, method, *, seed, updates, batch, lr=None, **budget):
     return {"rewards": rewards, "alphas": alphas}
 
 
+def sums_split():
+    """(train, heldout): the 400 pairs (a, b), 0 <= a, b < 20, shuffled with a fixed seed, halved
+    (the task bench/real_model.py ran before it took a harder one)."""
+    import random
+
+    pairs = [(a, b) for a in range(20) for b in range(20)]
+    random.Random("real-model-sums").shuffle(pairs)
+    return pairs[:200], pairs[200:]
+
+
 class Sums:
-    """bench/real_model.py's checkpoint (SmolLM2-135M-Instruct, dequantised to fp32) and task
-    (one-step sums "What is $a+b$?", 200 to train on, 200 held out), sampled in process at
+    """bench/real_model.py's checkpoint (SmolLM2-135M-Instruct, dequantised to fp32) and one-step
+    sums "What is $a+b$?" (`sums_split`: 200 to train on, 200 held out), sampled in process at
     temperature 1 with the chat template; right when the last number of the answer is the sum
     (real_model.py grades with math-verify, which reads the same number here). Prompts of one
     token length per batch (a length drawn, then its problems), so that no batch is padded."""
@@ -132,12 +142,10 @@ class Sums:
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        import real_model  # bench/real_model.py
-
         self.re = re
         self.tok = AutoTokenizer.from_pretrained(checkpoint)
         self.load = lambda: AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-        train, heldout = real_model.sums_split()
+        train, heldout = sums_split()
         self.buckets = {"train": self.bucket(train), "heldout": self.bucket(heldout)}
 
     def prompt(self, a, b):

@@ -128,7 +128,9 @@ def logra_step(model_cfg, r, rank):
         factors = opt.merge(kl_control.solve_alpha(kl1, budget=2e-4))
         mark("merge")
         by_name = {l.name: (l, f) for l, f in zip(layers, factors)}
-        for names in sync.layer_groups(by_name):  # what engine_sync.factors sends, without an engine
+        sizes = {n: 2 * r * layer.module.weight.shape[0] for n, (layer, _) in by_name.items()}
+        for names in sync.payload_groups(sync.layer_groups(by_name), sizes.get, sync.FACTOR_PAYLOAD_BYTES):
+            # what engine_sync.factors sends, without an engine
             part = {n: by_name[n][0].all_rows(by_name[n][1]) for n in names}
             sync.encode(sync.Payload(0, 0, r, part))
         mark("sync")

@@ -153,8 +153,11 @@ def run_all(checkpoint: str, out: str, updates: int) -> dict:
         rows = [r for r in metrics.read(path) if "sync_bytes" in r] if os.path.exists(path) else []
         if len(rows) != updates:
             shutil.rmtree(run_dir, ignore_errors=True)
-            command = [*real_model.train_command(checkpoint, data, optimizer, 0, run_dir), "--sync", mode,
-                       "--updates", str(updates), "--eval-every", "0", "--eval-problems", "8", *PAPER_STEPS]
+            command = [sys.executable, os.path.join(ROOT, "train.py"), "--model", "smollm2-cpu", "--model-path",
+                       checkpoint, "--train-data", data[0], "--eval-data", data[1], "--optimizer", optimizer,
+                       "--seed", "0", "--run-dir", run_dir, "--sync", mode, "--updates", str(updates),
+                       "--eval-every", "0", "--eval-problems", "8", "--eval-samples", "1", "--save-every", "0",
+                       "--kl-entropy-share", "0", *PAPER_STEPS]
             print("run:", " ".join(command), flush=True)
             with open(run_dir + ".log", "w") as log:
                 done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=ONE_THREAD)

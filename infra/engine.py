@@ -42,6 +42,7 @@ Implementation notes
 """
 
 import hashlib
+import math
 
 import torch
 
@@ -65,25 +66,34 @@ def rollout_slots(update: int, *, batch: int, group_size: int, seed: int, world:
 
 
 def evaluate(engine, task, *, samples, temperature, top_p, max_new_tokens, seed, world, rank,
-             device) -> tuple[float, float]:
-    """Held-out (Pass@1, Pass@k), k = `samples`: the mean score of the k samples of a problem
-    (1 right, 0 wrong; Reasoning Gym's in [0, 1]) and their best; sums and counts over ranks.
-    Rank `rank` of `world` samples every world-th problem of `task.heldout`, each sample with a
-    seed from (run seed, problem, sample), so any number of ranks scores the same samples."""
-    problems = task.heldout[rank::world]
+             device, problems=None) -> dict:
+    """Held-out {pass1, passk, pass1_se, eval_problems, eval_samples}, k = `samples`: Pass@1 is
+    the mean score of the k samples of a problem (1 right, 0 wrong; Reasoning Gym's in [0, 1]),
+    Pass@k their best, pass1_se Pass@1's standard error over problems (the sd of the problems'
+    mean scores / sqrt(problems): the error of a mean over these problems' draws). `problems`:
+    the first n of `task.heldout` (None: all). Sums and counts over ranks: rank `rank` of
+    `world` samples every world-th problem, each sample with a seed from (run seed, problem,
+    sample), so any number of ranks scores the same samples."""
+    heldout = task.heldout[:problems]
+    problems = heldout[rank::world]
     right = torch.zeros(len(problems), samples)
-    bar = metrics.Progress(samples * len(task.heldout), "evaluation: samples", enabled=rank == 0)
+    bar = metrics.Progress(samples * len(heldout), "evaluation: samples", enabled=rank == 0)
     for s in range(samples):
         seeds = [stable_seed("eval", seed, i * world + rank, s) for i in range(len(problems))]
         rollout = engine.generate(task.prompt_ids(problems), seeds, temperature=temperature, top_p=top_p,
                                   max_new_tokens=max_new_tokens)
         right[:, s] = torch.tensor([task.correct(p, y) for p, y in zip(problems, rollout.responses)],
                                    dtype=torch.float32)
-        bar.update(len(task.heldout))
+        bar.update(len(heldout))
     bar.close()
-    (correct, any_correct, n_samples, count), _ = metrics.global_sums(
-        [right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems)], device=device)
-    return correct / n_samples, any_correct / count
+    means = right.mean(1).double()
+    (correct, any_correct, n_samples, count, squares), _ = metrics.global_sums(
+        [right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems), means.square().sum().item()],
+        device=device)
+    pass1 = correct / n_samples
+    variance = max(squares / count - pass1**2, 0.0) * count / max(count - 1, 1)  # of a problem's mean score
+    return {"pass1": pass1, "passk": any_correct / count, "pass1_se": math.sqrt(variance / count),
+            "eval_problems": int(count), "eval_samples": samples}
 
 
 def stable_seed(*parts) -> int:

@@ -12,8 +12,9 @@ What it is
   (sync.sparse_delta: the dense weight where that is no larger).
 - `full(...)`: full target weights: AdamW's and LoRA's sync, the paper's control for LoGRA
   (`--sync full`), and every start and resync.
-Each is streamed one decoder layer per payload (sync.layer_groups), so neither side holds more
-than one layer's targets beyond its state; under FSDP2 every rank takes part (row shards are
+Each is streamed one decoder layer per payload (sync.layer_groups; LoGRA's factors, as many
+layers as fit in sync.FACTOR_PAYLOAD_BYTES), so neither side holds more than one layer's
+targets beyond its state; under FSDP2 every rank takes part (row shards are
 gathered for each payload only) and returns the bytes sent. `fingerprint` is the trainer's
 fingerprint of what the engines should hold: W, or LoRA's merged weight.
 """
@@ -34,12 +35,15 @@ def start(engine, model, modules: dict, *, optimizer: str, mode: str, update: in
     """The engine's weights made the trainer's before the first rollout. LoGRA's engines merge
     the factors themselves: they start from the trainer's exact fp32 master, with no bf16 ties,
     so that bf16 + an int16 residual holds it (rowadam.py, on bf16 ties). AdamW's, --sync
-    full's and --sync delta's engines only ever receive bf16 weights or elements. Fingerprints
-    confirm. Returns the trainer's fingerprint and --sync delta's shadow (`delta`)."""
-    if exact(optimizer, mode):
+    full's and --sync delta's engines only ever receive bf16 weights or elements; their
+    policy's start (update 0) is made tie-free too, so that every method's engine starts from
+    the same bf16 weights (a tie rounds to even in a plain cast, one ulp apart from LoGRA's).
+    Fingerprints confirm. Returns the trainer's fingerprint and --sync delta's shadow (`delta`)."""
+    if exact(optimizer, mode) or update == 0:
         with torch.no_grad():
             for module in modules.values():
-                rowadam.avoid_bf16_ties_(rowadam.local_rows(module.weight)[0])
+                weight = module.base_layer.weight if hasattr(module, "base_layer") else module.weight  # LoRA's W
+                rowadam.avoid_bf16_ties_(rowadam.local_rows(weight)[0])
     dtype = torch.float32 if exact(optimizer, mode) else torch.bfloat16
     if hasattr(engine, "attach"):  # a supervised engine is rebuilt the same way after a restart (infra/heal.py)
         engine.attach(resync=lambda target, at: full(target, modules, update=at, seed=seed, rank=rank, dtype=dtype),
@@ -52,12 +56,14 @@ def start(engine, model, modules: dict, *, optimizer: str, mode: str, update: in
 
 
 def factors(engine, layers, merged, *, update: int, seed: int, rank: int) -> int:
-    """The merged factors F (`merged`, one per sketched layer) to the engine, one decoder layer
-    per payload: each layer's rows are gathered across ranks (row-sharded F) for that payload
-    only. Returns the bytes sent."""
+    """The merged factors F (`merged`, one per sketched layer) to the engine, as many decoder
+    layers per payload as fit in sync.FACTOR_PAYLOAD_BYTES (one at the paper's scale): each
+    layer's rows are gathered across ranks (row-sharded F) for its payload only. Returns the
+    bytes sent."""
     by_name = {layer.name: (layer, f) for layer, f in zip(layers, merged)}
     sent = 0
-    for names in sync.layer_groups(by_name):
+    nbytes = lambda n: 2 * rank * by_name[n][0].module.weight.shape[0]  # noqa: E731  (bf16 F, all rows)
+    for names in sync.payload_groups(sync.layer_groups(by_name), nbytes, sync.FACTOR_PAYLOAD_BYTES):
         part = {n: by_name[n][0].all_rows(by_name[n][1]) for n in names}  # (d, r) each
         sent += engine.apply(sync.Payload(update, seed, rank, part))
     return sent

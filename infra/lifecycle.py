@@ -24,6 +24,7 @@ What it is
 
 import atexit
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -200,13 +201,17 @@ class Run:
                                            wandb_project=wandb)
             atexit.register(self.metrics_log.close)
 
-    def record_base(self, pass1: float, passk: float):
-        """The base policy's held-out evaluation: its line, and the log's first row."""
-        k = self.cfg.eval_samples
-        self.log(f"step 0 | base policy | pass@1 {pass1:.3f}{f' | pass@{k} {passk:.3f}' if k > 1 else ''} on "
-                 f"{len(self.task.heldout)} held-out problems")
+    def record_base(self, held_out: dict | None):
+        """The start: the log's first row, with a digest of the engine's starting weights (their
+        fingerprint: runs that share it sampled from the same policy) and the base policy's
+        held-out evaluation (engine.evaluate's), and its line; None: not evaluated."""
+        start = hashlib.sha256(json.dumps(sorted(self.synced.items())).encode()).hexdigest()[:16]
+        if held_out is not None:
+            k, passk = held_out["eval_samples"], held_out["passk"]
+            self.log(f"step 0 | base policy | pass@1 {held_out['pass1']:.3f}"
+                     f"{f' | pass@{k} {passk:.3f}' if k > 1 else ''} on {held_out['eval_problems']} held-out problems")
         if self.metrics_log:
-            self.metrics_log.append({"update": 0, "pass1": pass1, "passk": passk}, first=True)
+            self.metrics_log.append({"update": 0, "start": start, **(held_out or {})}, first=True)
 
     def watch_alpha(self, alpha: float) -> None:
         """Count the updates in a row with alpha at --alpha-max; when they reach

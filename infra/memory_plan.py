@@ -134,10 +134,12 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     probe_activations = compute_bytes * probe_forward_tokens * (2 * (4 * h + 2 * kv + 4 * inter) + r + d_max)
     # A in fp32 and float64, and a float64 (c, k) block with its fp32 result, c = min(chunk, rows)
     merge = max(12 * r * k + 12 * min(chunk, ceil(d)) * k for d, k in shapes)
-    # one decoder layer's gathered F, then the larger of its encoded payload and the checksum's work
-    # (sync.checksum: a block of int64 words and their weights, 16 bytes a word)
+    # one payload's gathered F (one decoder layer's, or as many as fit in FACTOR_PAYLOAD_BYTES),
+    # then the larger of its encoded payload and the checksum's work (sync.checksum: a block of
+    # words as int64, and the int64 column sums and their weights)
     words = min(sync.CHECK_WORDS, d_max * r)
-    factor_sync_bytes = 2 * layer_rows * r + max(2 * layer_rows * r, 16 * words)
+    payload = min(max(2 * layer_rows * r, sync.FACTOR_PAYLOAD_BYTES), 2 * layer_rows * layers * r)
+    factor_sync_bytes = payload + max(payload, 8 * words + 16 * sync.CHECK_MOD)
     # The realised KL: the probe keeps the policy's logits at its first positions (compute
     # dtype) until after the merge; then the same positions' new logits and one block of
     # float64 work (kl_control.KL_CHUNK_POSITIONS positions of two log-softmaxes and a product).

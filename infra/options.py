@@ -93,6 +93,12 @@ class Config:
     kl_start: float = knob("KL budget of the first update", positive=True)
     kl_end: float = knob("KL budget from --kl-horizon on (<= --kl-start)", positive=True)
     kl_horizon: int = knob("updates over which the budget's cosine goes from start to end", least=2)
+    kl_entropy_share: float = knob("> 0: the KL budget is kl_control.budget_for's rule, min(share x the policy's "
+                                   "entropy per token, --kl-per-response / tokens per response), read from each "
+                                   "update's probe (the modules' default: 0.2), in place of the --kl-start schedule "
+                                   "(0: the schedule)", default=0.0, least=0.0)
+    kl_per_response: float = knob("with --kl-entropy-share: nats a whole response may move (the modules' default: 2)",
+                                  default=2.0, positive=True)
     alpha_max: float = knob("the largest step scale alpha the KL probe may choose (kl_control.solve_alpha)",
                             default=3.0, positive=True)
     probe_responses: int = knob("responses of each rank the KL probe scores, at least", default=2, least=1)
@@ -122,6 +128,12 @@ class Config:
     eval_every: int = knob("updates between held-out evaluations (0: the base policy only)", least=0)
     eval_problems: int = knob("held-out problems per evaluation", least=1)
     eval_samples: int = knob("samples per held-out problem: the k of Pass@k", least=1)
+    eval_base: bool = knob("evaluate the base policy (--no-eval-base: a bench that evaluates one start once for "
+                           "several runs; the start's fingerprint is logged either way)", default=True)
+    curve_problems: int = knob("held-out problems of the evaluations before the last (0: --eval-problems; the last "
+                               "and the base's take all)", default=0, least=0)
+    curve_samples: int = knob("samples per problem of the evaluations before the last (0: --eval-samples)", default=0,
+                              least=0)
     save_every: int = knob("updates between checkpoints (0: none)", least=0)
     seed: int = knob("the run's seed: initialisation, data order, rollouts, projections", default=0, least=0)
 
@@ -183,6 +195,9 @@ class Config:
             raise OptionError(f"--dist-timeout {self.dist_timeout} must be at least --engine-timeout "
                               f"{self.engine_timeout} + {ENGINE_EXIT_S}: every rank waits in a collective while the "
                               f"slowest engine starts, or is given up and restarted")
+        if self.curve_problems > self.eval_problems:
+            raise OptionError(f"--curve-problems {self.curve_problems} must be <= --eval-problems {self.eval_problems}: "
+                              f"the evaluations between take a subset of the held-out problems")
         if self.task == "arithmetic" and self.eval_problems > Arithmetic.PROBLEMS // 2:
             raise OptionError(f"--eval-problems {self.eval_problems} must be <= {Arithmetic.PROBLEMS // 2}: the tiny "
                               f"task has {Arithmetic.PROBLEMS} problems and keeps at least half of them for training")

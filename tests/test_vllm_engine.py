@@ -154,6 +154,20 @@ def test_engine_gpu_translated_through_the_parents_devices():
     assert "CUDA_VISIBLE_DEVICES" not in vllm_engine.engine_env(None, {"HOME": "/root"})  # a CPU engine
 
 
+def test_a_cpu_trainer_and_its_engine_share_the_ranks_cores():
+    """Each rank's cores (its block of the node's), the engine bound to them, the trainer on
+    half of them; what the user set (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND) stands."""
+    share = vllm_engine.cpu_share
+    assert share(0, 1, {0, 1}) == [0, 1] and share(1, 2, [4, 5, 6, 7]) == [6, 7] and share(0, 3, range(8)) == [0, 1]
+    assert [share(r, 4, {0, 1}) for r in range(4)] == [[0], [1], [0], [1]]  # more ranks than cores: round the cores
+    assert vllm_engine.trainer_threads([0, 1], {}) == 1 and vllm_engine.trainer_threads([0, 1, 2, 3], {}) == 2
+    assert vllm_engine.trainer_threads([0], {}) == 1 and vllm_engine.trainer_threads([0, 1], {"OMP_NUM_THREADS": "2"}) is None
+    assert vllm_engine.engine_env(None, {}, cores=[2, 3])["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
+    assert vllm_engine.engine_env(None, {"OMP_NUM_THREADS": "1"}, cores=[2, 3])["VLLM_CPU_OMP_THREADS_BIND"] == "2"
+    assert vllm_engine.engine_env(None, {"VLLM_CPU_OMP_THREADS_BIND": "0-7"}, cores=[2])["VLLM_CPU_OMP_THREADS_BIND"] == "0-7"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_engine.engine_env(None, {})  # no share: vLLM's own choice
+
+
 @pytest.mark.slow
 def test_a_silent_engine_is_reported_within_the_timeout(tmp_path):
     log = str(tmp_path / "silent.log")
