@@ -514,15 +514,11 @@ def tables(rows: dict, all_methods: list[Method], seeds=SEEDS) -> tuple[str, str
         gains = {rows[k]["seed"]: gain(rows, k) for k in keys}
         mean, half = interval(list(gains.values()))
         paired = [gains[s] - adam[s] for s in gains if s in adam]
-        if m.key == "adam" or not paired:
-            diff = "-"
-        else:
-            d, dh = interval(paired)
-            diff = f"{d:+.3f} [{d - dh:+.3f}, {d + dh:+.3f}] ({len(paired)} seeds)"
+        diff = "-" if m.key == "adam" or not paired else spread(*interval(paired), len(paired))
         value = rows[keys[0]]["value"]
         seed_rows.append([m.name, f"{m.swept} {value:.3g}", ", ".join(f"{g:+.3f}" for g in gains.values()),
-                          f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]", diff])
-        headline.append(f"{m.name} {mean:+.3f} +- {half:.3f}")
+                          spread(mean, half, len(gains)), diff])
+        headline.append(f"{m.name} {mean:+.3f}" + (f" +- {half:.3f}" if len(gains) > 1 else " (1 seed)"))
         run = [rows[k] for k in keys]
         cost_rows.append([m.name] + [f"{statistics.median([r['phases'][p] for r in run]):.2f}" for p in PHASES]
                          + [f"{statistics.median([r['update_s'] for r in run]):.1f}",
@@ -549,8 +545,14 @@ def tables(rows: dict, all_methods: list[Method], seeds=SEEDS) -> tuple[str, str
                                                                  "peak RSS GiB", "sync MiB"], cost_rows),
     ])
     line = (f"SmolLM2-135M-Instruct, one-step arithmetic in words, {budget}, each method at its best setting: "
-            f"held-out pass@1 gain (mean +- 95%, {len(seeds)} seeds) " + "; ".join(headline) + ".")
+            f"held-out pass@1 gain (mean +- 95%, {len(seeds)} seeds) " + "; ".join(headline) + "."
+            if headline else "SmolLM2-135M-Instruct, one-step arithmetic in words: no method's sweep is finished yet.")
     return markdown, line, [line] + notes
+
+
+def spread(mean: float, half: float, n: int) -> str:
+    """`+0.200 [+0.076, +0.324]`, a mean and its 95% interval; one value: `+0.200 (1 seed)`."""
+    return f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]" if n > 1 else f"{mean:+.3f} (1 seed)"
 
 
 def report_table(header, rows):
@@ -567,7 +569,7 @@ def plot(rows: dict, all_methods: list[Method], path: str, seeds=SEEDS) -> bool:
     plt = metrics.pyplot()
     if plt is None:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax, drawn = *plt.subplots(figsize=(6, 3.6)), 0
     for m in all_methods:
         best = best_value(m, rows)
         keys = [run_key(m, best[0], s) for s in seeds] if best else []
@@ -580,6 +582,10 @@ def plot(rows: dict, all_methods: list[Method], path: str, seeds=SEEDS) -> bool:
         line, = ax.plot(updates, [statistics.mean(p) for p in points], marker="o",
                         label=f"{m.name} ({len(runs)} seeds)")
         ax.fill_between(updates, [min(p) for p in points], [max(p) for p in points], alpha=0.2, color=line.get_color())
+        drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return False
     ax.set_xlabel("update"), ax.set_ylabel("held-out pass@1"), ax.legend(fontsize=7), ax.grid(alpha=0.3)
     ax.set_title("SmolLM2-135M-Instruct on a CPU: each method's best, mean and range over seeds", fontsize=9)
     fig.tight_layout()
@@ -655,7 +661,7 @@ def main():
                     f"runs left (the sweep's extensions and the seeds are planned as the rows come in).\n\n{markdown}")
         line = f"In progress ({len(left)} planned runs left): {line}"
     print(markdown), print(), [print(x) for x in printed]
-    if args.quick:
+    if args.quick or not args.markdown:
         return
     figure = os.path.join(HERE, "results", "real_model.png")
     if plot(rows, all_methods, figure):

@@ -254,7 +254,7 @@ def test_intervals_are_t_over_seeds_and_paired_with_adamw():
     # gains 0.10, 0.20, 0.15: mean 0.15, sd 0.05, t(2) = 4.303: half-width 4.303 * 0.05 / sqrt(3) = 0.1242
     mean, half = real_model.interval([0.10, 0.20, 0.15])
     assert mean == pytest.approx(0.15) and half == pytest.approx(0.124216, abs=1e-5)
-    assert math.isnan(real_model.interval([0.1])[1])
+    assert math.isnan(real_model.interval([0.1])[1]) and real_model.spread(0.1, math.nan, 1) == "+0.100 (1 seed)"
     logra, adam = method("logra", grid=(0.5, 1.0, 2.0), step=2.0), method("adam")
     rows = {f"base-seed{s}": base(s, 0.3) for s in (0, 1, 2)}
     for v, p in ((0.5, 0.40), (1.0, 0.45), (2.0, 0.42)):
@@ -268,7 +268,7 @@ def test_intervals_are_t_over_seeds_and_paired_with_adamw():
     # LoGRA's gains 0.15, 0.25, 0.20 (mean 0.20, sd 0.05: +- 0.124); AdamW's 0.14, 0.10, 0.12 (mean 0.12,
     # sd 0.02: +- 0.0497); paired differences 0.01, 0.15, 0.08 (mean 0.08, sd 0.07: +- 4.303 * 0.07 / sqrt 3 = 0.174)
     assert "| LOGRA | budget x default 1 | +0.150, +0.250, +0.200 | +0.200 [+0.076, +0.324] | " \
-           "+0.080 [-0.094, +0.254] (3 seeds) |" in markdown.replace("lr 1", "budget x default 1")
+           "+0.080 [-0.094, +0.254] |" in markdown.replace("lr 1", "budget x default 1")
     assert "| ADAM | lr 3e-05 | +0.140, +0.100, +0.120 | +0.120 [+0.070, +0.170] | - |" in markdown
     assert "LOGRA +0.200 +- 0.124; ADAM +0.120 +- 0.050" in line
     assert "| LOGRA | lr 1 **best** | 0.450 +- 0.020 | +0.150 | 10.0 |" in markdown
