@@ -364,8 +364,9 @@ class VLLMEngine:
             store = WeightChannel.open_store(LOCAL_HOST, left)
             self.proc.conn.send(("init_sync", (LOCAL_HOST, store.port, seed, sketch_rank, timeout, exact,
                                                residual_on_host)))
-            self.channel = self._join(store, timeout, left)
-            self.proc.reply("to join the weight channel", deadline)
+            self.channel, answered = self._join(store, timeout, left)
+            if not answered:
+                self.proc.reply("to join the weight channel", deadline)
             self.proc.watch_group()
         except BaseException:
             self.proc.kill()
@@ -378,10 +379,13 @@ class VLLMEngine:
     def _join(self, store, timeout, left):
         """The trainer's side of the weight channel, made in a thread so that the wait is
         bounded by what is left of the start-up deadline and watches the engine (NCCL's set-up
-        has no bound of its own): an engine that dies or never joins is lost, not waited for."""
+        has no bound of its own): an engine that dies or never joins is lost, not waited for,
+        and one whose side failed (its `logra_init` answered an error) is said at once. A
+        channel that cannot be made is a failed start (EngineError: restarting would not mend
+        it). Returns (the channel, whether the engine's answer was read already)."""
         import threading
 
-        made = []
+        made, answered = [], False
 
         def join():
             try:
@@ -394,13 +398,16 @@ class VLLMEngine:
         end = time.monotonic() + left
         while joining.is_alive():
             self.proc.check(end, "to join the weight channel")
+            if not answered and self.proc.conn.poll():  # the engine's side ended first: an error is raised here
+                self.proc.read("to join the weight channel")
+                answered = True
             joining.join(0.2)
         if isinstance(made[0], Exception):
             self.proc.kill()
-            raise EngineLost(f"engine on {self.proc.where} could not join the weight channel: "
-                             f"{type(made[0]).__name__}: {made[0]}; last lines of {self.proc.log_path}:\n"
-                             f"{_tail(self.proc.log_path)}")
-        return made[0]
+            raise EngineError(f"engine on {self.proc.where} could not join the weight channel: "
+                              f"{type(made[0]).__name__}: {made[0]}; last lines of {self.proc.log_path}:\n"
+                              f"{_tail(self.proc.log_path)}")
+        return made[0], answered
 
     def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
         outs = self.proc.call("generate", prompts, seeds, temperature, top_p, max_new_tokens)

@@ -54,8 +54,12 @@ def serve(spec: dict) -> None:
     os.replace(port_file + ".tmp", port_file)
     conn = listener.accept()
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    try:  # a vLLM that cannot be imported is said in one line, as a failed start (not retried)
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except Exception as e:
+        conn.send(("error", f"vLLM cannot be imported: {type(e).__name__}: {e}"))
+        raise
 
     no_tokenizer = spec["eos"] is not None  # the tiny task: token ids in, token ids out
     utilization = spec["gpu_memory_utilization"]

@@ -16,7 +16,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import pytest
 import torch
@@ -26,8 +28,8 @@ from sketch import make_projection, projection_seed, target_modules
 import sync
 import in_process
 from conftest import RANK, SEED
-from infra import task_data, tasks, vllm_channel, vllm_engine
-from subproc import ROOT, engine_processes, env, faults, read_checkpoint, two_nodes
+from infra import heal, task_data, tasks, vllm_channel, vllm_engine
+from subproc import FAULTS, ROOT, engine_processes, env, faults, read_checkpoint, two_nodes
 
 
 # -----------------------------------------------------------------------------
@@ -161,11 +163,87 @@ def test_a_cpu_trainer_and_its_engine_share_the_ranks_cores():
     assert share(0, 1, {0, 1}) == [0, 1] and share(1, 2, [4, 5, 6, 7]) == [6, 7] and share(0, 3, range(8)) == [0, 1]
     assert [share(r, 4, {0, 1}) for r in range(4)] == [[0], [1], [0], [1]]  # more ranks than cores: round the cores
     assert vllm_engine.trainer_threads([0, 1], {}) == 1 and vllm_engine.trainer_threads([0, 1, 2, 3], {}) == 2
-    assert vllm_engine.trainer_threads([0], {}) == 1 and vllm_engine.trainer_threads([0, 1], {"OMP_NUM_THREADS": "2"}) is None
-    assert vllm_engine.engine_env(None, {}, cores=[2, 3])["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
-    assert vllm_engine.engine_env(None, {"OMP_NUM_THREADS": "1"}, cores=[2, 3])["VLLM_CPU_OMP_THREADS_BIND"] == "2"
-    assert vllm_engine.engine_env(None, {"VLLM_CPU_OMP_THREADS_BIND": "0-7"}, cores=[2])["VLLM_CPU_OMP_THREADS_BIND"] == "0-7"
+    assert vllm_engine.trainer_threads([0], {}) == 1
+    assert vllm_engine.trainer_threads([0, 1], {"OMP_NUM_THREADS": "2"}) is None
+    bind = lambda base, cores: vllm_engine.engine_env(None, base, cores=cores)["VLLM_CPU_OMP_THREADS_BIND"]  # noqa: E731
+    assert bind({}, [2, 3]) == "2,3" and bind({"OMP_NUM_THREADS": "1"}, [2, 3]) == "2"
+    assert bind({"VLLM_CPU_OMP_THREADS_BIND": "0-7"}, [2]) == "0-7"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_engine.engine_env(None, {})  # no share: vLLM's own choice
+
+
+class _Blocked:
+    """A weight channel whose set-up never ends (NCCL's has no bound of its own)."""
+    def __init__(self, *args):
+        threading.Event().wait(60)
+
+
+class _Conn:
+    """An engine's command connection that answers `answer` after `after` seconds."""
+    def __init__(self, answer, after=0.3):
+        self.answer, self.at = answer, time.monotonic() + after
+
+    def poll(self, timeout=0):
+        return time.monotonic() >= self.at
+
+    def recv(self):
+        return self.answer
+
+
+def handle(tmp_path, conn):
+    """A VLLMEngine on a fake engine process (alive, its log a file), without a vLLM."""
+    proc = vllm_engine.EngineProcess.__new__(vllm_engine.EngineProcess)
+    proc.where, proc.log_path, proc.timeout, proc.conn = "the CPU", str(tmp_path / "engine.log"), 60, conn
+    proc.on_wait, proc.members, proc._next_scan, proc.started = None, {}, 0.0, time.monotonic()
+    proc.proc = types.SimpleNamespace(poll=lambda: None, wait=lambda timeout=None: 0)
+    proc.killed = []
+    proc.kill = lambda: proc.killed.append(True)
+    (tmp_path / "engine.log").write_text("the engine's last words\n")
+    engine = vllm_engine.VLLMEngine.__new__(vllm_engine.VLLMEngine)
+    engine.proc, engine.device = proc, torch.device("cpu")
+    return engine
+
+
+def test_an_engine_whose_side_of_the_channel_fails_is_said_at_once(tmp_path, monkeypatch):
+    """The engine's logra_init answers an error while the trainer's side still waits for its
+    peer: an EngineError (a failed start, not retried) within a second, not the start-up's
+    deadline; a channel the trainer cannot make is one too. The engine is killed either way."""
+    monkeypatch.setattr(vllm_engine, "WeightChannel", _Blocked)
+    engine = handle(tmp_path, _Conn(("error", "KeyError: 'gpt2' is not a supported family")))
+    t0 = time.monotonic()
+    with pytest.raises(vllm_engine.EngineError, match="failed to join the weight channel: KeyError: 'gpt2'"):
+        engine._join(store=None, timeout=60, left=60)
+    assert time.monotonic() - t0 < 5
+
+    def broken(*args):
+        raise RuntimeError("Connection reset by peer")
+
+    monkeypatch.setattr(vllm_engine, "WeightChannel", broken)
+    engine = handle(tmp_path, _Conn(("ok", None), after=60))
+    with pytest.raises(vllm_engine.EngineError, match="could not join the weight channel: RuntimeError: Connection "
+                                                        "reset by peer; last lines of .*engine.log:\n.*last words"):
+        engine._join(store=None, timeout=60, left=60)
+    assert engine.proc.killed
+    monkeypatch.setattr(vllm_engine, "WeightChannel", lambda *a: "channel")
+    engine = handle(tmp_path, _Conn(("ok", None), after=0))  # the engine answered before the join returned
+    assert engine._join(store=None, timeout=60, left=60) in (("channel", True), ("channel", False))
+
+
+def test_an_engine_that_cannot_import_vllm_stops_at_once_and_is_not_restarted(tmp_path, monkeypatch):
+    """`import vllm` failing in the engine process (a broken install): one EngineError that
+    says so, within seconds, and no restart (heal.Supervisor starts it once)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, FAULTS]))
+    monkeypatch.setenv("LOGRA_TEST_FAULT", "noimport")
+    starts, t0 = [], time.monotonic()
+
+    def start():
+        starts.append(1)
+        return vllm_engine.VLLMEngine(model_path=str(tmp_path / "unused"), context=64, seed=0, sketch_rank=RANK,
+                                      gpu=None, device="cpu", log_path=str(tmp_path / "engine-0.log"), timeout=120)
+
+    with pytest.raises(vllm_engine.EngineError, match="vLLM cannot be imported: ImportError: faults: no module"):
+        heal.Supervisor(start, restarts=3, log=lambda line: None)
+    assert len(starts) == 1 and time.monotonic() - t0 < 60
+    assert not engine_processes(str(tmp_path / "engine"))
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ process it starts, and it acts only in an engine process (`python infra/vllm_ser
 LOGRA_TEST_FAULT is set:
 
     LOGRA_TEST_FAULT="start"                 the engine kills itself as it starts, every time
+    LOGRA_TEST_FAULT="noimport"              `import vllm` fails in the engine process
     LOGRA_TEST_FAULT="generate:3,apply:5"    SIGKILL on receiving its 3rd 'generate' command
                                              (or 5th 'apply': a sync), each at most once a run
     LOGRA_TEST_FAULT="0/generate:3,1/apply:5"  the same, each for one rank's engine only (the
@@ -77,8 +78,17 @@ if _log is not None and _spec:
     if _spec == "start":
         print("faults: SIGKILL at start", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    if _spec == "noimport":
+        class _NoVLLM:
+            def find_spec(self, name, path=None, target=None):
+                if name == "vllm" or name.startswith("vllm."):
+                    raise ImportError(f"faults: no module named {name!r} here")
+                return None
+
+        sys.meta_path.insert(0, _NoVLLM())
+        _spec = ""
     _faults = {}
-    for _item in _spec.split(","):
+    for _item in filter(None, _spec.split(",")):
         _rank, _, _what = _item.rpartition("/")
         if not _rank or _log.endswith(f"engine-{_rank}.log"):
             _command, _count = _what.split(":")
