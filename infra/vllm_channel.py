@@ -18,7 +18,10 @@ A broadcast to a peer that never takes it would wait for gloo's timeout on a CPU
 on a GPU, where an NCCL kernel spins until its peer arrives: every broadcast of the trainer's
 side takes a `watch()` that raises to give up (its engine died, its deadline passed), and a
 broadcast given up on aborts the communicator (on GPUs in a thread with a bound, as vLLM's own
-destroy() does); one that cannot be aborted is an EngineError that says to stop the run.
+destroy() does); one that cannot be aborted is an EngineError that says to stop the run. A
+communicator that vLLM brings up disabled (NCCL could not start: every call then does nothing)
+is an EngineError at once, before any broadcast; `close` aborts the trainer's communicator when
+its engine is restarted or stopped.
 """
 
 import datetime
@@ -49,6 +52,9 @@ class WeightChannel:
 
             self.comm = PyNcclCommunicator(StatelessProcessGroup(rank=member, world_size=2, store=store),
                                            device=self.device)
+            if self.comm.disabled:  # vLLM's communicator then skips every call: each broadcast a silent no-op
+                raise EngineError(f"vLLM's NCCL communicator came up disabled on {self.device} (NCCL could not "
+                                  f"start there): no weight could be sent; the engine's log says why")
             self.stream = torch.cuda.Stream(self.device)
         else:
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("logra-weights", store), member, 2,
@@ -119,6 +125,15 @@ class WeightChannel:
             if aborter.is_alive():  # the kernel may still spin on the channel's stream: no restart
                 raise EngineError(f"the NCCL weight channel on {self.device} could not be aborted within 30 s; "
                                   f"the trainer's GPU may still wait on it: stop the run and resume it")
+
+    def close(self):
+        """Let the channel go (an engine restarted or stopped): on GPUs the communicator is
+        aborted within its bound (its peer may be gone: a destroy would wait for it), so that no
+        NCCL communicator outlives its engine; on CPUs the process group is dropped."""
+        if self.device.type == "cuda":
+            self.abort()
+        else:
+            self.pg = None
 
     def send(self, buf: torch.Tensor, watch=None) -> None:
         """A 1-D uint8 buffer as (length, bytes)."""

@@ -38,6 +38,7 @@ Implementation notes
   engine per GPU); a sharded vLLM layer raises in `sync.EngineWeights`.
 """
 
+import contextlib
 import json
 import os
 import secrets
@@ -347,7 +348,7 @@ class VLLMEngine:
     def __init__(self, *, model_path, context, seed, sketch_rank, gpu, device, log_path, timeout,
                  gpu_memory_utilization=None, reserve_bytes=0, eos=None, pad=None, exact=True,
                  residual_on_host=False, stop_ids=None, progress=None, cores=None):
-        self.device = torch.device(device)
+        self.device, self.channel = torch.device(device), None
         where = f"GPU {engine_env(gpu).get('CUDA_VISIBLE_DEVICES')}" if gpu is not None else "the CPU"
         spec = {"model": model_path, "context": context, "seed": seed, "device": self.device.type,
                 "gpu_memory_utilization": gpu_memory_utilization, "reserve_bytes": reserve_bytes,
@@ -370,6 +371,9 @@ class VLLMEngine:
             self.proc.watch_group()
         except BaseException:
             self.proc.kill()
+            if self.channel is not None:  # made, then the engine failed: its communicator goes too
+                with contextlib.suppress(EngineError):
+                    self.channel.close()
             raise
         finally:
             self.proc.on_wait = None  # the start-up is over, one way or the other
@@ -451,7 +455,11 @@ class VLLMEngine:
         return {k: tuple(v) for k, v in self.proc.call("fingerprint").items()}
 
     def close(self):
+        """Stop the engine process, then let the weight channel go (its communicator with it)."""
         self.proc.stop()
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel.close()
 
 
 def start_engine(*, layout, rank: int, model_path: str, context: int, seed: int, sketch_rank: int, device,

@@ -10,6 +10,7 @@ README's test set-up installs it; `.ci/run` does). They are not skipped when it 
 fail.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -199,8 +200,46 @@ def handle(tmp_path, conn):
     proc.kill = lambda: proc.killed.append(True)
     (tmp_path / "engine.log").write_text("the engine's last words\n")
     engine = vllm_engine.VLLMEngine.__new__(vllm_engine.VLLMEngine)
-    engine.proc, engine.device = proc, torch.device("cpu")
+    engine.proc, engine.device, engine.channel = proc, torch.device("cpu"), None
     return engine
+
+
+def test_a_disabled_nccl_communicator_is_refused_and_every_channel_let_go_is_aborted(monkeypatch):
+    """vLLM brings its NCCL communicator up disabled when NCCL cannot start, and every call on
+    it is then a silent no-op: the channel refuses it at once, in one line. A channel let go
+    (its engine restarted or stopped: VLLMEngine.close) aborts its communicator. With stand-ins
+    for vLLM's classes: no GPU here."""
+    aborted, state = [], {"disabled": True}
+
+    class Comm:
+        def __init__(self, group, device):
+            self.group, self.disabled, self.comm = group, state["disabled"], "the communicator"
+            self.nccl = types.SimpleNamespace(ncclCommAbort=aborted.append)
+
+    pynccl = types.ModuleType("vllm.distributed.device_communicators.pynccl")
+    pynccl.PyNcclCommunicator = Comm
+    utils = types.ModuleType("vllm.distributed.utils")
+    utils.StatelessProcessGroup = lambda **kw: kw
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.device_communicators"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, pynccl.__name__, pynccl)
+    monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    with pytest.raises(vllm_engine.EngineError, match="NCCL communicator came up disabled on cuda:0"):
+        vllm_channel.WeightChannel(None, 0, torch.device("cuda:0"), 10)
+    state["disabled"] = False
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    channel = vllm_channel.WeightChannel.__new__(vllm_channel.WeightChannel)
+    channel.device, channel.comm = torch.device("cuda:0"), Comm(None, None)
+    channel.close()
+    assert aborted == ["the communicator"] and channel.comm.disabled  # vLLM skips every later call on it
+    stopped, let_go = [], []
+    engine = vllm_engine.VLLMEngine.__new__(vllm_engine.VLLMEngine)
+    engine.proc = types.SimpleNamespace(stop=lambda: stopped.append(True))
+    engine.channel = types.SimpleNamespace(close=lambda: let_go.append(True))
+    engine.close()
+    assert stopped and let_go and engine.channel is None
+    engine.close()  # twice (a restart, then the run's exit): the channel is let go once
+    assert len(let_go) == 1
 
 
 def test_an_engine_whose_side_of_the_channel_fails_is_said_at_once(tmp_path, monkeypatch):
