@@ -9,12 +9,16 @@ the GPU (shared by both runs), so that rewards vary and the timed updates change
 The script checks that and says so. Prints peak GPU memory and update time (median over the
 updates after the first) side by side. Finishes in a few minutes on one H100/H200.
 
-    python bench/gpu_smoke.py [--updates 4] [--warmup-steps 300] [--markdown]
+    python bench/gpu_smoke.py [--updates 4] [--warmup-steps 300] [--step-timeout 600] [--markdown]
+
+Every step is bounded (a run: --step-timeout seconds, then its whole process group is killed)
+and a failure names its step ("device checks: ...", "logra run: ...") in one line.
 """
 
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,17 +30,28 @@ import report  # bench/report.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(optimizer, updates, warmup_steps, out_dir):
+def run(optimizer, updates, warmup_steps, out_dir, timeout):
+    """One train.py run of the smoke preset; its update rows and wall time. Bounded: past
+    `timeout` seconds its process group (torchrun and train.py) is killed."""
     run_dir = os.path.join(out_dir, optimizer)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533",
            os.path.join(ROOT, "train.py"), "--model", "smoke-0.5b", "--optimizer", optimizer,
            "--updates", str(updates), "--warmup-steps", str(warmup_steps), "--run-dir", run_dir]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    print(proc.stdout[-3000:], proc.stderr[-3000:] if proc.returncode else "", sep="\n", flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        print(out[-3000:], err[-3000:], sep="\n", flush=True)
+        raise SystemExit(f"gpu_smoke.py: {optimizer} run: no end within {timeout} s (killed)")
+    print(out[-3000:], err[-3000:] if proc.returncode else "", sep="\n", flush=True)
     if proc.returncode:
-        raise SystemExit(f"{optimizer} run failed ({proc.returncode})")
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"gpu_smoke.py: {optimizer} run: failed with exit {proc.returncode}: {last}")
+    rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "time_s" in r]
     return rows, time.time() - t0
 
 
@@ -79,15 +94,19 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=300, help="supervised steps before the timed updates")
+    p.add_argument("--step-timeout", type=float, default=600, help="seconds a run may take before it is killed")
     args = report.parse_args(p, "gpu_smoke")
     import torch
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    result = ["; ".join(device_checks())]  # the paragraphs of the Markdown block
+    try:
+        result = ["; ".join(device_checks())]  # the paragraphs of the Markdown block
+    except Exception as e:
+        raise SystemExit(f"gpu_smoke.py: device checks: {type(e).__name__}: {e}") from None
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for optimizer in ("logra", "adam"):
-            results[optimizer] = run(optimizer, args.updates, args.warmup_steps, tmp)
+            results[optimizer] = run(optimizer, args.updates, args.warmup_steps, tmp, args.step_timeout)
     # A timed update must be a real one: rewards that vary within a batch give non-zero
     # advantages, hence non-zero sketches (LoGRA) and a moved policy.
     for name, (rows, _) in results.items():
