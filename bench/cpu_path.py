@@ -6,14 +6,14 @@ its vLLM CPU engine, the trainer's threads and the engine's cores set each way, 
 On a CPU the trainer and its engine share the machine's cores and take turns: the engine
 samples (rollout) and merges a sync's factors while the trainer waits, the trainer trains,
 probes and merges while the engine waits. train.py's choice (infra/vllm_engine.py's
-`cpu_share` and `trainer_threads`): the engine's worker bound to all of the rank's cores, the
-trainer on half of them. The other splits are set from outside, as a user would:
+`cpu_share` and `trainer_threads`): the engine's worker bound to all of the rank's cores and
+the trainer on all of them too. The other splits are set from outside, as a user would:
 
     torch's and vLLM's own   OMP_NUM_THREADS=<cores> VLLM_CPU_OMP_THREADS_BIND=auto (what the
                              code did before: the trainer on every core, vLLM's worker on the
                              cores its "auto" leaves after reserving one)
     one thread each          OMP_NUM_THREADS=1 (the engine bound to one core)
-    every core each          OMP_NUM_THREADS=<cores> (the engine bound to all of them)
+    the trainer on half      OMP_NUM_THREADS=<cores/2> VLLM_CPU_OMP_THREADS_BIND=<every core>
 
 Each is one `train.py --model smollm2-cpu` run of `--updates` LoGRA updates (bench/real_model.py's
 checkpoint and task, no evaluation), one after another, alone on the machine; the table gives
@@ -41,11 +41,11 @@ CHOSEN = "train.py's choice"
 
 def splits(cores: int) -> dict:
     """{name: the environment's changes} of each split on a machine with `cores` cores."""
-    every = str(cores)
+    every, bound = str(cores), ",".join(map(str, sorted(os.sched_getaffinity(0))))
     return {
         "torch's and vLLM's own": {"OMP_NUM_THREADS": every, "VLLM_CPU_OMP_THREADS_BIND": "auto"},
         "one thread each": {"OMP_NUM_THREADS": "1"},
-        "every core each": {"OMP_NUM_THREADS": every},
+        "the trainer on half": {"OMP_NUM_THREADS": str(max(1, cores // 2)), "VLLM_CPU_OMP_THREADS_BIND": bound},
         CHOSEN: {},
     }
 

@@ -404,6 +404,16 @@ def compute_line(rows: dict, left: int) -> str:
             f"run's {median / 60:.0f} min" if median else f"compute: 0 runs done; {left} left, {left_s}")
 
 
+def split_env(environ=None) -> dict:
+    """The environment of the comparison's runs: its CPU split pinned, the trainer on half the
+    cores and the engine bound to all of them (bench/README.md's `cpu_path`: its sync the
+    smallest share of an update), the split its first runs had, so that every row's times are
+    of one split whatever train.py's default."""
+    cores = sorted(os.sched_getaffinity(0))
+    return dict(os.environ if environ is None else environ, OMP_NUM_THREADS=str(max(1, len(cores) // 2)),
+                VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
+
+
 def run_all(checkpoint: str, out: str, folder: str = RESULTS, *, all_methods=None, seeds=SEEDS, limit=None,
             extra=(), updates=None, env=None) -> dict:
     """Run the comparison's pending runs one after another (at most `limit`), each writing its
@@ -415,7 +425,7 @@ def run_all(checkpoint: str, out: str, folder: str = RESULTS, *, all_methods=Non
 
     data = write_task(os.path.join(out, "data"))
     preset = train.PRESETS[PRESET]
-    updates = updates or preset.updates
+    updates, env = updates or preset.updates, env or split_env()
     all_methods = all_methods or methods(preset.sketch_rank, matched_rank(checkpoint, data, preset.sketch_rank))
     plans = {}
     done = 0
@@ -545,7 +555,8 @@ def tables(rows: dict, all_methods: list[Method], seeds=SEEDS) -> tuple[str, str
                                                                  "peak RSS GiB", "sync MiB"], cost_rows),
     ])
     line = (f"SmolLM2-135M-Instruct, one-step arithmetic in words, {budget}, each method at its best setting: "
-            f"held-out pass@1 gain (mean +- 95%, {len(seeds)} seeds) " + "; ".join(headline) + "."
+            f"held-out pass@1 gain (mean +- 95%, {len(seeds)} seed{'s' * (len(seeds) > 1)}) "
+            + "; ".join(headline) + "."
             if headline else "SmolLM2-135M-Instruct, one-step arithmetic in words: no method's sweep is finished yet.")
     return markdown, line, [line] + notes
 
@@ -600,12 +611,12 @@ QUICK = dict(updates=10, problems=50, samples=2)  # at most 20 minutes here: 2 r
 
 
 def quick_methods(rows: dict, lora_rank: int, matched: int) -> list[Method]:
-    """LoGRA and AdamW, each at its sweep's best in the committed rows (its grid's centre before
-    the sweep is done), as one-setting methods that are not extended."""
+    """LoGRA and AdamW, each at the best of its sweep's runs in the committed rows so far (its
+    grid's centre before any), as one-setting methods that are not extended."""
     chosen = []
     for m in methods(lora_rank, matched)[:2]:
-        best = best_value(m, rows)
-        value = best[0] if best else m.grid[len(m.grid) // 2]
+        done = [(rows[k]["final"]["pass1"], v) for v in sweep_values(m, rows) if (k := run_key(m, v, 0)) in rows]
+        value = max(done)[1] if done else m.grid[len(m.grid) // 2]
         chosen.append(dataclasses.replace(m, grid=(value,), step=None))
     return chosen
 

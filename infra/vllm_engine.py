@@ -11,8 +11,9 @@ channel (vllm_channel.py: the trainer process is member 0, the engine's vLLM wor
 `start_engine` starts one supervised by heal.py. `engine_env` is the engine's environment: its
 GPU, translated through the parent's `CUDA_VISIBLE_DEVICES`, and none of torchrun's variables.
 On a CPU the trainer and its engine share the rank's cores (`cpu_share`) and take turns: the
-engine's worker is bound to all of them, the trainer runs on half (`trainer_threads`; measured
-in bench/README.md, `cpu_path`); a user's OMP_NUM_THREADS or VLLM_CPU_OMP_THREADS_BIND stands.
+engine's worker is bound to all of them and the trainer runs on all of them (`trainer_threads`;
+the splits measured in bench/README.md, `cpu_path`); a user's OMP_NUM_THREADS or
+VLLM_CPU_OMP_THREADS_BIND stands.
 This file imports no vLLM; vllm_serve.py and vllm_channel.py hold every line written against a
 vLLM version.
 
@@ -110,12 +111,12 @@ def cpu_share(local_rank: int, local_world: int, cores=None) -> list[int]:
 
 def trainer_threads(share: list[int], environ=None) -> int | None:
     """Threads of a trainer whose CPU engine works on `share` (None: OMP_NUM_THREADS is set,
-    and it stands). The two take turns (the engine samples and merges while the trainer waits),
-    but OpenMP threads spin for a while after their work: a trainer on the engine's cores slows
-    the engine's merges of a sync several times over (bench/README.md, `cpu_path`). Half the
-    share, so that on 2 cores the trainer runs on 1 thread and the engine on both."""
+    and it stands): all of them. The two take turns (the engine samples and merges while the
+    trainer waits), so each may use every core in its turn: the fastest update of the splits
+    measured in bench/README.md (`cpu_path`), though the sync is slower there than with the
+    trainer on half the cores (OpenMP threads spin for a while after their work)."""
     environ = os.environ if environ is None else environ
-    return None if "OMP_NUM_THREADS" in environ else max(1, len(share) // 2)
+    return None if "OMP_NUM_THREADS" in environ else len(share)
 
 
 def engine_env(gpu, base=None, cores=None) -> dict:

@@ -298,6 +298,9 @@ def test_runs_write_their_rows_resume_and_share_one_start(tmp_path, monkeypatch)
 
     def fake_run(command, **kw):
         calls.append(command)
+        cores = sorted(os.sched_getaffinity(0))  # every run on one split: the trainer on half, the engine on all
+        assert kw["env"]["OMP_NUM_THREADS"] == str(max(1, len(cores) // 2))
+        assert kw["env"]["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
         run_dir = command[command.index("--run-dir") + 1]
         seed = int(command[command.index("--seed") + 1])
         first = {"update": 0, "start": starts[seed]}
@@ -337,9 +340,11 @@ def test_runs_write_their_rows_resume_and_share_one_start(tmp_path, monkeypatch)
 
 def test_the_quick_look_takes_each_sweeps_best_or_its_centre():
     logra, adam = real_model.methods(64, 18)[:2]
-    rows = {real_model.run_key(adam, v, 0): row(adam, v, 0, p) for v, p in zip(adam.grid, (0.40, 0.45, 0.42))}
-    quick = real_model.quick_methods(rows, 64, 18)
+    rows = {real_model.run_key(adam, v, 0): row(adam, v, 0, p) for v, p in zip(adam.grid[:2], (0.40, 0.45))}
+    quick = real_model.quick_methods(rows, 64, 18)  # AdamW's best so far (its sweep unfinished); LoGRA's centre
     assert [(m.key, m.grid, m.step) for m in quick] == [("logra", (1.0,), None), ("adam", (1e-5,), None)]
+    rows[real_model.run_key(adam, 3e-5, 0)] = row(adam, 3e-5, 0, 0.5)  # at the edge: its extension pending
+    assert real_model.quick_methods(rows, 64, 18)[1].grid == (3e-5,)
     flags = real_model.quick_flags()
     assert flags[flags.index("--updates") + 1] == flags[flags.index("--kl-horizon") + 1] == "10"
     assert adam.flags(1e-5) == ["--optimizer", "adam", "--adam-lr", "1e-05"]
