@@ -67,19 +67,19 @@ ENGINE_ARGS = """
         skip_tokenizer_init: bool = False
         enforce_eager: bool = False
     """
+
+
+def process_group(socket: bool) -> str:
+    """vLLM's StatelessProcessGroup, a dataclass: before 0.19 with a required `socket` field."""
+    return ("import dataclasses\n@dataclasses.dataclass\nclass StatelessProcessGroup:\n    rank: int\n"
+            "    world_size: int\n    store: object\n" + ("    socket: object\n" if socket else "")
+            + "    data_expiration_seconds: int = 3600\n")
+
+
 OLD = dict(COMMON, **{
     "vllm/__init__.py": "from vllm.entrypoints.llm import LLM\nfrom vllm.sampling_params import SamplingParams\n",
     "vllm/engine/arg_utils.py": ENGINE_ARGS,  # no logprobs_mode
-    "vllm/distributed/utils.py": """
-        import dataclasses
-        @dataclasses.dataclass
-        class StatelessProcessGroup:
-            rank: int
-            world_size: int
-            store: object
-            socket: object
-            data_expiration_seconds: int = 3600
-        """,
+    "vllm/distributed/utils.py": process_group(socket=True),
     "vllm/distributed/device_communicators/pynccl_wrapper.py":
         "class NCCLLibrary:\n    def ncclCommDestroy(self, c): ...\n",
 })
@@ -89,15 +89,7 @@ NEW = dict(COMMON, **{
         def __getattr__(name): ...
         """,
     "vllm/engine/arg_utils.py": ENGINE_ARGS + "    logprobs_mode: str = 'raw_logprobs'\n",
-    "vllm/distributed/utils.py": """
-        import dataclasses
-        @dataclasses.dataclass
-        class StatelessProcessGroup:
-            rank: int
-            world_size: int
-            store: object
-            data_expiration_seconds: int = 3600
-        """,
+    "vllm/distributed/utils.py": process_group(socket=False),
     "vllm/distributed/device_communicators/pynccl_wrapper.py":
         "class NCCLLibrary:\n    def ncclCommAbort(self, comm): ...\n",
 })
