@@ -42,8 +42,7 @@ def start(engine, model, modules: dict, *, optimizer: str, mode: str, update: in
     if exact(optimizer, mode) or update == 0:
         with torch.no_grad():
             for module in modules.values():
-                weight = module.base_layer.weight if hasattr(module, "base_layer") else module.weight  # LoRA's W
-                rowadam.avoid_bf16_ties_(rowadam.local_rows(weight)[0])
+                rowadam.avoid_bf16_ties_(rowadam.local_rows(own_weight(module))[0])
     dtype = torch.float32 if exact(optimizer, mode) else torch.bfloat16
     if hasattr(engine, "attach"):  # a supervised engine is rebuilt the same way after a restart (infra/heal.py)
         engine.attach(resync=lambda target, at: full(target, modules, update=at, seed=seed, rank=rank, dtype=dtype),
@@ -106,10 +105,15 @@ def target_weight(module):
     return module.weight.full_tensor() if hasattr(module.weight, "full_tensor") else module.weight
 
 
+def own_weight(module):
+    """A target's own weight parameter: W, or the frozen W under LoRA's adapters."""
+    return module.base_layer.weight if hasattr(module, "base_layer") else module.weight
+
+
 def engine_rows(module):
     """(this rank's rows of a target as the engines run it, in bf16; their first row; the whole
     weight's shape): W's own shard, or the rows of LoRA's merged weight (formed whole: collective)."""
-    weight = module.base_layer.weight if hasattr(module, "base_layer") else module.weight
+    weight = own_weight(module)
     rows, offset = rowadam.local_rows(weight)
     if hasattr(module, "base_layer"):
         rows = lora.merged_weight(module)[offset:offset + rows.shape[0]]
