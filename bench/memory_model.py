@@ -85,9 +85,17 @@ def dry_run_7b() -> str:
             f"residual (KV cache {gib(m['engine_delta_kv_cache_bytes'])}, at 27B "
             f"{gib(big['engine_delta_kv_cache_bytes'])}) and each training GPU a bf16 shadow of its rows instead "
             f"({gib(m['trainer_delta_shadow_bytes'])}, at 27B {gib(big['trainer_delta_shadow_bytes'])}). "
-            f"Activations and vLLM's overhead are "
-            f"estimates, not GPU measurements.")
+            f"After backward the KL probe's forward with tangents takes {gib(m['trainer_probe_activation_bytes'])} "
+            f"({gib(m['trainer_probe_attention_bytes'])} of it its eager attention, at 2 x 4096 tokens), more than "
+            f"training's activations: a training GPU's estimated peak is {gib(peak(m))} (27B: {gib(peak(big))} of "
+            f"80 GB). Activations and vLLM's overhead are estimates, not GPU measurements.")
     return "```\n" + "\n".join(lines) + "\n```\n\n" + said
+
+
+def peak(m) -> int:
+    """A LoGRA training GPU's estimated peak: its state and step transient, with the larger of
+    training's activations and the KL probe's (which runs after backward)."""
+    return m["trainer_logra_bytes"] + max(m["trainer_activation_bytes"], m["trainer_probe_activation_bytes"])
 
 
 def chart(rows):

@@ -37,6 +37,12 @@ Assumptions, numbered
    changed, and the trainer keeps a bf16 shadow of its rows of every target instead.
 3. Activations assume non-reentrant activation checkpointing of every decoder layer, bf16
    compute (`compute_bytes`), and FSDP2 prefetching one decoder layer ahead.
+4. The KL probe (kl_control.py) runs transformers' eager attention with forward-mode tangents:
+   its (B, H, T, T) scores, their fp32 softmax and the tangents of both are held one decoder
+   layer at a time, about 24 bytes a score entry in bf16 compute (20 in fp32), counted as
+   Qwen2's and Llama's eager attention forms them (a family that caps its scores, Gemma 2, adds
+   two more). At 7B and 2 x 4096 tokens that is 21.1 GiB, most of the probe's peak; the
+   training forward runs SDPA and holds none of it.
 """
 
 import torch
@@ -132,6 +138,15 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     head = min(kl_control.HEAD_CHUNK_BYTES, probe_forward_tokens * kl_control.BYTES_PER_VOCAB_ENTRY * vocab)
     probe = 4 * d_max * r + 8 * r * k_max + head
     probe_activations = compute_bytes * probe_forward_tokens * (2 * (4 * h + 2 * kv + 4 * inter) + r + d_max)
+    # The probe's attention is eager (kl_control.probe_mode: SDPA's fused kernels have no forward
+    # AD), one decoder layer at a time: per score entry of its (B, H, T, T) the scores and their
+    # tangent (2 c), their fp32 copies for the softmax (8, none in fp32 compute), the softmax and
+    # the two (B, H, T, T) temporaries of its tangent (12); and the (B, 1, T, T) additive mask
+    # (assumption 4; measured: tests/test_memory_plan.py).
+    seq = min(context, kl_control.MAX_TOKENS, probe_forward_tokens)
+    scores = -(-probe_forward_tokens // seq) * config.num_attention_heads * seq * seq
+    probe_attention = scores * (2 * compute_bytes + (8 if compute_bytes < 4 else 0) + 12) \
+        + -(-probe_forward_tokens // seq) * seq * seq * compute_bytes
     # A in fp32 and float64, and a float64 (c, k) block with its fp32 result, c = min(chunk, rows)
     merge = max(12 * r * k + 12 * min(chunk, ceil(d)) * k for d, k in shapes)
     # one payload's gathered F (one decoder layer's, or as many as fit in FACTOR_PAYLOAD_BYTES),
@@ -201,7 +216,8 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
         "trainer_lora_bytes": weights + lora_state + lora_transient,
         "trainer_lora_persistent_bytes": weights + lora_state, "trainer_lora_transient_bytes": lora_transient,
         "trainer_activation_bytes": activations, "trainer_logra_activation_extra_bytes": sketch_activations,
-        "trainer_probe_activation_bytes": probe_activations,
+        "trainer_probe_activation_bytes": probe_activations + probe_attention,
+        "trainer_probe_attention_bytes": probe_attention,
         "engine_gpu_bytes": engine_gpu, "engine_weight_bytes": engine_weights, "engine_residual_bytes": residual,
         "engine_residual_on_host": on_host, "engine_transfer_bytes": transfer,
         "engine_kv_cache_bytes": gpu_bytes - engine_gpu - ENGINE_OVERHEAD,
@@ -252,7 +268,8 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
         f"| {g('trainer_lora_bytes')} ({plan['trainer_lora_bytes'] / plan['trainer_adam_bytes']:.2f}x) |",
         f"activations (all): {g('trainer_activation_bytes')}; LoGRA's P = X A^T (and LoRA's X A^T) adds "
         f"{plan['trainer_logra_activation_extra_bytes'] / gib:.3f} GiB, its KL probe's forward with tangents "
-        f"{g('trainer_probe_activation_bytes')} (after backward)",
+        f"{g('trainer_probe_activation_bytes')} (after backward; {g('trainer_probe_attention_bytes')} of it the eager "
+        f"attention's scores and softmax with their tangents, one layer at a time)",
         f"engine GPU ({plan['gpu_bytes'] / 1e9:.0f} GB): bf16 weights {g('engine_weight_bytes')}, exact-merge "
         f"residuals {g('engine_residual_bytes')} (int16) in "
         f"{'pinned host memory' if plan['engine_residual_on_host'] else 'the engine GPU'}, transfer buffer "
