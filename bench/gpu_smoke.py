@@ -30,12 +30,12 @@ import report  # bench/report.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(optimizer, updates, warmup_steps, out_dir, timeout):
-    """One train.py run of the smoke preset; its update rows and wall time. Bounded: past
-    `timeout` seconds its process group (torchrun and train.py) is killed."""
+def run(optimizer, updates, warmup_steps, out_dir, timeout, preset="smoke-0.5b"):
+    """One train.py run of the smoke preset (or `preset`); its update rows and wall time.
+    Bounded: past `timeout` seconds its process group (torchrun and train.py) is killed."""
     run_dir = os.path.join(out_dir, optimizer)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533",
-           os.path.join(ROOT, "train.py"), "--model", "smoke-0.5b", "--optimizer", optimizer,
+           os.path.join(ROOT, "train.py"), "--model", preset, "--optimizer", optimizer,
            "--updates", str(updates), "--warmup-steps", str(warmup_steps), "--run-dir", run_dir]
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

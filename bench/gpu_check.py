@@ -1,0 +1,427 @@
+"""The prepared device check: every GPU-only path of the project, one step at a time.
+
+`bash bench/gpu_check.sh` runs the steps below on one GPU, each in its own process under its own
+timeout, with no vLLM and nothing downloaded (models are built from configs), in at most about
+6 minutes on one H100/H200. Each step prints one line, `ok|FAIL name figures`, and adds its
+record to the JSON file (--out DIR, gpu_check.json) as soon as it ends, so a run cut short
+still says how far it got. `--cpu` runs the same steps at small widths on the CPU: the suite's
+full tier runs it (tests/test_gpu_check.py), so that a GPU minute is never lost to a typo.
+
+    versions        Python, torch, transformers, Triton; every project module imported
+    cuda            the CUDA context: its start time, the device, the memory free after it
+    kernels         at 7B widths in bf16 (down_proj, 3584 x 18944, 4096 tokens, r = 256): the
+                    sketch S = G A^T, RowAdam's direction and the merge against float64
+                    recomputations written here from the paper's formulas
+    merge_bitwise   rowadam.merge_rows on the CPU (whole) and on the GPU (two shards, other
+                    chunks) bit for bit at r = 32, 64, 256, and the projections A
+    engine_weights  the engine's exact bf16 + int16 weights (sync.EngineWeights) on the GPU, the
+                    residuals there and in pinned host memory: a factor payload encoded,
+                    decoded and merged gives the trainer's fp32 master bit for bit
+    probe           kl_control's fast probe at 2 x 4096 tokens on a Qwen2 of 7B widths (2 decoder
+                    layers, its 152k vocabulary): its peak memory against the plan's count
+                    (infra/memory_plan.py), and the plain probe's KL1 and peak beside it
+    fsdp2           one-rank FSDP2 as train.py shards (bf16 compute, fp32 master) with a 7B-width
+                    decoder layer: the row-sharded sketch against the unsharded model's, then
+                    RowAdam, the probe and the merge
+    train           train.py end to end (LoGRA) on a random-init model of Qwen2.5-0.5B's shape
+                    with the Hugging Face engine (the smoke-0.5b preset; on the CPU the tiny one)
+
+    python bench/gpu_check.py STEP [--cpu] [--out DIR]    one step (what gpu_check.sh runs)
+    python bench/gpu_check.py --table FILE [--markdown]   bench/README.md's GPU table from a run's JSON
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import report  # bench/report.py (puts the repository root on sys.path)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = ["versions", "cuda", "kernels", "merge_bitwise", "engine_weights", "probe", "fsdp2", "train"]
+# The widths: the 7B preset's on a GPU, small ones on the CPU.
+GPU = dict(hidden=3584, inter=18944, heads=28, kv_heads=4, vocab=152064, tokens=4096, rank=256)
+CPU = dict(hidden=256, inter=1024, heads=4, kv_heads=2, vocab=1024, tokens=256, rank=32)
+
+
+class Failed(Exception):
+    """A check whose figures are wrong: the step prints FAIL with them."""
+
+
+def qwen2(w, layers, dtype, device):
+    """A Qwen2 of widths `w` with `layers` decoder layers, random weights (seeded)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=w["hidden"], intermediate_size=w["inter"], num_attention_heads=w["heads"],
+                         num_key_value_heads=w["kv_heads"], num_hidden_layers=layers, vocab_size=w["vocab"],
+                         max_position_embeddings=w["tokens"], tie_word_embeddings=False)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    return model.to(dtype)
+
+
+def rel(got, want) -> float:
+    """||got - want|| / ||want|| in float64."""
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm()).item()
+
+
+# --- the steps: each returns its figures (a dict), or raises Failed ---------------------------
+
+def versions(w, device):
+    import importlib
+    import platform
+
+    import torch
+
+    figures = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("transformers", "triton", "numpy"):
+        try:
+            figures[name] = importlib.import_module(name).__version__
+        except ImportError:
+            figures[name] = None
+    modules = ["sketch", "rowadam", "kl_control", "sync", "ppo", "train"]
+    modules += sorted("infra." + f[:-3] for f in os.listdir(os.path.join(ROOT, "infra"))
+                      if f.endswith(".py") and f != "__init__.py")
+    failed = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # the report is the point: every module, whatever fails
+            failed[name] = f"{type(e).__name__}: {e}"
+    figures["modules"] = len(modules)
+    if failed:
+        figures["failed"] = failed
+        raise Failed(figures)
+    return figures
+
+
+def cuda(w, device):
+    import torch
+
+    if device == "cpu":
+        return {"device": "cpu", "threads": torch.get_num_threads()}
+    t0 = time.time()
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    capability = ".".join(map(str, torch.cuda.get_device_capability()))
+    return {"device": torch.cuda.get_device_name(), "capability": capability,
+            "context_s": round(time.time() - t0, 2), "total_gib": round(total / 2**30, 2),
+            "free_gib": round(free / 2**30, 2), "allocated_mib": round(torch.cuda.memory_allocated() / 2**20, 1)}
+
+
+def reference_direction(s, v, step, beta2=0.95, eps=1e-8):
+    """RowAdam's direction from the paper's formulas, in float64, written apart from rowadam.py."""
+    v = beta2 * v + (1 - beta2) * (s * s).mean(dim=1)
+    root = (v / (1 - beta2**step)).sqrt()
+    den = root + max(eps * root.mean().item(), 2.2250738585072014e-308)
+    scale = den.min() / den
+    scale = scale / (scale * scale).mean().sqrt()
+    d = scale[:, None] * s
+    return d * (s.norm() / d.norm())
+
+
+def kernels(w, device):
+    import torch
+
+    import rowadam
+    import sketch
+
+    d, k, n, r = w["hidden"], w["inter"], w["tokens"], w["rank"]  # down_proj: (d, k)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, k, generator=g, device=device).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(d, k, generator=g, device=device) / math.sqrt(k)).to(torch.bfloat16)
+    dy = torch.randn(n, d, generator=g, device=device).to(torch.bfloat16)
+    a = sketch.make_projection(r, k, sketch.projection_seed(0, 0, "model.layers.0.mlp.down_proj"), device=device)
+    s = torch.zeros(d, r, device=device)
+    sketch.sketched_linear(x, weight, None, a, s).backward(dy)  # A in the sketch's dtype, as attach passes it
+    s_ref = (dy.double().t() @ x.detach().double()) @ a.double().t()  # G A^T, G = dY^T X
+    figures = {"sketch_rel_err": rel(s, s_ref), "input_grad_rel_err": rel(x.grad, dy.double() @ weight.double())}
+    v = torch.rand(d, device=device) * s.square().mean()
+    u, _ = rowadam.row_adam_direction(s, v, step=3)
+    figures["rowadam_rel_err"] = rel(u, reference_direction(s.double().cpu(), v.double().cpu(), 3))
+    master = torch.randn(d, k, generator=g, device=device) / math.sqrt(k)
+    f = (u * 1e-3).to(torch.bfloat16)
+    merged = master.clone()
+    rowadam.merge_rows(merged, f, a, avoid_ties=False)
+    want = master.double() - (f.double() @ a.double()).float().double()  # fp32 W - fp32(F A), F A in float64
+    figures["merge_differing"] = int((merged.double() != want.float().double()).sum())
+    figures["merge_moved"] = float((merged - master).abs().max())
+    if not (figures["sketch_rel_err"] < 1e-2 and figures["input_grad_rel_err"] < 1e-2
+            and figures["rowadam_rel_err"] < 1e-5 and figures["merge_differing"] == 0 and figures["merge_moved"] > 0):
+        raise Failed(figures)
+    return figures
+
+
+def merge_bitwise(w, device):
+    import torch
+
+    import rowadam
+    import sketch
+
+    d, k = w["hidden"], w["inter"]
+    figures = {}
+    for r in (32, 64, 256):
+        seed = sketch.projection_seed(7, 3, "model.layers.0.mlp.down_proj")
+        a_cpu, a_dev = sketch.make_projection(r, k, seed), sketch.make_projection(r, k, seed, device=device)
+        g = torch.Generator().manual_seed(r)
+        master = torch.randn(d, k, generator=g)
+        f = (torch.randn(d, r, generator=g) * 1e-4).to(torch.bfloat16)
+        whole, parts = master.clone(), master.to(device)
+        rowadam.merge_rows(whole, f, a_cpu)
+        cut = d // 3
+        rowadam.merge_rows(parts[:cut], f.to(device), a_dev, row_offset=0, chunk_rows=128)
+        rowadam.merge_rows(parts[cut:], f.to(device), a_dev, row_offset=cut, chunk_rows=512)
+        figures[f"r{r}"] = {"projection_equal": torch.equal(a_cpu, a_dev.cpu()),
+                            "merge_differing": int((whole != parts.cpu()).sum())}
+    if not all(v["projection_equal"] and v["merge_differing"] == 0 for v in figures.values()):
+        raise Failed(figures)
+    return figures
+
+
+def engine_weights(w, device):
+    import torch
+
+    import rowadam
+    import sketch
+    import sync
+
+    trainer = qwen2(dict(w, vocab=256), 1, torch.float32, device)
+    modules = sketch.target_modules(trainer)
+    with torch.no_grad():
+        for m in modules.values():
+            rowadam.avoid_bf16_ties_(m.weight)  # a tie-free start, as engine_sync.start makes it
+    r, figures = w["rank"], {}
+    for where in (None, "cpu"):  # residuals beside the weights, and in pinned host memory (27B)
+        engine_model = qwen2(dict(w, vocab=256), 1, torch.bfloat16, device)
+        engine_model.load_state_dict({k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()})
+        engine = sync.EngineWeights(engine_model, base_seed=0, rank=r, residual_device=where)
+        masters = {n: m.weight.detach().clone() for n, m in modules.items()}
+        # the start: the trainer's fp32 masters, exactly (engine_sync.start's full sync)
+        engine.load_full(sync.decode(sync.encode(sync.full_payload(masters, update=0, base_seed=0, rank=r,
+                                                                   dtype=torch.float32))))
+        g = torch.Generator().manual_seed(1)
+        factors = {n: (torch.randn(m.shape[0], r, generator=g) * 1e-4).to(torch.bfloat16).to(device)
+                   for n, m in masters.items()}
+        for update in range(2):
+            for name, wt in masters.items():
+                a = sketch.make_projection(r, wt.shape[1], sketch.projection_seed(0, update, name), device=device)
+                rowadam.merge_rows(wt, factors[name], a)
+            t0 = time.time()
+            engine.apply(sync.decode(sync.encode(sync.Payload(update, 0, r, factors))))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.time() - t0
+        differing = sum(int((engine.master(n) != masters[n]).sum()) for n in masters)
+        figures["residuals_" + ("on_host" if where else "beside_weights")] = {
+            "differing": differing, "apply_s": round(seconds, 3), "residual_mib": round(engine.state_bytes() / 2**20, 1)}
+    if any(v["differing"] for v in figures.values()):
+        raise Failed(figures)
+    return figures
+
+
+def peak_bytes(device, run):
+    """`run()`'s result and its peak memory above what was live before: CUDA's allocator peak,
+    or on the CPU the live tensor bytes of a dispatch mode (bench/memory_check.py's)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = run()
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
+    from memory_check import LiveBytes
+
+    with LiveBytes() as live:
+        out = run()
+    return out, live.peak
+
+
+def probe(w, device):
+    import torch
+
+    import kl_control
+    import sketch
+    from infra import memory_plan
+
+    model = qwen2(w, 2, torch.bfloat16, device).requires_grad_(False)
+    r, batch, tokens = w["rank"], 2, w["tokens"]
+    layers = sketch.attach(model, rank=r, seed=0)
+    g = torch.Generator(device=device).manual_seed(0)
+    directions = [torch.randn(layer.module.weight.shape[0], r, generator=g, device=device) * 1e-4
+                  for layer in layers]
+    ids = torch.randint(0, w["vocab"], (batch, tokens), generator=g, device=device)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, 0] = False
+    call = dict(max_responses=batch, max_tokens=tokens)
+    t0 = time.time()
+    fast, fast_peak = peak_bytes(device, lambda: kl_control.fast_probe(model, layers, directions, ids, mask, **call))
+    fast_s = time.time() - t0
+    plan = memory_plan.estimate(model.config.to_dict(), 1, r, context=tokens, probe_forward_tokens=batch * tokens,
+                                kl_real_positions=0, compute_bytes=2)
+    planned = plan["trainer_probe_activation_bytes"] + plan["trainer_logra_phases"]["probe"]
+    gib = 2**30
+    figures = {"tokens": f"{batch} x {tokens}", "fast_kl1": fast.kl1, "fast_s": round(fast_s, 2),
+               "fast_peak_gib": round(fast_peak / gib, 3), "plan_gib": round(planned / gib, 3),
+               "attention_plan_gib": round(plan["trainer_probe_attention_bytes"] / gib, 3),
+               "peak_over_plan": round(fast_peak / planned, 3)}
+    try:
+        t0 = time.time()
+        plain, plain_peak = peak_bytes(device, lambda: kl_control.plain_probe(model, layers, directions, ids, mask,
+                                                                              **call))
+        figures.update(plain_kl1=plain.kl1, plain_s=round(time.time() - t0, 2),
+                       plain_peak_gib=round(plain_peak / gib, 3), kl1_rel_diff=abs(plain.kl1 / fast.kl1 - 1))
+    except torch.OutOfMemoryError as e:  # the plain path holds (B, T, V) logits: a figure, not a failure
+        figures["plain"] = f"out of memory: {str(e).splitlines()[0][:120]}"
+    if not (fast_peak <= 1.1 * planned and figures.get("kl1_rel_diff", 0) < 2e-2 and math.isfinite(fast.kl1)):
+        raise Failed(figures)
+    return figures
+
+
+def fsdp2(w, device):
+    import torch
+    import torch.distributed as dist
+
+    import kl_control
+    import rowadam
+    import sketch
+    from infra import policy
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        small = dict(w, vocab=1024, tokens=512)
+        sharded, plain = qwen2(small, 1, torch.float32, device), qwen2(small, 1, torch.float32, device)
+        for model in (sharded, plain):
+            policy.freeze_for(model, "logra", sketch_rank=None, lora_alpha=None, seed=0)
+        if device == "cuda":
+            policy.shard(sharded, 1, "logra", torch.device(device))  # bf16 compute over fp32 master weights
+        else:  # policy.shard leaves one CPU rank unsharded; fp32 FSDP2 here, so that the path runs
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in sharded.model.layers:
+                fully_shard(layer)
+            fully_shard(sharded)
+        if device == "cuda":  # bf16 parameters, as FSDP2's MixedPrecisionPolicy casts them; buffers (RoPE's
+            for p in plain.parameters():  # inverse frequencies) stay fp32, as under FSDP2
+                p.data = p.data.to(torch.bfloat16)
+        r = w["rank"]
+        ids = torch.randint(0, 1024, (2, 512), generator=torch.Generator().manual_seed(0)).to(device)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        mask[:, 0] = False
+        sketches = []
+        for model, group in ((sharded, dist.group.WORLD), (plain, None)):
+            layers = sketch.attach(model, rank=r, seed=0, group=group)
+            logits = model(input_ids=ids).logits.float()
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+            sketches.append((model, layers))
+        (model, layers), (_, plain_layers) = sketches
+        figures = {"sketch_rel_err": max(rel(a.sketch, b.sketch) for a, b in zip(layers, plain_layers))}
+        opt = rowadam.RowAdam(layers, seed=0, update_ratio=1e-3)
+        opt.prepare()
+        kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask, max_responses=2)
+        alpha = kl_control.solve_alpha(kl1, budget=1e-3)
+        before = [rowadam.local_rows(layer.module.weight)[0].clone() for layer in layers]
+        opt.merge(alpha)
+        moved = max(float((rowadam.local_rows(layer.module.weight)[0] - b).abs().max())
+                    for layer, b in zip(layers, before))
+        figures.update(kl1=kl1, alpha=alpha, weight_moved=moved,
+                       weight_dtype=str(rowadam.local_rows(layers[0].module.weight)[0].dtype))
+        if not (figures["sketch_rel_err"] < 2e-2 and math.isfinite(kl1) and kl1 > 0 and moved > 0):
+            raise Failed(figures)
+        return figures
+    finally:
+        dist.destroy_process_group()
+
+
+def train(w, device):
+    import gpu_smoke  # bench/gpu_smoke.py: one bounded train.py run
+
+    preset, warmup = ("smoke-0.5b", 100) if device == "cuda" else ("tiny", 20)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            rows, wall = gpu_smoke.run("logra", 3, warmup, tmp, timeout=float(os.environ.get("STEP_TIMEOUT", 300)),
+                                       preset=preset)
+        except SystemExit as e:
+            raise Failed({"error": str(e)}) from None
+    figures = {"preset": preset, "updates": len(rows), "wall_s": round(wall, 1),
+               "update_s": round(statistics.median(r["time_s"] for r in rows[1:]), 3),
+               "mem_gib": max(r["mem_gib"] for r in rows), "sketch_norm": [r["sketch_norm"] for r in rows]}
+    if len(rows) != 3:
+        raise Failed(figures)
+    return figures
+
+
+# --- running a step, recording it, the table ---------------------------------------------------
+
+def record(out: str, name: str, ok: bool, figures, seconds: float) -> None:
+    """Add one step's record to out/gpu_check.json (rewritten whole, so it is valid JSON after
+    every step) and print its line."""
+    path = os.path.join(out, "gpu_check.json")
+    records = json.load(open(path)) if os.path.exists(path) else []
+    records.append({"step": name, "ok": ok, "seconds": round(seconds, 1), "figures": figures})
+    os.makedirs(out, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(records, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    print(f"{'ok' if ok else 'FAIL'} {name} {json.dumps(figures, default=str)}", flush=True)
+
+
+def run_step(name: str, cpu: bool, out: str) -> bool:
+    device = "cpu" if cpu else "cuda"
+    t0 = time.time()
+    try:
+        figures, ok = globals()[name](CPU if cpu else GPU, device), True
+    except Failed as e:
+        figures, ok = e.args[0], False
+    except Exception as e:  # any error is this step's FAIL line, and the next step still runs
+        figures, ok = {"error": f"{type(e).__name__}: {str(e)[:300]}"}, False
+    record(out, name, ok, figures, time.time() - t0)
+    return ok
+
+
+def table(path: str) -> str:
+    records = json.load(open(path))
+    rows = [[r["step"], "ok" if r["ok"] else "**FAIL**", f"{r['seconds']:.0f} s",
+             "; ".join(f"{k} {v}" for k, v in r["figures"].items())] for r in records]
+    missing = [s for s in STEPS if s not in {r["step"] for r in records}]
+    lines = [report.table(["step", "result", "time", "figures"], rows)]
+    if missing:
+        lines.append(f"not run (the check was cut short): {', '.join(missing)}")
+    return "\n\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("step", nargs="?", choices=STEPS)
+    p.add_argument("--cpu", action="store_true", help="the same steps at small widths on the CPU")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where gpu_check.json goes")
+    p.add_argument("--table", help="a run's gpu_check.json: print bench/README.md's table of it")
+    p.add_argument("--fail", nargs=2, metavar=("STEP", "WHY"), help="record STEP as failed (gpu_check.sh: a timeout)")
+    args = report.parse_args(p, "gpu_check")
+    if args.fail:
+        record(args.out, args.fail[0], False, {"error": args.fail[1]}, 0.0)
+    elif args.table:
+        body = table(args.table)
+        print(body)
+        if args.markdown:
+            report.publish("gpu_check", body)
+    elif args.step:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        raise SystemExit(0 if run_step(args.step, args.cpu, args.out) else 1)
+    else:
+        p.error("give a STEP, --table FILE or --fail STEP WHY")
+
+
+if __name__ == "__main__":
+    main()
