@@ -28,7 +28,9 @@ the shapes, so that every buffer at that scale is accounted for before a GPU is 
 Assumptions, numbered
 ---------------------
 1. GPUs of 80 GB (the paper's H100 80GB, `GPU_BYTES`); vLLM's own overhead besides weights
-   and KV cache (activations, CUDA graphs, context) is assumed to be 5 GiB, not measured.
+   and KV cache (activations, CUDA graphs, context) is counted as vLLM 0.34 sizes it
+   (`engine_overhead`: 4.1 GiB at 7B, 5.1 GiB at 27B), read from its source, not measured on a
+   GPU (the device check has no vLLM).
 2. An engine that merges LoGRA's factors (`--sync factors`) keeps the exact-merge residuals
    (2 bytes per target weight) on its GPU when the KV cache keeps at least 16 GiB there, else
    in pinned host memory (27B). An engine that receives the changed bf16 elements (`--sync
@@ -54,9 +56,27 @@ import sync
 
 GPU_BYTES = 80 * 10**9  # the paper's H100 80GB (assumption 1)
 TABLE2 = {"1.5b": (13.21, 7.18)}  # the paper's Table 2: average GiB per GPU, LoRA and LoGRA at rank 256
-ENGINE_OVERHEAD = 5 * 2**30  # vLLM's own besides weights and KV cache (assumption 1)
+# vLLM 0.34's own memory on an engine GPU besides weights and KV cache (assumption 1), as its GPU
+# worker sizes the KV cache: an offline LLM on an H100/H200 schedules 16384 tokens and 1024
+# sequences a step (engine/arg_utils.py), and its profile run and sizing warm-up hold the larger
+# of one step's activations and the sampler's work on 1024 rows of logits; besides them a
+# persistent int32 (1024, V) count of output tokens (penalties), the CUDA graphs' pool (51
+# capture sizes up to 512; logs show 0.3-0.6 GiB), and the CUDA context, cuBLAS and NCCL.
+VLLM_STEP_TOKENS, VLLM_MAX_SEQS = 16384, 1024
+VLLM_GRAPH_POOL = 2**29
+VLLM_CONTEXT = 2**30  # context, cuBLAS and NCCL workspaces, compiled kernels
 ENGINE_MARGIN = 2**30  # kept free on an engine GPU beyond what the plan counts
 MIN_KV_CACHE = 16 * 2**30  # residuals go to host memory below this KV cache (assumption 2)
+
+
+def engine_overhead(h: int, inter: int, vocab: int, compute_bytes: int = 2) -> int:
+    """vLLM 0.34's bytes on an engine GPU besides weights and KV cache, from the widths (the
+    constants above): the larger of one step's MLP activations (its gate and up projections, 2I,
+    their product, I, and three hidden-width copies a token) and the sampler's (bf16 logits,
+    their fp32 copy and log-probs), the token counts, the graph pool and the context."""
+    step = compute_bytes * VLLM_STEP_TOKENS * (3 * inter + 3 * h)
+    sampler = VLLM_MAX_SEQS * vocab * (compute_bytes + 4 + 4)
+    return max(step, sampler) + 4 * VLLM_MAX_SEQS * vocab + VLLM_GRAPH_POOL + VLLM_CONTEXT
 
 
 def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int = 2, context: int = 4096,
@@ -171,9 +191,10 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     lora_transient = max(4 * lora_rows, full_sync_bytes + 4 * r * (d_max + k_max))  # LoRA's X A^T: as P
 
     engine_weights = 2 * total
+    overhead = engine_overhead(h, inter, vocab, compute_bytes)
     residual = 2 * targets
     transfer = 4 * layer_targets + 16 * chunk * k_max + 12 * r * k_max  # fp32 layer payload, merge chunk
-    kv_on_gpu = gpu_bytes - engine_weights - residual - transfer - ENGINE_OVERHEAD
+    kv_on_gpu = gpu_bytes - engine_weights - residual - transfer - overhead
     on_host = kv_on_gpu < MIN_KV_CACHE
     engine_gpu = engine_weights + transfer + (0 if on_host else residual)
     # Checking a target's base checksum (sync.checksum) before a write: its int64 words and
@@ -220,14 +241,14 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
         "trainer_probe_attention_bytes": probe_attention,
         "engine_gpu_bytes": engine_gpu, "engine_weight_bytes": engine_weights, "engine_residual_bytes": residual,
         "engine_residual_on_host": on_host, "engine_transfer_bytes": transfer,
-        "engine_kv_cache_bytes": gpu_bytes - engine_gpu - ENGINE_OVERHEAD,
+        "engine_kv_cache_bytes": gpu_bytes - engine_gpu - overhead, "engine_overhead_bytes": overhead,
         "engine_host_bytes": residual if on_host else 0,
         "engine_reserve_bytes": (0 if on_host else residual) + transfer + ENGINE_MARGIN,
         "engine_delta_gpu_bytes": engine_weights + delta_transfer, "engine_delta_transfer_bytes": delta_transfer,
-        "engine_delta_kv_cache_bytes": gpu_bytes - engine_weights - delta_transfer - ENGINE_OVERHEAD,
+        "engine_delta_kv_cache_bytes": gpu_bytes - engine_weights - delta_transfer - overhead,
         "engine_delta_reserve_bytes": delta_transfer + ENGINE_MARGIN,
         "engine_full_gpu_bytes": engine_weights + full_transfer, "engine_full_transfer_bytes": full_transfer,
-        "engine_full_kv_cache_bytes": gpu_bytes - engine_weights - full_transfer - ENGINE_OVERHEAD,
+        "engine_full_kv_cache_bytes": gpu_bytes - engine_weights - full_transfer - overhead,
         "engine_full_reserve_bytes": full_transfer + ENGINE_MARGIN,
         "trainer_delta_shadow_bytes": delta_shadow, "trainer_delta_sync_transient_bytes": delta_sync_bytes,
         # LoRA's delta sync forms the merged weights too, as its full sync does
@@ -273,7 +294,7 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
         f"engine GPU ({plan['gpu_bytes'] / 1e9:.0f} GB): bf16 weights {g('engine_weight_bytes')}, exact-merge "
         f"residuals {g('engine_residual_bytes')} (int16) in "
         f"{'pinned host memory' if plan['engine_residual_on_host'] else 'the engine GPU'}, transfer buffer "
-        f"{g('engine_transfer_bytes')}, vLLM overhead {ENGINE_OVERHEAD / gib:.0f} GiB (assumed) -> KV cache "
+        f"{g('engine_transfer_bytes')}, vLLM overhead {g('engine_overhead_bytes')} (vLLM 0.34's sizing from the widths) -> KV cache "
         f"{g('engine_kv_cache_bytes')}; host {g('engine_host_bytes')}",
         f"engine GPU with --sync delta: bf16 weights {g('engine_weight_bytes')}, no residual, transfer buffer "
         f"{g('engine_delta_transfer_bytes')} (one decoder layer, every element changed at worst) -> KV cache "
