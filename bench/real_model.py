@@ -317,13 +317,14 @@ def best_value(method: Method, rows: dict):
 
 def plan(all_methods: list[Method], rows: dict, seeds=SEEDS) -> list[tuple[Method, float, int]]:
     """Every run the comparison needs that the rows show so far: each method's sweep at the
-    first seed, then its best at the others (known once its sweep is done)."""
-    runs = [(m, v, seeds[0]) for m in all_methods for v in sweep_values(m, rows)]
+    first seed, and its best at the others (known once its sweep is done). A finished sweep's
+    seeds come first, so that a comparison cut short has the methods it has at every seed."""
+    runs = []
     for m in all_methods:
         best = best_value(m, rows)
         if best is not None:
             runs += [(m, best[0], s) for s in seeds[1:]]
-    return runs
+    return runs + [(m, v, seeds[0]) for m in all_methods for v in sweep_values(m, rows)]
 
 
 def pending(all_methods, rows, seeds=SEEDS):

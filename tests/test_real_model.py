@@ -239,6 +239,9 @@ def test_a_sweep_extends_past_an_edge_until_its_best_is_inside():
     assert real_model.sweep_values(m, rows) == values and real_model.best_value(m, rows) == (1e-4, False)
     plan = real_model.pending([m], rows)
     assert [(v, s) for _, v, s in plan] == [(1e-4, 1), (1e-4, 2)]  # its best at the other seeds, nothing else
+    other = method("lora", grid=(1e-4, 3e-4, 1e-3))  # a sweep not done: after the done one's seeds
+    assert [(n.optimizer, v, s) for n, v, s in real_model.pending([other, m], rows)] == \
+        [("adam", 1e-4, 1), ("adam", 1e-4, 2), ("lora", 1e-4, 0), ("lora", 3e-4, 0), ("lora", 1e-3, 0)]
     for v in list(values):  # always better further up: EXTEND more values, then reported at its edge
         rows[real_model.run_key(m, v, 0)] = row(m, v, 0, v)
     for _ in range(real_model.EXTEND):
