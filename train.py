@@ -16,16 +16,15 @@ One update, in the order the paper runs it (the loop in `run`):
     KL probe  forward-mode AD predicts KL(alpha) = alpha^2 KL1; alpha spends the budget
               (its cosine schedule, minus the engine/trainer mismatch)           (kl_control.py)
     merge     W -= bf16(alpha U) A_t in the fp32 master weights; A_t -> A_{t+1}  (rowadam.py)
-    sync      the same bf16 factors go to the engine, which merges them itself;
-              fingerprints confirm both hold the same weights (sync.py, infra/engine_sync.py)
+    sync      the same bf16 factors go to the engine, which merges them itself; fingerprints
+              and a short sample's log-probs confirm both run the same weights (infra/engine_sync.py)
 
 The dense baseline (--optimizer adam) runs the same loop with backward into .grad and one
 AdamW step in place of RowAdam, the probe and the merge, and syncs full bf16 weights; LoRA
 (--optimizer lora, Table 2) the same with adapters as its weights. What runs the loop but is
 not the method is in infra/ (its README); `main` turns its errors into one line and an exit code.
 
-Shape legend: B responses of this rank (b of a micro-batch), T tokens of a padded response
-with its prompt, V vocabulary.
+Shape legend: B responses of this rank (b of a micro-batch), T prompt + padded response tokens, V vocab.
 
 Departures from the paper
 -------------------------
@@ -82,9 +81,8 @@ PRESETS = {
     # A CPU run of a minute or two. head_dim 32: vLLM's CPU attention refuses 16. 3000 warm-up steps
     # make every seed's base policy add reliably: the box is what RL has to learn (infra/tasks.py).
     "tiny": Config(
-        task="arithmetic", model=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                      tie_word_embeddings=False),
+        task="arithmetic", model=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False),
         sketch_rank=32, batch=64, micro_batch=64, updates=150, max_new_tokens=8, context=32, update_ratio=2e-3,
         kl_start=2e-2, kl_end=5e-3, kl_horizon=150, probe_tokens=512, kl_real_positions=1024, adam_lr=1e-4,
         lora_lr=1e-3, warmup_steps=3000, warmup_batch=128, warmup_lr=3e-3, warmup_unboxed=0.7, eval_every=25,
@@ -130,10 +128,9 @@ PRESETS = {
     # The paper's task path at toy scale on a CPU, vLLM's CPU build as the engines: --model-path,
     # --train-data and --eval-data in the paper's formats required (python tests/tiny_math.py DIR).
     "tiny-math": dataclasses.replace(
-        PAPER, train_data=None, eval_data=None, sketch_rank=16, batch=16, micro_batch=8, updates=4,
-        max_new_tokens=12, context=128, update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, eval_every=0,
-        probe_tokens=64, eval_problems=20, eval_samples=2, save_every=0, device="cpu", gpu_memory_utilization=0.1,
-        engine_timeout=300),
+        PAPER, train_data=None, eval_data=None, sketch_rank=16, batch=16, micro_batch=8, updates=4, max_new_tokens=12,
+        context=128, update_ratio=2e-3, kl_start=2e-2, kl_end=5e-3, kl_horizon=150, eval_every=0, probe_tokens=64,
+        eval_problems=20, eval_samples=2, save_every=0, device="cpu", gpu_memory_utilization=0.1, engine_timeout=300),
 }
 
 
@@ -235,6 +232,9 @@ def run(argv=None):
             sync_bytes = engine_sync.full(engine, modules, **dict(sent, update=update + 1), dtype=torch.bfloat16)
         r.synced = engine_sync.fingerprint(model, cfg.optimizer)
         sync.check_fingerprints(r.synced, engine.fingerprint())
+        if cfg.check_outputs and (update + 1) % cfg.check_outputs == 0:  # its outputs too, not only its weights
+            engine_sync.check_outputs(engine, model, task.prompt_ids(task.heldout[:4]), after=update + 1, seed=cfg.seed,
+                                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, device=device)
         timer("sync")
 
         # --- log, evaluate, checkpoint ------------------------------------------------------

@@ -17,13 +17,37 @@ layers as fit in sync.FACTOR_PAYLOAD_BYTES), so neither side holds more than one
 targets beyond its state; under FSDP2 every rank takes part (row shards are
 gathered for each payload only) and returns the bytes sent. `fingerprint` is the trainer's
 fingerprint of what the engines should hold: W, or LoRA's merged weight.
+
+The engine's outputs, not only its weights
+------------------------------------------
+Fingerprints compare the weights a sync wrote, not those the engine's kernels read: a payload
+that reaches `.weight` but not vLLM's repacked CPU GEMMs, a compiled copy or a CUDA graph's
+buffers leaves them agreeing while the engine samples from stale weights. `check_outputs`
+(train.py's --check-outputs N: every N syncs; by default every sync on GPUs, none on CPUs) has
+the engine sample up to 16 tokens for each of the first 4 held-out prompts and the trainer
+score them: the mean |log-prob gap| per token must stay within OUTPUT_TOLERANCE, 0.2 nats.
+That is twice the largest honest gap measured on CPUs (bf16 engine, fp32 trainer): at most
+0.003 through vLLM's CPU build and 0.025 with the HF engine on the tiny presets, 0.107 over
+SmolLM2-135M's rollouts through vLLM (529 updates, p99 0.076). A stale engine exceeds it once
+its weights are some 0.05 nats of KL per token behind the trainer's (at SmolLM2's widths 0.13
+at 0.024, 0.27 at 0.086), at the third update of the tests' tenfold steps (1.38 through vLLM
+with stale kernels): it stops a run whose engine has drifted, not one small step hidden in
+bf16's own gap. Its cost, in the sync's time: one generate of 4 short responses and one
+forward of them (10-60 ms on the tiny presets). Tests: tests/test_train.py (a run bitwise
+unchanged by it, a stale HF engine), tests/test_vllm_engine.py (through vLLM; stale CPU
+kernels, slow tier).
 """
 
-import torch
+import math
 
+import torch
+import torch.distributed as dist
+
+import ppo
 import rowadam
 import sync
 from infra import lora
+from infra.engine import EngineError, stable_seed
 
 
 def exact(optimizer: str, mode: str) -> bool:
@@ -123,3 +147,54 @@ def engine_rows(module):
 def fingerprint(model, optimizer: str):
     """The trainer's fingerprint of what the engines should hold (sync.fingerprint)."""
     return sync.fingerprint(model, weight=lora.merged_weight if optimizer == "lora" else None)
+
+
+# -----------------------------------------------------------------------------
+# The engine's outputs, not only its weights
+
+OUTPUT_TOKENS = 16  # the longest response of the check
+OUTPUT_TOLERANCE = 0.2  # nats: the mean gap a check allows (the module docstring: where it comes from)
+
+
+class EngineOutputsDiffer(EngineError):
+    """The engine's log-probs are not the trainer's, although their weights' fingerprints agree."""
+
+
+def check_outputs(engine, model, prompts: list, *, after: int, seed: int, temperature: float, max_new_tokens: int,
+                  device, tolerance: float = OUTPUT_TOLERANCE) -> float:
+    """The engine's outputs after the sync of update `after`: it samples a response of at most
+    OUTPUT_TOKENS (and `max_new_tokens`) to each of `prompts` through its ordinary `generate`,
+    each from its own seed (from `seed`); the trainer scores the same tokens as the loss does;
+    the mean |log-prob gap| over the responses' tokens must be within `tolerance` on every
+    rank's engine, or every rank raises EngineOutputsDiffer naming the worst. Changes nothing:
+    the engine samples every request from its own seed (vLLM's prefix cache is reset before
+    each generate), the trainer's forward takes no gradient and draws nothing. Collective under
+    FSDP2 (every rank's forward, one all_reduce). Returns the worst rank's mean gap."""
+    seeds = [stable_seed("outputs", seed, i) for i in range(len(prompts))]
+    rollout = engine.generate(prompts, seeds, temperature=temperature,
+                              max_new_tokens=min(max_new_tokens, OUTPUT_TOKENS))
+    ids, mask = rollout.ids.to(device), rollout.mask.to(device)  # (B, T)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+        logp = ppo.response_logprobs(logits, ids, temperature)  # (B, T)
+    # gap_t = |log pi_engine(y_t) - log pi_trainer(y_t)| over the N response tokens of this rank's engine
+    gap = (rollout.logprobs.to(device).double() - logp.double()).abs()[mask]  # (N,)
+    # Each rank's sum, N and largest gap, in its own row; the check: sum / N <= tolerance for every rank
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    each = torch.zeros(world, 3, dtype=torch.float64, device=device)  # (world, 3)
+    each[rank] = torch.stack([gap.sum(), gap.new_tensor(gap.numel()), gap.max()])
+    if dist.is_initialized():
+        dist.all_reduce(each)
+    means = torch.nan_to_num(each[:, 0] / each[:, 1], nan=math.inf)  # (world,); a NaN gap fails too
+    worst = int(means.argmax())
+    mean, largest = means[worst].item(), each[worst, 2].item()
+    if not mean <= tolerance:
+        who = f"rank {worst}'s engine" if world > 1 else "the engine"
+        error = EngineOutputsDiffer(
+            f"after update {after} {who} samples tokens whose log-probs are {mean:.3g} nats from the trainer's on "
+            f"average (at most {largest:.3g}; tolerance {tolerance:g}) while their weights' fingerprints agree: the "
+            f"sync did not reach the weights its kernels read (a repacked or compiled copy, a CUDA graph's buffers), "
+            f"or the policy is so peaked that bf16 moves it this much; --check-outputs 0 runs without this check")
+        error.agreed = world > 1  # every rank raises it: one line per node
+        raise error
+    return mean

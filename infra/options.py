@@ -149,6 +149,9 @@ class Config:
     engine_timeout: float = knob("seconds an engine may take to start or to answer one command", positive=True)
     engine_restarts: int = knob("engines that may be restarted in a run after dying or going silent (infra/heal.py)",
                                 default=3, least=0)
+    check_outputs: int = knob("syncs between checks of the engine's outputs: its log-probs of a short response it "
+                              "samples against the trainer's on the same tokens (infra/engine_sync.py; 0: never; "
+                              "default: every sync on cuda, never on cpu)", default=None, least=0)
     dist_timeout: float = knob("seconds a rank waits for the others in a collective (torch.distributed's timeout; "
                                "longer than --engine-timeout)", positive=True)
 
@@ -343,8 +346,10 @@ def resolve(flags: Flags, overrides: dict, presets: dict) -> Config:
     """The preset `flags.model` with the command line's `overrides`. An option of another task
     than the run's (the math task's data in a Reasoning Gym run, a checkpoint of the tiny
     task) is dropped unless the command line gave it, which Config.check then refuses; the
-    micro-batch is at most the batch."""
+    micro-batch is at most the batch; the engine's outputs are checked after every sync on
+    GPUs, never on CPUs, unless --check-outputs says otherwise."""
     cfg = dataclasses.replace(presets[flags.model], preset=flags.model, **overrides)
     dropped = {f.name: None for f in KNOBS
                if f.metadata["task"] and cfg.task not in f.metadata["task"] and f.name not in overrides}
-    return dataclasses.replace(cfg, micro_batch=min(cfg.micro_batch, cfg.batch), **dropped)
+    checks = cfg.check_outputs if cfg.check_outputs is not None else int(cfg.device == "cuda")
+    return dataclasses.replace(cfg, micro_batch=min(cfg.micro_batch, cfg.batch), check_outputs=checks, **dropped)

@@ -56,8 +56,8 @@ from infra.errors import RunError, os_advice, os_cause
 LOCK_NAME = "run.lock"
 STRAY = re.compile(r".+\.tmp\d+")  # checkpoint.stage's temporary names: `<file>.tmp<pid>`
 # What a resume may change: where its ranks and engines run, how long a wait may last, how
-# many engine restarts it allows.
-MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout", "engine_restarts")
+# many engine restarts it allows, how often the engine's outputs are checked (a check changes nothing).
+MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout", "engine_restarts", "check_outputs")
 # Options added after runs were saved without them, and the value those runs had.
 ADDED = {"group_size": 1, "advantage": "running", "kl_entropy_share": 0.0, "kl_per_response": 2.0, "eval_base": True,
          "curve_problems": 0, "curve_samples": 0}

@@ -1,8 +1,10 @@
 """train.py end to end. Fast tier, in this process: smoke runs of the three optimizers, bad input,
-a resume refused. Slow tier, in subprocesses: 1 vs 2 processes, two torchrun "nodes" on this
-machine, resumes on other numbers of ranks, runs that heal (SIGTERM and the same command again, a
-rank SIGKILLed under torchrun --max-restarts, a full disk)."""
+a resume refused, the engine's output check (a run it leaves bitwise alone, a stale engine it
+stops). Slow tier, in subprocesses: 1 vs 2 processes (the output check on each rank), two
+torchrun "nodes" on this machine, resumes on other numbers of ranks, runs that heal (SIGTERM and
+the same command again, a rank SIGKILLed under torchrun --max-restarts, a full disk)."""
 
+import copy
 import json
 import math
 import os
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 import in_process
+from infra.engine import HFEngine
 from subproc import ROOT, env, model_state, read_checkpoint, two_nodes
 
 # A few small updates from the tiny preset's base policy (shipped for seed 0: conftest.runs), batch 8,
@@ -116,8 +119,10 @@ def test_lora_syncs_its_merged_weights_and_resumes_bitwise(runs):
 
 
 # The KL probe scores the first responses of each rank; probing all 8 makes the probed set the
-# same for any number of ranks. Checkpoints at 2 and 4, for the resumes on other rank counts.
-RANKS = [*SMALL, "--updates", "4", "--micro-batch", "4", "--probe-responses", "8", "--save-every", "2"]
+# same for any number of ranks. Checkpoints at 2 and 4, for the resumes on other rank counts. The
+# engine's outputs are checked after every sync (on each rank, its own engine's).
+RANKS = [*SMALL, "--updates", "4", "--micro-batch", "4", "--probe-responses", "8", "--save-every", "2",
+         "--check-outputs", "1"]
 
 
 def one_and_two_ranks(args, one, two):
@@ -534,3 +539,80 @@ def test_alpha_at_its_cap_is_said_once(runs):
     out = in_process.run([*SMALL, "--updates", "7", "--update-ratio", "1e-9", "--run-dir", str(runs / "capped")])
     lines = [line for line in out.stdout.splitlines() if "at its cap" in line]
     assert len(lines) == 1 and "for 5 updates in a row" in lines[0] and "--update-ratio" in lines[0], lines
+
+
+# -----------------------------------------------------------------------------
+# The engine's outputs, checked after a sync (infra/engine_sync.py, check_outputs)
+
+def test_the_output_check_is_on_by_default_on_gpus_only():
+    """Every sync's on a GPU preset, none on a CPU one, whatever the flag says otherwise."""
+    import train
+    from infra import options
+
+    def every(*argv):
+        return options.resolve(*options.parse(list(argv), train.PRESETS), train.PRESETS).check_outputs
+
+    assert [every("--model", m) for m in ("tiny", "smoke-0.5b", "7b", "smollm2-cpu")] == [0, 1, 1, 0]
+    assert every("--model", "7b", "--check-outputs", "5") == 5 and every("--check-outputs", "2") == 2
+    assert every("--model", "7b", "--check-outputs", "0") == 0 and every("--device", "cuda") == 1
+
+
+def test_the_output_check_passes_and_changes_nothing(runs, monkeypatch):
+    """--check-outputs 1 on a correct run: every sync's check passes, far within the tolerance, and
+    the run is bitwise the run without it: the same metrics but times and memory (rollouts,
+    rewards, log-prob gaps, KL), the same final weights. The check's samples have their own
+    seeds; its forward takes no gradient."""
+    from infra import engine_sync
+
+    gaps = []
+    check = engine_sync.check_outputs
+    monkeypatch.setattr(engine_sync, "check_outputs", lambda *a, **kw: gaps.append(check(*a, **kw)) or gaps[-1])
+    rows, weights = {}, {}
+    for every in (1, 0):
+        d = runs / f"check-outputs-{every}"
+        in_process.run([*SMALL, "--updates", "3", "--check-outputs", str(every), "--run-dir", str(d)])
+        rows[every] = [{k: v for k, v in json.loads(line).items()
+                        if not k.startswith("time") and k not in ("mem_gib", "tokens_per_s")}
+                       for line in open(d / "metrics.jsonl")]
+        weights[every] = model_state(d)
+    print(f"output check of a correct sync (tiny preset, HF engine): mean gaps {[f'{g:.2e}' for g in gaps]}")
+    assert len(gaps) == 3 and all(0 < g < engine_sync.OUTPUT_TOLERANCE / 10 for g in gaps), gaps
+    assert rows[1] == rows[0] and len(rows[0]) == 4
+    assert weights[1].keys() == weights[0].keys() and all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0])
+
+
+class StaleEngine(HFEngine):
+    """A fault: every sync reaches the engine's weights (its fingerprints agree with the
+    trainer's), but its forward reads a copy of the weights it started with, as vLLM's kernels
+    would read a repacked or captured copy that no sync refreshes."""
+
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
+        self.stale = copy.deepcopy(self.model)
+
+    def generate(self, *args, **kw):
+        synced, self.model = self.model, self.stale
+        try:
+            return super().generate(*args, **kw)
+        finally:
+            self.model = synced
+
+
+def test_an_engine_whose_forward_reads_stale_weights_stops_the_run(runs, monkeypatch):
+    """The stale engine passes every fingerprint check; the output check stops the run, once the
+    trainer has moved (a step ten times the preset's), in one line that names the update, the
+    gap, the tolerance and the likely cause (exit 1); the updates before it were recorded."""
+    import train
+
+    monkeypatch.setattr(train, "HFEngine", StaleEngine)
+    d = runs / "stale-engine"
+    out = in_process.run([*SMALL, "--updates", "8", "--update-ratio", "2e-2", "--kl-start", "0.2", "--kl-end", "0.05",
+                          "--check-outputs", "1", "--run-dir", str(d)], check=False)
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = out.stderr.strip()
+    assert "\n" not in line and line.startswith("train.py: engine error: after update "), line
+    assert "tolerance 0.2) while their weights' fingerprints agree" in line and "kernels read" in line, line
+    failed = int(line.split("after update ")[1].split()[0])
+    rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
+    assert 1 < failed <= 8 and [r["update"] for r in rows] == list(range(failed)), (failed, rows)
+    print(line)

@@ -29,7 +29,7 @@ from sketch import make_projection, projection_seed, target_modules
 import sync
 import in_process
 from conftest import RANK, SEED
-from infra import heal, task_data, tasks, vllm_channel, vllm_engine
+from infra import engine_sync, heal, task_data, tasks, vllm_channel, vllm_engine
 from subproc import FAULTS, ROOT, engine_processes, env, faults, read_checkpoint, two_nodes
 
 
@@ -514,6 +514,40 @@ def test_vllm_logprobs_match_the_trainer(cpu_engine, tiny_math):
 
 
 @pytest.mark.vllm
+def test_the_output_check_through_vllm(cpu_engine, tiny_math):
+    """engine_sync.check_outputs through a vLLM engine after a full sync: the engine's log-probs
+    of its own samples are the trainer's, far within the tolerance, and the check changes
+    nothing of the next rollout. A trainer whose outputs differ where no fingerprint looks (its
+    output layer, which no sync carries, negated) fails it in one line, fingerprints agreeing."""
+    model = trainer_model(tiny_math["model"])
+    modules = target_modules(model)
+    with torch.no_grad():
+        for m in modules.values():
+            avoid_bf16_ties_(m.weight.mul_(0.95))
+    cpu_engine.load_full(sync.full_payload({n: m.weight for n, m in modules.items()}, update=200,
+                                            base_seed=SEED, rank=RANK, dtype=torch.float32))
+    sync.check_fingerprints(sync.fingerprint(model), cpu_engine.fingerprint())
+    tok_task = tasks.MathTask(__import__("transformers").AutoTokenizer.from_pretrained(tiny_math["model"]),
+                              [], [], seed=0)
+    prompts = tok_task.prompt_ids([(f"What is ${a}+{b}$?", str(a + b)) for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]])
+    rollout = dict(temperature=1.0, max_new_tokens=12)
+    before = cpu_engine.generate(prompts * 2, list(range(8)), **rollout)
+    check = dict(after=1, seed=0, device=torch.device("cpu"), **rollout)
+    gap = engine_sync.check_outputs(cpu_engine, model, prompts, **check)
+    after = cpu_engine.generate(prompts * 2, list(range(8)), **rollout)
+    assert after.responses == before.responses and torch.equal(after.logprobs, before.logprobs)
+    with torch.no_grad():
+        model.lm_head.weight.neg_()
+    said = (r"^after update 1 the engine samples tokens whose log-probs are [\d.]+ nats from the trainer's on "
+            r"average \(at most [\d.]+; tolerance 0.2\) while their weights' fingerprints agree")
+    with pytest.raises(engine_sync.EngineOutputsDiffer, match=said) as failed:
+        engine_sync.check_outputs(cpu_engine, model, prompts, **check)
+    print(f"output check through vLLM's CPU build: a correct sync {gap:.2e}; {failed.value}")
+    assert 0 < gap < engine_sync.OUTPUT_TOLERANCE / 10 and "\n" not in str(failed.value)
+    sync.check_fingerprints(sync.fingerprint(model), cpu_engine.fingerprint())
+
+
+@pytest.mark.vllm
 def test_more_prompt_tokens_than_vllms_cpu_budget_in_one_call(cpu_engine, tiny_math):
     """A call whose prompts hold more tokens than vLLM's own CPU step budget (4096): vLLM would
     prefill one prompt in part, rewind its seeded CPU generator (which has no offset) and die;
@@ -577,11 +611,13 @@ def math_args(tiny_math, task="math"):
     task="reasoning-gym": two arithmetic tasks at level 0, in a context that holds the package's
     system prompt (~330 tokens with this checkpoint's small tokenizer). The checkpoint never
     writes <answer> tags: chain_sum scores its responses 0, fraction_simplification 0.01 (its
-    scorer's score for a missing answer), so rewards vary and the policy moves."""
+    scorer's score for a missing answer), so rewards vary and the policy moves. The engines'
+    outputs are checked after every sync (engine_sync.check_outputs; the CPU's default is never)."""
     data = ["--train-data", tiny_math["train"], "--eval-data", tiny_math["eval"]] if task == "math" else \
         ["--task", "reasoning-gym", "--gym-tasks", "chain_sum,fraction_simplification", "--gym-level", "0",
          "--context", "512"]
-    return ["--model", "tiny-math", "--model-path", tiny_math["model"], *data, "--updates", "3", "--save-every", "3"]
+    return ["--model", "tiny-math", "--model-path", tiny_math["model"], *data, "--updates", "3", "--save-every", "3",
+            "--check-outputs", "1"]
 
 
 # The 2-rank math runs sample 4 responses per prompt (2 groups a rank) with GRPO's advantages.
@@ -693,6 +729,26 @@ def test_delta_sync_through_vllm_heals_an_engine_killed_mid_sync(tiny_math, tmp_
     sent = [r["sync_bytes"] for r in rows if "sync_bytes" in r]
     # The healed update's delta went to the engine that died (its bytes are not counted).
     assert len(sent) == 3 and 0 < sent[0] < full and 0 < sent[2] < full, (sent, full)
+    assert not engine_processes(str(run_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_stale_cpu_kernels_stop_the_run(tiny_math, tmp_path):
+    """vLLM's CPU GEMMs never re-packed after a sync (the fault makes vllm_serve's
+    _refresh_cpu_kernels do nothing): the engine's `.weight`s follow the trainer and every
+    fingerprint check passes, but its kernels keep computing with the checkpoint's weights.
+    Once the trainer has moved (steps ten times the preset's) the output check stops the run in
+    one line (exit 1), the engine gone."""
+    run_dir = tmp_path / "stale"
+    out = subprocess.run([sys.executable, "train.py", *math_args(tiny_math), "--update-ratio", "2e-2", "--kl-start",
+                          "0.3", "--kl-end", "0.1", "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
+                         text=True, env=faults("stale-kernels"), timeout=420)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-5000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("train.py: engine error: after update ") and "fingerprints agree" in line, out.stderr
+    print(line)
+    assert "faults: vLLM's CPU kernels are never re-packed" in open(run_dir / "engine-0.log").read()
     assert not engine_processes(str(run_dir))
 
 

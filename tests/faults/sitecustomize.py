@@ -11,18 +11,48 @@ LOGRA_TEST_FAULT is set:
     LOGRA_TEST_FAULT="apply:5@vllm"          SIGKILL vLLM's own processes (engine core, worker:
                                              this process's descendants) instead, as the OOM
                                              killer would; the engine process lives on
+    LOGRA_TEST_FAULT="stale-kernels"         vLLM's CPU GEMMs are never re-packed after a sync
+                                             (vllm_serve._refresh_cpu_kernels does nothing): the
+                                             engine's `.weight`s, and so its fingerprints, follow
+                                             the trainer, its outputs stay the checkpoint's
     LOGRA_TEST_FAULT_DIR=DIR                 where "this fault has fired" is written (default:
                                              the log's folder), so that the restarted engine
                                              does not fire it again
 
 The kill is SIGKILL of the engine process alone (vLLM's engine-core and worker processes live
-on) or of vLLM's processes alone; the trainer must notice wherever it waits.
+on) or of vLLM's processes alone; the trainer must notice wherever it waits. "stale-kernels"
+acts in every process of the run, wherever infra.vllm_serve is imported by that name: only in
+vLLM's worker (forked from the engine process, or spawned with its environment), since the
+engine process runs it as __main__.
 """
 
+import importlib.util
 import json
 import os
 import signal
 import sys
+
+
+class _StaleKernels:
+    """A finder that hands out infra.vllm_serve with `_refresh_cpu_kernels` a no-op."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "infra.vllm_serve":
+            return None
+        sys.meta_path.remove(self)  # the module's own spec, found without this finder
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module._refresh_cpu_kernels = lambda layers: None
+            print("faults: vLLM's CPU kernels are never re-packed", flush=True)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def _engine_log():
@@ -74,6 +104,9 @@ def _install(faults, fired_dir):
 
 _log = _engine_log()
 _spec = os.environ.get("LOGRA_TEST_FAULT")
+if _spec == "stale-kernels":
+    sys.meta_path.insert(0, _StaleKernels())
+    _spec = ""
 if _log is not None and _spec:
     if _spec == "start":
         print("faults: SIGKILL at start", flush=True)
