@@ -220,8 +220,9 @@ def engine_weights(w, device):
                 torch.cuda.synchronize()
             seconds = time.time() - t0
         differing = sum(int((engine.master(n) != masters[n]).sum()) for n in masters)
+        residual_mib = round(engine.state_bytes() / 2**20, 1)
         figures["residuals_" + ("on_host" if where else "beside_weights")] = {
-            "differing": differing, "apply_s": round(seconds, 3), "residual_mib": round(engine.state_bytes() / 2**20, 1)}
+            "differing": differing, "apply_s": round(seconds, 3), "residual_mib": residual_mib}
     if any(v["differing"] for v in figures.values()):
         raise Failed(figures)
     return figures
