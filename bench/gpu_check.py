@@ -393,12 +393,28 @@ def run_step(name: str, cpu: bool, out: str) -> bool:
     return ok
 
 
+def figure(v) -> str:
+    """A figure as the table shows it: floats to 3 significant digits, dicts and lists inside too."""
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} {figure(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(figure(x) for x in v) + "]"
+    return str(v)
+
+
 def table(path: str) -> str:
     records = json.load(open(path))
     rows = [[r["step"], "ok" if r["ok"] else "**FAIL**", f"{r['seconds']:.0f} s",
-             "; ".join(f"{k} {v}" for k, v in r["figures"].items())] for r in records]
+             "; ".join(f"{k} {figure(v)}" for k, v in r["figures"].items())] for r in records]
     missing = [s for s in STEPS if s not in {r["step"] for r in records}]
-    lines = [report.table(["step", "result", "time", "figures"], rows)]
+    by_step = {r["step"]: r["figures"] for r in records}
+    where = by_step.get("cuda", {}).get("device", "an unknown device")
+    torch_version = by_step.get("versions", {}).get("torch", "?")
+    lines = [f"Run by `bash bench/gpu_check.sh` on {where} (torch {torch_version}); the table built from its JSON "
+             f"({os.path.relpath(path, ROOT)}).",
+             report.table(["step", "result", "time", "figures"], rows)]
     if missing:
         lines.append(f"not run (the check was cut short): {', '.join(missing)}")
     return "\n\n".join(lines)

@@ -38,6 +38,7 @@ def test_a_failed_step_is_recorded_and_the_table_says_what_did_not_run(tmp_path,
     assert capsys.readouterr().out.splitlines() == ['ok versions {"torch": "2.11.0"}',
                                                     'FAIL cuda {"error": "no end within 60 s (killed)"}']
     table = gpu_check.table(str(tmp_path / "gpu_check.json"))
+    assert table.startswith("Run by `bash bench/gpu_check.sh` on an unknown device (torch 2.11.0)")
     assert "| versions | ok | 3 s | torch 2.11.0 |" in table
     assert "| cuda | **FAIL** | 0 s | error no end within 60 s (killed) |" in table
     assert "not run (the check was cut short): kernels, merge_bitwise, engine_weights, probe, fsdp2, train" in table
