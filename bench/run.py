@@ -96,8 +96,9 @@ TABLES = (
           "the same run over layouts of ranks and nodes"),
     Table("gpu_smoke", ("gpu_smoke",), ("gpu_smoke.py",), "GPU", "a few minutes on one H100/H200",
           "LoGRA and AdamW on one GPU"),
-    Table("gpu_check", ("gpu_check",), ("gpu_check.py",), "GPU", "about 6 min on one H100/H200",
-          "every GPU-only path once, step by step (bash bench/gpu_check.sh; --cpu here)"),
+    Table("gpu_check", ("gpu_check",), ("gpu_check.py", "--table", "bench/results/gpu_check/gpu_check.json"),
+          "a run's JSON", "seconds; the run itself, `bash bench/gpu_check.sh`, about 2 min on one H200",
+          "every GPU-only path once, step by step, from `bash bench/gpu_check.sh`'s JSON (--cpu here)"),
     Table("suite_time", ("suite_time",), ("suite.py",), "vLLM", "the suite's own time (the table)",
           "the test suite's two tiers from a fresh clone"),
 )
