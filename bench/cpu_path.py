@@ -41,11 +41,11 @@ CHOSEN = "train.py's choice"
 
 def splits(cores: int) -> dict:
     """{name: the environment's changes} of each split on a machine with `cores` cores."""
-    every, bound = str(cores), ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    every = str(cores)
     return {
         "torch's and vLLM's own": {"OMP_NUM_THREADS": every, "VLLM_CPU_OMP_THREADS_BIND": "auto"},
         "one thread each": {"OMP_NUM_THREADS": "1"},
-        "the trainer on half": {"OMP_NUM_THREADS": str(max(1, cores // 2)), "VLLM_CPU_OMP_THREADS_BIND": bound},
+        "the trainer on half": real_model.split_env({}),  # the split the comparison's runs are pinned to
         CHOSEN: {},
     }
 

@@ -164,9 +164,9 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     # the two (B, H, T, T) temporaries of its tangent (12); and the (B, 1, T, T) additive mask
     # (assumption 4; measured: tests/test_memory_plan.py).
     seq = min(context, kl_control.MAX_TOKENS, probe_forward_tokens)
-    scores = -(-probe_forward_tokens // seq) * config.num_attention_heads * seq * seq
-    probe_attention = scores * (2 * compute_bytes + (8 if compute_bytes < 4 else 0) + 12) \
-        + -(-probe_forward_tokens // seq) * seq * seq * compute_bytes
+    mask = -(-probe_forward_tokens // seq) * seq * seq  # (B, 1, T, T) entries
+    probe_attention = mask * config.num_attention_heads * (2 * compute_bytes + (8 if compute_bytes < 4 else 0) + 12) \
+        + mask * compute_bytes
     # A in fp32 and float64, and a float64 (c, k) block with its fp32 result, c = min(chunk, rows)
     merge = max(12 * r * k + 12 * min(chunk, ceil(d)) * k for d, k in shapes)
     # one payload's gathered F (one decoder layer's, or as many as fit in FACTOR_PAYLOAD_BYTES),
@@ -294,7 +294,8 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
         f"engine GPU ({plan['gpu_bytes'] / 1e9:.0f} GB): bf16 weights {g('engine_weight_bytes')}, exact-merge "
         f"residuals {g('engine_residual_bytes')} (int16) in "
         f"{'pinned host memory' if plan['engine_residual_on_host'] else 'the engine GPU'}, transfer buffer "
-        f"{g('engine_transfer_bytes')}, vLLM overhead {g('engine_overhead_bytes')} (vLLM 0.34's sizing from the widths) -> KV cache "
+        f"{g('engine_transfer_bytes')}, vLLM overhead {g('engine_overhead_bytes')} (vLLM 0.34's sizing from the "
+        f"widths) -> KV cache "
         f"{g('engine_kv_cache_bytes')}; host {g('engine_host_bytes')}",
         f"engine GPU with --sync delta: bf16 weights {g('engine_weight_bytes')}, no residual, transfer buffer "
         f"{g('engine_delta_transfer_bytes')} (one decoder layer, every element changed at worst) -> KV cache "
