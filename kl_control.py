@@ -87,7 +87,9 @@ with H_tok the policy's mean entropy per probed token and L the probed tokens pe
 
 `plain_probe` computes KL1 exactly as written here: dW, forward-mode AD through the model's
 own forward, kl1 at every scored position. `probe` is the fast path (`fast_probe`): the
-same numbers without the dense dW and without the whole (B, T, V) logits.
+same numbers without the dense dW and without the whole (B, T, V) logits, the decoder and
+its tangent written out for Qwen2, Qwen3, Llama and Mistral (`written_decoder`) and
+forward-mode AD through the model's own decoder for the other families.
 
 Mismatch subtraction (part of the LoGRA recipe in Table 1's setup: RowAdam with mismatch
 subtraction and predicted-KL annealing): the rollout engine and the trainer disagree a little
@@ -216,6 +218,17 @@ Implementation notes
   went from 24-25 ms to 14 ms (median over 40 updates on a 2-core CPU).
   tests/test_kl_control.py::test_the_fast_path_is_the_plain_probe checks the fast path
   against `plain_probe`.
+- For Qwen2, Qwen3, Llama and Mistral the fast path runs neither forward AD nor the function
+  mode: `written_decoder` forms the decoder's primal op for op as transformers' modules do
+  (so the kept logits are the model's own, and `scored_logits` runs the same primal) and the
+  tangent of each op from its derivative (the comment above it lists them), about half the
+  tensor operations of the forward-AD path. Measured on examples/minimal_loop.py's toy (22
+  responses probed, one thread): 8.1 ms a probe with forward AD, 4.0 ms written out, against
+  1.8 ms for a plain forward of the same responses (bench/README.md, `loop_phases`). Its
+  attention holds 14 bytes a score entry at its peak in bf16, where forward AD's holds 24
+  (infra/memory_plan.py, assumption 4). A model it does not cover (another family, a hook or
+  a forward of its own on a module it would bypass, a sliding window shorter than the
+  sequence) takes the forward-AD path; both are checked against `plain_probe`.
 - The realised KL's "before" is the probe's own logits at its first `keep_positions` scored
   positions (all of them when there are fewer: `Probe.kept` says how many); `scored_logits`
   gives the same bits for the same weights
@@ -232,6 +245,7 @@ Implementation notes
   (tests/test_kl_control.py::test_kl_budget_schedule).
 """
 
+import contextlib
 import math
 import warnings
 from contextlib import contextmanager
@@ -569,6 +583,186 @@ def _head_chunks(model, hidden, tangent=None):
         yield z, u
 
 
+# -----------------------------------------------------------------------------
+# The decoder and its tangent written out (Llama-like decoders): no forward AD, no per-op Python mode
+#
+# For the decoders of the families below (RMSNorm, rotary attention, a SwiGLU MLP: Qwen2, Qwen3,
+# Llama, Mistral) `written_decoder` runs the forward as Hugging Face's modules do, op for op (so
+# its primal is theirs, bit for bit), and beside it the tangent of each op from its derivative:
+#
+#   linear (a target)     dY = dX W^T - (X A^T) U^T           (injected_tangents' rule)
+#   linear (not a target) dY = dX W^T
+#   RMSNorm               y = w (x r),  r = 1/sqrt(mean(x^2) + eps)  ->  dy = w r (dx - x r^2 mean(x dx))
+#   rotary embedding      linear in q and k: dq' = dq cos + rot(dq) sin
+#   attention             S = q k^T s + mask, P = softmax(S), O = P v
+#                         dS = (dq k^T + q dk^T) s,  dP = P (dS - sum_j P dS),  dO = dP v + P dv
+#   SiLU                  dy = dx sig(x) (1 + x (1 - sig(x)))
+#   product, residual     d(a b) = da b + a db,  d(a + b) = da + db
+#
+# about half the tensor operations of the forward-AD path and none of its per-op Python (the
+# function mode and dual tensors): the fixed cost per probe that measurement found (bench/README's
+# `loop_phases`). Other families (Gemma 2's capped, sandwiched layers, Phi-3's fused ones) and a
+# sliding window shorter than the sequence take the forward-AD path; both paths are checked
+# against plain_probe (tests/test_kl_control.py).
+
+WRITTEN_OUT = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def _written_out(model, length: int) -> bool:
+    """Whether `written_decoder` covers this model at this sequence length: a family it writes
+    out, plain nn.Linear projections, no sliding window shorter than the sequence, and no
+    forward hook on a module it would bypass (a hook that changes an output would be lost)."""
+    config = model.config
+    if getattr(config, "model_type", None) not in WRITTEN_OUT or getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    for block in model.get_decoder().layers:
+        attn, mlp = block.self_attn, block.mlp
+        linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + \
+            [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(type(m) is torch.nn.Linear for m in linears):
+            return False
+        window = getattr(attn, "sliding_window", None)
+        if window is not None and window < length:
+            return False
+        norms = [block.input_layernorm, block.post_attention_layernorm] + \
+            [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+        if not _bypassable([attn, mlp] + norms, linears):
+            return False
+    return _bypassable([model.get_decoder().norm], [])  # the embedding and rotary modules are called as modules
+
+
+def _bypassable(modules, linears) -> bool:
+    """No forward hook and no forward of their own on `modules`; on `linears` none either, but
+    a sketch's (sketch.py's LayerSketch.forward, a plain F.linear under torch.no_grad)."""
+    for m in modules + linears:
+        if m._forward_hooks or m._forward_pre_hooks:
+            return False
+        own = vars(m).get("forward")
+        if own is not None and not (m in linears and getattr(getattr(own, "__self__", None), "module", None) is m):
+            return False
+    return True
+
+
+def _rms_norm(norm, x, dx):
+    """Hugging Face's RMSNorm (in fp32, cast back, times the weight) and its tangent."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)  # (..., 1)
+    xr = x32 * r
+    y = norm.weight * xr.to(dtype)
+    if dx is None:
+        return y, None
+    # dy = w r (dx - x r^2 mean(x dx)) = w r (dx - xr mean(xr dx))
+    dx32 = dx.to(torch.float32)
+    return y, norm.weight * (r * (dx32 - xr * (xr * dx32).mean(-1, keepdim=True))).to(dtype)
+
+
+def _rotary(x, dx, cos, sin):
+    """x cos + rot(x) sin (Hugging Face's rotate_half: (x1, x2) -> (-x2, x1)), and the same of dx."""
+    def rotate(t):
+        half = t.shape[-1] // 2
+        return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+    return (x * cos) + (rotate(x) * sin), None if dx is None else (dx * cos) + (rotate(dx) * sin)
+
+
+def _plus(a, b):
+    """a + b of two tangents, either of which may be None (zero)."""
+    return b if a is None else a if b is None else a + b
+
+
+def written_decoder(model, input_ids, attention_mask=None, tangents=None):
+    """The decoder's last hidden state (B, T, h) and, with `tangents` ({target module: (layer,
+    this process's U)}), its tangent for the direction dW = -U A of every target; None without.
+    The module notes above. Runs under FSDP2 (each decoder layer gathered for its turn)."""
+    decoder = model.get_decoder()
+
+    def linear(module, x, dx):
+        y = F.linear(x, module.weight, module.bias)  # (..., d)
+        if tangents is None:
+            return y, None
+        target = tangents.get(module)
+        dy = None if dx is None else F.linear(dx, module.weight)  # dX W^T (the bias has no tangent)
+        if target is not None:
+            layer, u = target
+            # -(X A^T) U^T, in the activations' dtype (departure 1), U gathered for this layer only.
+            # Shapes: (N, k) @ (k, r) -> (N, r); (N, r) @ (r, d) -> (N, d)
+            p = x.reshape(-1, x.shape[-1]) @ layer.projection_as(x.dtype).t()
+            injected = (p @ -layer.all_rows(u).to(x.dtype).t()).reshape(y.shape)
+            dy = injected if dy is None else dy.add_(injected)
+        return y, dy
+
+    h = decoder.embed_tokens(input_ids)  # (B, T, h); the embedding is frozen: no tangent
+    dh = None
+    B, T = input_ids.shape
+    positions = torch.arange(T, device=h.device)[None]  # (1, T), as the model's own forward
+    cos, sin = decoder.rotary_emb(h, positions)  # (1, T, hd) each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    # The eager attention's additive mask: 0 where key j <= query i (and j not padding), else the dtype's min
+    allowed = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()[None, None]  # (1, 1, T, T)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
+    mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(~allowed, torch.finfo(h.dtype).min)
+    for block in decoder.layers:
+        gathered = hasattr(block, "unshard")  # an FSDP2 unit: its weights gathered for this layer only
+        if gathered:
+            block.unshard()
+        attn, mlp = block.self_attn, block.mlp
+        # --- attention
+        x, dx = _rms_norm(block.input_layernorm, h, dh)
+        shape = (B, T, -1, attn.head_dim)
+        (q, dq), (k, dk), (v, dv) = (linear(m, x, dx) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, dq, k, dk, v, dv = (None if t is None else t.view(shape) for t in (q, dq, k, dk, v, dv))
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of every head's q and k
+            q, dq = _rms_norm(attn.q_norm, q, dq)
+            k, dk = _rms_norm(attn.k_norm, k, dk)
+        q, dq, k, dk, v, dv = (None if t is None else t.transpose(1, 2) for t in (q, dq, k, dk, v, dv))  # (B, H, T, hd)
+        q, dq = _rotary(q, dq, cos, sin)
+        k, dk = _rotary(k, dk, cos, sin)
+        groups = attn.num_key_value_groups
+        k, dk, v, dv = (None if t is None else t.repeat_interleave(groups, dim=1) for t in (k, dk, v, dv))
+        scores = torch.matmul(q, k.transpose(2, 3)) * attn.scaling + mask  # (B, H, T, T)
+        p32 = torch.softmax(scores, dim=-1, dtype=torch.float32)  # (B, H, T, T) fp32
+        del scores
+        p = p32.to(q.dtype)
+        o = torch.matmul(p, v)  # (B, H, T, hd)
+        do = None
+        if dq is not None or dk is not None:
+            # dS = (dq k^T + q dk^T) s, in one (B, H, T, T) buffer (and the second product beside it)
+            ds = torch.matmul(dq, k.transpose(2, 3)) if dq is not None else None
+            if dk is not None:
+                qdk = torch.matmul(q, dk.transpose(2, 3))
+                ds = qdk if ds is None else ds.add_(qdk)
+                del qdk
+            ds.mul_(attn.scaling)
+            ds32 = ds.to(torch.float32)  # (B, H, T, T)
+            del ds
+            # dP = P (dS - sum_j P dS), in dS's fp32 buffer: one (B, H, T, T) temporary besides it
+            ds32.sub_((p32 * ds32).sum(-1, keepdim=True)).mul_(p32)
+            do = torch.matmul(ds32.to(q.dtype), v)
+            del ds32
+        del p32
+        if dv is not None:
+            do = _plus(do, torch.matmul(p, dv))
+        o = o.transpose(1, 2).reshape(B, T, -1)
+        do = None if do is None else do.transpose(1, 2).reshape(B, T, -1)
+        y, dy = linear(attn.o_proj, o, do)
+        h, dh = h + y, _plus(dh, dy)
+        # --- MLP: down(silu(gate(x)) * up(x))
+        x, dx = _rms_norm(block.post_attention_layernorm, h, dh)
+        (g, dg), (u, du) = linear(mlp.gate_proj, x, dx), linear(mlp.up_proj, x, dx)
+        a = F.silu(g)
+        da = None
+        if dg is not None:
+            sig = torch.sigmoid(g)
+            da = dg * (sig * (1 + g * (1 - sig)))
+        m, dm = a * u, _plus(None if da is None else da * u, None if du is None else a * du)
+        y, dy = linear(mlp.down_proj, m, dm)
+        h, dh = h + y, _plus(dh, dy)
+        if gathered:
+            block.reshard()
+    return _rms_norm(decoder.norm, h, dh)
+
+
 @torch.no_grad()
 def fast_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=None,
                min_tokens=PROBE_FLOOR, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0,
@@ -596,9 +790,16 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
     total[3] = ids.shape[0]
     total[4] = response_mask[:, 0].bool().sum()  # read with the sums below: no host read of its own
     kept = []
-    with _root_gathered(model), probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level(), \
-            _ConstantOperands():
-        hidden, tangent = fwAD.unpack_dual(decoder(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state)
+    with _root_gathered(model), contextlib.ExitStack() as stack:
+        if _written_out(model, ids.shape[1]):  # the decoder and its tangent written out (above)
+            tangents = {layer.module: (layer, u) for layer, u in zip(layers, directions)}
+            hidden, tangent = written_decoder(model, ids, am, tangents)
+        else:  # forward-mode AD through the model's own decoder (in eval mode, eager attention), tangents injected
+            for context in (probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level(),
+                            _ConstantOperands()):
+                stack.enter_context(context)
+            hidden, tangent = fwAD.unpack_dual(decoder(input_ids=ids, attention_mask=am,
+                                                       use_cache=False).last_hidden_state)
         if tangent is None:
             raise RuntimeError("the tangent was lost in the decoder (an op without forward AD?)")
         # (M, h) each: the positions that sampled a generated token
@@ -642,8 +843,12 @@ def scored_logits(model, input_ids, response_mask, *, max_responses=None, min_to
     without tangents (eager attention, the decoder, the head on those rows): the same numbers as
     the probe's own primal for the same weights, bit for bit."""
     ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
-    with _root_gathered(model), probe_mode(model):
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state
+    with _root_gathered(model):
+        if _written_out(model, ids.shape[1]):  # the probe's own primal, op for op the model's
+            hidden, _ = written_decoder(model, ids, am)
+        else:
+            with probe_mode(model):
+                hidden = model.get_decoder()(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state
         return torch.cat([z for z, _ in _head_chunks(model, hidden[:, :-1][scored][:max_positions])])
 
 

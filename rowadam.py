@@ -104,7 +104,7 @@ Departures from the paper
    (sketch.py departure 1, `attach(..., group=...)`), and merges only those rows of W. What
    the formulas take over all of a layer's rows (mean(root), min(den), mean(s^2), ||S||,
    ||D||) and c's two sums are this process's partial sums or minima in float64, reduced
-   with small all_reduces (`row_adam_directions_across_ranks`); the KL probe and the engine
+   with small all_reduces (`row_adam_groups`); the KL probe and the engine
    sync gather U or F one layer at a time. Reason: S and U of the 7B targets at r = 256
    take 1.33 GiB each in fp32, of which a process of 4 holds 0.33 GiB. From the same summed
    sketch, the directions, moments and weights are one process's, bit for bit. Tests:
@@ -142,13 +142,27 @@ Implementation notes
   several agree bitwise.
 - `||D A||_F^2` is computed as `sum((D (A A^T)) * D)` with the (r, r) Gram matrix `A A^T`,
   identical in exact arithmetic and never forming any (n, k) block: O(r^2 k + n r^2)
-  instead of O(n r k).
+  instead of O(n r k). `A A^T` is the signs' Gram matrix, an fp32 GEMM of +-1 whose sums are
+  integers below 2^24 (k < 16.7 M) and so exact in any order, times 1/r as A's entries round.
 - The merge computes `F @ A` in float64 and rounds it once to W's dtype. A bf16 factor times
   +-1/sqrt(r) is exact in float64 for r a power of 4 (r = 256: 1/16), and so is a sum of r of
   them unless a row of F spans more than 2^37 in magnitude: the delta is then the correctly
   rounded one whatever the summation order, so a sharded trainer and an unsharded engine
-  hold bit-identical fp32 masters. The cost is one float64 (m, k) block per chunk. Test:
-  tests/test_rowadam.py::test_sharded_merge_equals_unsharded.
+  hold bit-identical fp32 masters. The cost is one float64 block of MERGE_ELEMENTS entries
+  at a time. Test: tests/test_rowadam.py::test_sharded_merge_equals_unsharded.
+- The layers' state lives in one tensor per shape: sketch.attach lays out the sketches of
+  layers of one shape as consecutive rows of one (L, n, r) tensor, and RowAdam keeps v (L, n)
+  and U (L, n, r) beside it (`moments`, `directions`: the layers' views). `prepare` runs the
+  formulas over each shape's stack (`row_adam_groups`, reductions over the last dimensions:
+  the same sums as `row_adam_direction`'s), forms the Gram matrices of a batch of layers with
+  one GEMM, and `merge` merges as many layers of one shape as MERGE_ELEMENTS holds with one
+  float64 GEMM (`merge_layers`); no step reads the device per layer. A model of many small
+  layers pays a few dozen tensor operations an update, not a few dozen per layer: on the
+  2-layer toy of examples/minimal_loop.py, prepare went from 2.9 to 1.7 ms and the merge from
+  2.3 to 1.6 ms (its signs made together too: sketch.make_signs_many; bench/README.md,
+  `loop_phases`). The batched formulas and merge are the line-by-line ones bit for bit
+  (tests/test_rowadam.py::test_directions_across_ranks_equal_the_plain_formulas,
+  test_sharded_merge_equals_unsharded, test_row_sharded_state_equals_one_process_bitwise).
 - `prepare` computes the new moments but `merge` commits them, together with the update
   counter: a step abandoned between the two (`discard()`, e.g. when the KL probe fails)
   leaves the weights, moments and counter exactly as they were and zeroes the sketches (the
@@ -177,9 +191,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from sketch import LayerSketch
+from sketch import PROJECTION, LayerSketch, projection_from_signs, refresh, shape_groups, stack_of
 
-MERGE_CHUNK_ROWS = 1024
+# Entries of W a merge works on at once (float64 F A and its fp32 rounding: 12 bytes each,
+# 96 MiB): several small layers of one shape together, or a large layer's rows in chunks.
+MERGE_ELEMENTS = 2**23
+SUM_BLOCK = 2**22  # entries per float64 block of ||W||^2 (32 MiB: few launches at 7B, little memory)
+GRAM_ELEMENTS = 2**22  # sign entries whose Gram matrices prepare forms at once (fp32: 16 MiB)
 # ||U A|| / ||W|| before alpha: with the default budget (kl_control.budget_for) binding, only the
 # largest step, alpha_max * UPDATE_RATIO of ||W||, depends on it ("Defaults" above).
 UPDATE_RATIO = 1e-2
@@ -195,7 +213,7 @@ def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8, out=None):
     (no transient copy)."""
     _check_direction_inputs([S], [v], step, beta2, eps)
     # d as a float64 tensor on S's device, divided by as the sharded path does (implementation notes)
-    d = torch.tensor(S.shape[0], dtype=torch.float64, device=S.device)  # ()
+    d = torch.full((), float(S.shape[0]), dtype=torch.float64, device=S.device)  # () made there: no host copy
     # v <- beta2 v + (1 - beta2) mean_j S_ij^2
     v = beta2 * v + (1 - beta2) * S.to(v.dtype).square().mean(dim=1)  # (d,)
     # root <- sqrt(v / (1 - beta2^t))
@@ -211,6 +229,50 @@ def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8, out=None):
     S_sq, D_sq = S.double().square().sum(), D.double().square().sum()
     D.mul_(torch.where(D_sq > 0, (S_sq / D_sq).sqrt(), 1.0).to(D.dtype))  # D = 0 stays 0; no host read
     return D, v
+
+
+def row_adam_groups(sketches, moments, rows, *, step, beta2=0.95, eps=1e-8, group=None, out=None):
+    """`row_adam_direction` of many layers with one batch of tensor operations per shape:
+    `sketches` a list of (L, n, r) stacks of layers of one shape, `moments` their (L, n) row
+    moments, `rows` their (L,) float64 whole-layer row counts d. With `group`, each process
+    holds n of a layer's d rows, and every quantity the formulas take over all of a layer's rows
+    (mean(root), min(den), mean(s^2), ||S||^2, ||D||^2) is this process's partial float64 sum or
+    minimum, for all layers in one tensor, reduced across `group`: four small all_reduces in
+    all (departure 1). Returns (D (L, n, r) and new v (L, n) per stack); changes nothing in
+    place but `out` (preallocated (L, n, r) buffers for D). The division by d and every
+    rounding are `row_adam_direction`'s, whose reductions over a layer's rows these are."""
+    _check_direction_inputs([S.flatten(0, 1) for S in sketches], [v.flatten() for v in moments], step, beta2, eps)
+
+    def reduced(parts, op=None):  # per-stack (L,) float64 partials, all reduced in one collective
+        if group is None:
+            return parts
+        joined = torch.cat(parts)
+        dist.all_reduce(joined, group=group, **({} if op is None else {"op": op}))
+        return list(joined.split([len(p) for p in parts]))
+
+    # v <- beta2 v + (1 - beta2) mean_j S_ij^2 ; root <- sqrt(v / (1 - beta2^t)), row by row
+    new_v = [beta2 * v + (1 - beta2) * S.to(v.dtype).square().mean(dim=-1) for S, v in zip(sketches, moments)]  # (L, n)
+    roots = [(v / (1 - beta2**step)).sqrt() for v in new_v]  # (L, n)
+    # den <- root + max(eps mean(root), tiny), the mean over all d rows of each layer
+    root_sums = reduced([root.double().sum(dim=-1) for root in roots])  # (L,) each
+    dens = [root + torch.clamp(eps * (total / d).to(root.dtype), min=torch.finfo(root.dtype).tiny)[:, None]
+            for root, total, d in zip(roots, root_sums, rows)]  # (L, n)
+    # s <- min(den) / den, then s <- s / sqrt(mean(s^2)); a process without rows of a layer offers +inf
+    den_min = reduced([den.min(dim=-1).values.double() if den.shape[-1] else
+                       torch.full(den.shape[:1], math.inf, dtype=torch.float64, device=den.device) for den in dens],
+                      dist.ReduceOp.MIN)  # (L,) each
+    s = [m.to(den.dtype)[:, None] / den for m, den in zip(den_min, dens)]  # (L, n) each, in (0, 1]
+    sq_sums = reduced([s_l.double().square().sum(dim=-1) for s_l in s])
+    s = [s_l / (q / d).sqrt().to(s_l.dtype)[:, None] for s_l, q, d in zip(s, sq_sums, rows)]
+    # D <- s[:, None] S, then D <- D ||S|| / ||D||
+    D = [torch.mul(S, s_l[..., None].to(S.dtype), out=None if out is None else out[i])
+         for i, (S, s_l) in enumerate(zip(sketches, s))]  # (L, n, r)
+    norms = reduced([torch.stack([S.double().square().sum(dim=(1, 2)), D_l.double().square().sum(dim=(1, 2))], dim=1)
+                     .flatten() for S, D_l in zip(sketches, D)])  # (2 L,): ||S||^2, ||D||^2 of each layer
+    for D_l, pairs in zip(D, norms):  # no host read
+        S_sq, D_sq = pairs.view(-1, 2).unbind(1)
+        D_l.mul_(torch.where(D_sq > 0, (S_sq / D_sq).sqrt(), 1.0).to(D_l.dtype)[:, None, None])  # D = 0 stays 0
+    return D, new_v
 
 
 def _check_direction_inputs(sketches, moments, step, beta2, eps):
@@ -230,9 +292,15 @@ def _check_direction_inputs(sketches, moments, step, beta2, eps):
 # -----------------------------------------------------------------------------
 # The merge: W -= F A, this process's rows, in row chunks
 
+def rows_per_chunk(width: int) -> int:
+    """Rows of a (., width) weight that a merge works on at once: MERGE_ELEMENTS entries."""
+    return max(1, MERGE_ELEMENTS // width)
+
+
 @torch.no_grad()
-def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_ROWS, avoid_ties=True):
-    """W[o:o+n] -= F[o:o+n] @ A for this process's rows, in row chunks (never a whole (n, k) delta).
+def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=None, avoid_ties=True):
+    """W[o:o+n] -= F[o:o+n] @ A for this process's rows, in row chunks (never a whole (n, k)
+    delta; `chunk_rows`: rows a chunk, default `rows_per_chunk(k)`).
 
     F @ A is computed in float64 and rounded once to W's dtype (implementation notes), so the
     result does not depend on the chunking or the device: FSDP row shards and the engines'
@@ -246,8 +314,9 @@ def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=MERGE_CHUNK_RO
     # all, so merge(0.0) changes no weight.
     moved = factor[row_offset:row_offset + n].ne(0).any(dim=1)
     a = projection.to(torch.float64)  # (r, k)
-    for start in range(0, n, chunk_rows):
-        stop = min(start + chunk_rows, n)
+    step = chunk_rows or rows_per_chunk(rows.shape[1])
+    for start in range(0, n, step):
+        stop = min(start + step, n)
         f = factor[row_offset + start:row_offset + stop].to(torch.float64)  # (m, r)
         # Shapes: (m, r) @ (r, k) -> (m, k); a row of F that is zero gives +0: W - 0 A = W
         rows[start:stop].sub_((f @ a).to(rows.dtype))
@@ -264,12 +333,43 @@ def avoid_bf16_ties_(w, *, rows=None):
     ulps, which an int16 holds: the rollout engines keep that residual next to vLLM's bf16
     weight instead of a whole fp32 copy (sync.py). Both sides apply it after every merge.
     """
-    bits = w.view(torch.int32)  # (n, k) raw fp32 words
-    tie = (bits & 0xFFFF) == 0x8000  # (n, k)
+    bits = w.view(torch.int32)  # (..., n, k) raw fp32 words
+    tie = (bits & 0xFFFF) == 0x8000  # (..., n, k)
     if rows is not None:
-        tie &= rows[:, None]
+        tie &= rows[..., None]
     bits.sub_(tie.to(torch.int32))
     return w
+
+
+def merge_layers(weights, factors, signs, magnitude: float, *, avoid_ties=True):
+    """`merge_rows` for layers of one shape: W_i -= F_i @ A_i for this process's rows W_i
+    (n, k) of each, F (L, n, r) their factors' rows, A_i = signs_i (r, k) times `magnitude` (the
+    value A's entries hold: `entry_magnitude`). As many layers as MERGE_ELEMENTS holds are merged
+    with one batch of tensor operations (stacked, F A in float64 rounded once, written back),
+    a larger layer in row chunks: the same bits as `merge_rows` layer by layer, since F A is
+    exact in float64 whatever the order of its sums (implementation notes)."""
+    n, k = weights[0].shape
+    per = MERGE_ELEMENTS // max(n * k, 1)
+    if per < 2:  # one layer holds the budget or more: its rows in chunks
+        for w, f, s in zip(weights, factors, signs):
+            merge_rows(w, f, s.to(torch.float64).mul_(magnitude), avoid_ties=avoid_ties)  # A (r, k) in float64
+        return
+    for first in range(0, len(weights), per):
+        part = slice(first, first + per)
+        W = torch.stack(weights[part])  # (L, n, k): a copy, written back below
+        f = factors[part]  # (L, n, r)
+        a = torch.stack(signs[part]).to(torch.float64).mul_(magnitude)  # (L, r, k) A of each layer
+        # Shapes: (L, n, r) @ (L, r, k) -> (L, n, k); a row of F that is zero gives +0: W - 0 A = W
+        W.sub_((f.to(torch.float64) @ a).to(W.dtype))
+        del a
+        if avoid_ties and W.dtype == torch.float32:  # departure 2, in the moved rows only
+            avoid_bf16_ties_(W, rows=f.ne(0).any(dim=-1))
+        torch._foreach_copy_(weights[part], list(W.unbind(0)))
+
+
+def entry_magnitude(rank: int, dtype) -> float:
+    """|A[i, j]| as `projection_from_signs` rounds it in `dtype` (1/sqrt(rank)), formed on the host."""
+    return float(projection_from_signs(torch.ones(rank, 1, dtype=torch.int8), dtype)[0, 0])
 
 
 # -----------------------------------------------------------------------------
@@ -335,14 +435,27 @@ class RowAdam:
         self._dtypes = [layer.module.weight.dtype for layer in layers]
         # t, the 0-based count of merged updates (sketch.py, "The update counter"); step t + 1
         self.update = layers[0].update
-        # v: one fp32 second moment per output row this process holds, per layer.
-        self.moments = [torch.zeros(l.sketch.shape[0], dtype=l.sketch.dtype, device=l.sketch.device)
-                        for l in layers]  # (n,) each
-        # U per layer, this process's rows (n, r): allocated once and written in place by every
-        # prepare (no transient copies); `directions` exposes them between prepare and merge.
-        self._u = [torch.empty_like(l.sketch) for l in layers]
-        self.directions = None
-        self._pending_moments = None
+        # The layers by shape (S's and A's, `shape_groups`): each group's sketches S one (L, n, r) tensor, as
+        # sketch.attach lays them out (sketches made apart are copied into one and the layers
+        # pointed at it), and beside it its v (L, n): one fp32 second moment per output row
+        # this process holds; U (L, n, r), allocated once and written in place by every prepare
+        # (no transient copies); and d (L,), each layer's whole row count.
+        self._groups = []
+        self.moments, self._u = [None] * len(layers), [None] * len(layers)
+        for members in shape_groups([l.sketch for l in layers], [l.signs for l in layers]):
+            S = stack_of([layers[i].sketch for i in members])
+            if S is None:
+                S = torch.stack([layers[i].sketch for i in members])  # (L, n, r)
+                for j, i in enumerate(members):
+                    layers[i].sketch = S[j]
+            v, U = torch.zeros(S.shape[:2], dtype=S.dtype, device=S.device), torch.empty_like(S)  # (L, n), (L, n, r)
+            d = torch.tensor([layers[i].rows for i in members], dtype=torch.float64, device=S.device)  # (L,)
+            self._groups.append((members, S, v, U, d))
+            for j, i in enumerate(members):
+                self.moments[i], self._u[i] = v[j], U[j]  # (n,), (n, r): views, in the layers' order
+        self.directions = None  # the layers' U (n, r) between prepare and merge
+        self._pending_moments = None  # the groups' new v, committed by merge
+        self.resumed_projection = None  # the projection a loaded state was saved under (load_state_dict)
 
     @property
     def rank(self):
@@ -366,45 +479,40 @@ class RowAdam:
         self._check_dtypes()
         whole = group is not None and self.group is None  # whole sketches on every process: summed here
         self._check_a_backward_ran(group if whole else None)
+        stacks = [S for _, S, _, _, _ in self._groups]  # (L, n, r) each: every layer's sketch, by shape
         if whole:
-            for l in self.layers:
-                dist.all_reduce(l.sketch, group=group)  # in place: the summed sketch is the batch's
-        sketches = [l.sketch for l in self.layers]  # (n, r) each, summed over processes
+            for S in stacks:
+                dist.all_reduce(S, group=group)  # in place: the summed sketches are the batch's
         # ||S||^2 of each layer in float64 over all its rows: the norm returned, and the check
         # that S is finite (and that the directions' own ||S||^2 does not overflow)
-        S_sq = torch.stack([S.double().square().sum() for S in sketches])  # (L,)
+        S_sq = torch.cat([S.double().square().sum(dim=(1, 2)) for S in stacks])  # (L,)
         if self.group is not None:
             dist.all_reduce(S_sq, group=self.group)  # this process's rows -> all rows (departure 1)
         if not torch.isfinite(S_sq).all():
             raise FloatingPointError("summed sketch is not finite (or its squared norm overflows float64): "
                                      "weights, moments and counter unchanged; discard() drops the batch")
 
+        # D and the new v of every layer, one batch of operations per shape (row_adam_groups: the
+        # formulas of `row_adam_direction`; with a group, this process's rows, departure 1)
         t = self.update + 1  # the bias correction's step: update + 1 (the module docstring's math)
-        if self.group is None:  # every row here: the formulas as written
-            D, moments = map(list, zip(*(row_adam_direction(S, v, step=t, beta2=self.beta2, eps=self.eps, out=u)
-                                         for S, v, u in zip(sketches, self.moments, self._u))))
-        else:  # this process's rows of every layer (departure 1)
-            D, moments = row_adam_directions_across_ranks(sketches, self.moments, rows=[l.rows for l in self.layers],
-                                                          group=self.group, step=t, beta2=self.beta2, eps=self.eps,
-                                                          out=self._u)  # (n, r) each, in the U buffers
+        D, moments = row_adam_groups(stacks, [v for _, _, v, _, _ in self._groups], [d for *_, d in self._groups],
+                                     step=t, beta2=self.beta2, eps=self.eps, group=self.group,
+                                     out=[U for _, _, _, U, _ in self._groups])  # (L, n, r) each, in the U buffers
 
         # c = update_ratio sqrt( sum ||W||^2 / sum ||D A||^2 ), both summed over this process's
         # rows (||D A||^2 = sum((D A A^T) * D): implementation notes)
-        totals = torch.zeros(2, dtype=torch.float64, device=sketches[0].device)  # (sum ||W||^2, sum ||D A||^2)
-        for layer, D_l in zip(self.layers, D):
-            W_rows, _ = local_rows(layer.module.weight)
-            a = layer.projection.to(torch.float64)  # (r, k)
-            gram = a @ a.t()  # (r, r)
-            D64 = D_l.to(torch.float64)  # (n, r)
-            totals[0] += _sum_squares(W_rows)
-            totals[1] += ((D64 @ gram) * D64).sum()
+        totals = torch.zeros(2, dtype=torch.float64, device=stacks[0].device)  # (sum ||W||^2, sum ||D A||^2)
+        for layer in self.layers:
+            totals[0] += _sum_squares(local_rows(layer.module.weight)[0])
+        for (members, *_), D_g in zip(self._groups, D):
+            totals[1] += _da_squared([self.layers[i] for i in members], D_g)
         if self.group is not None:
             dist.all_reduce(totals, group=self.group)  # this process's rows -> all rows (departure 1)
         W_sq, DA_sq = totals.tolist()
         c = self.update_ratio * math.sqrt(W_sq / DA_sq) if DA_sq > 0 else 0.0
-        for D_l in D:
-            D_l.mul_(c)  # U = c D, in place
-        self.directions = D
+        for D_g in D:
+            D_g.mul_(c)  # U = c D, in place
+        self.directions = list(self._u)  # (n, r) each: views of the groups' U
         self._pending_moments = moments
         return math.sqrt(S_sq.sum().item())
 
@@ -441,8 +549,14 @@ class RowAdam:
         """Abandon the batch: directions dropped and sketches zeroed (the next backward starts a
         new batch); weights, moments and the update counter unchanged. Also without prepare()."""
         self.directions = self._pending_moments = None
+        self._zero_sketches()
+
+    def _zero_sketches(self):
+        """S = 0 in every layer (one operation per shape), and no backward counted into it."""
+        for _, S, _, _, _ in self._groups:
+            S.zero_()
         for layer in self.layers:
-            layer.zero_()
+            layer.backwards = 0
 
     # -- merge: W -= bf16(alpha U) A ----------------------------------------------------
 
@@ -457,24 +571,29 @@ class RowAdam:
         alpha = float(alpha)
         if not math.isfinite(alpha) or alpha < 0:
             raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
-        factors = [(alpha * u).to(self.factor_dtype) for u in self.directions]  # F (n, r) each
+        stacked = [(alpha * U).to(self.factor_dtype) for _, _, _, U, _ in self._groups]  # F (L, n, r) per shape
+        factors = [None] * len(self.layers)
+        for (members, *_), F_g in zip(self._groups, stacked):
+            for j, i in enumerate(members):
+                factors[i] = F_g[j]  # (n, r), in the layers' order
         # Every check before the first weight changes: a finite alpha can still overflow F.
         rows = [local_rows(layer.module.weight)[0] for layer in self.layers]  # (n, k) each
         for layer, w, f in zip(self.layers, rows, factors):
             if w.shape[0] != f.shape[0]:
                 raise RuntimeError(f"{layer.name}: {w.shape[0]} local weight rows but {f.shape[0]} sketch rows "
                                    f"(attach(..., group=...) must match the FSDP2 sharding)")
-        if not torch.stack([torch.isfinite(f).all() for f in factors]).all():
+        if not torch.stack([torch.isfinite(F_g).all() for F_g in stacked]).all():
             raise ValueError(f"alpha = {alpha:g} makes F = alpha U overflow {self.factor_dtype}: nothing was merged")
-        for layer, w, f in zip(self.layers, rows, factors):
-            merge_rows(w, f, layer.projection)
-        for v, new in zip(self.moments, self._pending_moments):
+        # W -= F A_t, the layers of one weight shape together (merge_layers: merge_rows' bits)
+        magnitude = entry_magnitude(self.rank, self.layers[0].sketch.dtype)  # |A's entries| as the layers form A
+        for (members, *_), F_g in zip(self._groups, stacked):
+            merge_layers([rows[i] for i in members], F_g, [self.layers[i].signs for i in members], magnitude)
+        for (_, _, v, _, _), new in zip(self._groups, self._pending_moments):
             v.copy_(new)
         self.directions = self._pending_moments = None
         self.update += 1
-        for layer in self.layers:
-            layer.zero_()
-            layer.refresh(self.update)  # A_{t+1}
+        self._zero_sketches()
+        refresh(self.layers, self.update)  # A_{t+1}, every layer's signs made together
         return factors
 
     # -- checkpoints ----------------------------------------------------------------
@@ -487,6 +606,7 @@ class RowAdam:
             "moments": {l.name: self._shared(l, v.clone()) for l, v in zip(self.layers, self.moments)},
             "base_seed": self.base_seed, "rank": self.rank,
             "beta2": self.beta2, "eps": self.eps, "update_ratio": self.update_ratio,
+            "projection": PROJECTION,
         }
 
     def _shared(self, layer, v):
@@ -498,7 +618,17 @@ class RowAdam:
                                   shape=(layer.rows,), stride=(1,))
 
     def load_state_dict(self, state: dict) -> None:
+        """Moments, counter and settings from `state_dict()`'s dict; the layers move to A_update.
+        A state of an earlier projection (`projection` 1, or none: sketch.py's "The projection A")
+        is resumed as it is: it holds nothing drawn from A (the moments are per row, the sketches
+        zero between updates), so the next update simply draws A_update by this file's rule
+        (`resumed_projection` says which rule the state was saved under). A later projection than
+        this file knows is refused."""
         names = [l.name for l in self.layers]
+        projection = int(state.get("projection", 1))
+        if projection > PROJECTION:
+            raise ValueError(f"this state was saved with projection {projection}, and this rowadam.py knows projections "
+                             f"up to {PROJECTION} (sketch.PROJECTION): load it with the release that saved it")
         if state["rank"] != self.rank or state["base_seed"] != self.base_seed:
             raise ValueError(f"checkpoint has rank {state['rank']}, seed {state['base_seed']}; "
                              f"this optimizer has rank {self.rank}, seed {self.base_seed}")
@@ -514,9 +644,9 @@ class RowAdam:
             v.copy_(local[l.name])
         self.beta2, self.eps, self.update_ratio = state["beta2"], state["eps"], state["update_ratio"]
         self.update = state["update"]
-        for layer in self.layers:
-            layer.zero_()
-            layer.refresh(self.update)
+        self.resumed_projection = projection
+        self._zero_sketches()
+        refresh(self.layers, self.update)
 
 
 def _check_master_dtype(layer, dtype, update_ratio):
@@ -526,7 +656,26 @@ def _check_master_dtype(layer, dtype, update_ratio):
                         f"would be rounded away): keep the weights fp32 (nothing was changed)")
 
 
-def _sum_squares(t, block=2**20):
+def _da_squared(layers, D) -> torch.Tensor:
+    """sum over `layers` (one shape) of ||D A||^2 = sum((D (A A^T)) * D) in float64, D (L, n, r)
+    their directions: the Gram matrices of as many layers as GRAM_ELEMENTS holds at once."""
+    r, k = layers[0].signs.shape
+    magnitude_sq = entry_magnitude(r, layers[0].sketch.dtype) ** 2  # 1/r, with A's own rounding
+    per = max(1, GRAM_ELEMENTS // (r * k))
+    total = torch.zeros((), dtype=torch.float64, device=D.device)
+    for first in range(0, len(layers), per):
+        part = slice(first, first + per)
+        signs = torch.stack([l.signs for l in layers[part]]).to(torch.float32)  # (L, r, k)
+        # A A^T: +-1 products summed by an fp32 GEMM, integers below 2^24 and so exact in any order
+        gram = (signs @ signs.transpose(1, 2)).to(torch.float64) * magnitude_sq  # (L, r, r)
+        del signs
+        D64 = D[part].to(torch.float64)  # (L, n, r)
+        total += ((D64 @ gram) * D64).sum()
+        del gram, D64  # before the next batch: one batch's float64 work at a time
+    return total
+
+
+def _sum_squares(t, block=SUM_BLOCK):
     """sum(t^2) in float64, a block of elements at a time (no float64 copy of a whole weight)."""
     flat = t.reshape(-1)
     total = torch.zeros((), dtype=torch.float64, device=t.device)
@@ -550,52 +699,3 @@ def local_rows(weight):
         chunk = -(-weight.shape[0] // mesh.size())  # ceil(d / world)
         return local, min(mesh.get_local_rank() * chunk, weight.shape[0])
     return weight, 0
-
-
-def row_adam_directions_across_ranks(sketches, moments, *, rows, group, step, beta2=0.95, eps=1e-8, out=None):
-    """`row_adam_direction` of every layer at once when each process of `group` holds some of
-    each layer's rows: this process's rows of the sketches S (n, r) and moments v (n,), and
-    `rows[i]`, layer i's total row count d. Returns (this process's rows of every D, new v)
-    and changes nothing in place; `out`: preallocated (n, r) buffers for the directions.
-
-    Each quantity the formulas take over all of a layer's rows (mean(root), min(den),
-    mean(s^2), ||S||^2 and ||D||^2) is this process's partial float64 sum or minimum, for all
-    layers in one tensor, reduced across `group`: four small all_reduces in all. The division
-    by d and every rounding are `row_adam_direction`'s, so the rows come out as that function
-    gives them for the whole layer (up to the order of float64 additions across processes,
-    which the rounding to S's dtype hides unless a sum falls on a rounding boundary).
-    """
-    _check_direction_inputs(sketches, moments, step, beta2, eps)
-    device = sketches[0].device
-    d_rows = torch.tensor(rows, dtype=torch.float64, device=device)  # (L,): each layer's d, all processes together
-
-    # v <- beta2 v + (1 - beta2) mean_j S_ij^2 ; root <- sqrt(v / (1 - beta2^t)), row by row: no reduction
-    new_v = [beta2 * v + (1 - beta2) * S.to(v.dtype).square().mean(dim=1) for S, v in zip(sketches, moments)]  # (n,)
-    roots = [(v / (1 - beta2**step)).sqrt() for v in new_v]  # (n,)
-    # den <- root + max(eps mean(root), tiny), mean over all d rows of the layer
-    root_sum = torch.stack([root.double().sum() for root in roots])  # (L,)
-    dist.all_reduce(root_sum, group=group)
-    dens = []
-    for root, total, d in zip(roots, root_sum, d_rows):
-        tiny = torch.finfo(root.dtype).tiny
-        dens.append(root + torch.clamp(eps * (total / d).to(root.dtype), min=tiny))  # (n,)
-    # s <- min(den) / den, then s <- s / sqrt(mean(s^2)); a process without rows of a layer offers +inf
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=device)
-    den_min = torch.stack([den.min().double() if den.numel() else inf for den in dens])  # (L,)
-    dist.all_reduce(den_min, op=dist.ReduceOp.MIN, group=group)
-    s = [m.to(den.dtype) / den for m, den in zip(den_min, dens)]  # (n,) each, in (0, 1]
-    sq_sum = torch.stack([s_l.double().square().sum() for s_l in s])  # (L,)
-    dist.all_reduce(sq_sum, group=group)
-    s = [s_l / (q / d).sqrt().to(s_l.dtype) for s_l, q, d in zip(s, sq_sum, d_rows)]
-    # D <- s[:, None] S, then D <- D ||S|| / ||D||
-    D = []
-    for i, (S, s_l) in enumerate(zip(sketches, s)):
-        buf = out[i] if out is not None else torch.empty_like(S)
-        D.append(torch.mul(S, s_l[:, None].to(S.dtype), out=buf))  # (n, r)
-    norms = torch.stack([torch.stack([S.double().square().sum(), D_l.double().square().sum()])
-                         for S, D_l in zip(sketches, D)])  # (L, 2): ||S||^2, ||D||^2
-    dist.all_reduce(norms, group=group)
-    scale = torch.where(norms[:, 1] > 0, (norms[:, 0] / norms[:, 1]).sqrt(), 1.0)  # (L,): D = 0 stays 0
-    for D_l, c in zip(D, scale):  # no host read
-        D_l.mul_(c.to(D_l.dtype))
-    return D, new_v

@@ -42,9 +42,26 @@ that successive updates are not trapped in one subspace:
 
 `A` is never learned and never sent. It is regenerated from an integer seed,
 `projection_seed(base_seed, update, name)`, a sha256 of the three (not Python's salted
-`hash()`), drawn with a CPU `torch.Generator` and only then moved to the device, so the
-trainer processes and the rollout engines build the same bits anywhere. Update `t` uses `A_t`
-(the counter below); after it is merged every layer switches to `A_{t+1}`.
+`hash()`), and its signs are a pure function of (seed, row, column) computed with integer
+operations on the device that uses them (`make_signs`, a counter-based hash), so that the
+trainer processes and the rollout engines build the same bits on any device, each its own,
+with no host draw and no copy. The rule, projection version 2 (`PROJECTION`):
+
+    lo, hi  = the low and high 32 bits of the seed
+    mix32   = x ^= x >> 16; x *= 0x21F0AAAD; x ^= x >> 15; x *= 0x735A2D97; x ^= x >> 15   (mod 2^32)
+    c       = i * ceil(k / 16) + b                      row i's block b of 16 columns
+    h       = mix32(mix32(c ^ lo) ^ hi ^ 0x9E3779B9)
+    A[i, 16 b + j] = -1/sqrt(r) where bit 16 + j of h is set, +1/sqrt(r) otherwise
+
+mix32 is a bijection of 32-bit words, so distinct counters give distinct words; both
+multipliers are below 2^31, so every product of a 32-bit word with one fits an int64 and no
+device wraps or rounds (tests/test_sketch.py checks the signs' balance and the rows'
+correlations, and E[A^T A] = I; the device check compares CPU and GPU bits). Version 1, the
+authors' way, drew the signs with a CPU `torch.Generator` and copied them to the device: per
+update ~63 M signs at 0.5B and ~290 M at 7B, in the trainer's merge and again in every engine,
+each target a host draw and a copy. A checkpoint or sync payload without a version holds
+version 1 (what each does with it: rowadam.py, sync.py). Update `t` uses `A_t` (the counter
+below); after it is merged every layer switches to `A_{t+1}`.
 
 The update counter
 ------------------
@@ -124,8 +141,16 @@ Implementation notes
   backward never reached from one that is zero (RowAdam's `prepare`). It counts one per call of
   the layer that backward reaches: a layer called twice in one forward counts 2, and a call
   under activation checkpointing counts once, however its forward is recomputed.
-- `P = X A^T` is stored in the compute dtype of `X` (bf16 under mixed precision); the
-  sketch itself accumulates in fp32 (float64 when the weight is float64, for tests).
+- `P = X A^T` is stored in the compute dtype of `X` (bf16 under mixed precision), and the
+  backward's product `dY^T P` is formed from it and `dY` in that dtype (`sketch_product`): one
+  bf16 GEMM, at many times an fp32 GEMM's rate on a GPU (dense bf16 ~990 TFLOP/s against ~67
+  for fp32 on an H100 or H200) and with no fp32 copies of `dY` (N, d) and `P`. Where the device
+  has a GEMM that writes fp32 from bf16 factors (CUDA, `torch.mm(..., out_dtype=torch.float32)`),
+  its fp32 accumulator is the product as it stands, never rounded to bf16; elsewhere the
+  product is rounded once to bf16 and then added, as the authors do. The sketch itself
+  accumulates in fp32 (float64 when the weight is float64, for tests); fp32 activations (a
+  CPU run) give an fp32 GEMM as before. The sketch's error against float64 at 7B widths in
+  bf16 is gpu_check's `kernels` step (bench/README.md), with the fp32 product beside it.
 - Each backward forms its product `dY^T P` from zero and then adds it to `S` (`S.add_(dY^T @
   P)`, never `S.addmm_(dY^T, P)`): a BLAS kernel may fold the existing `S` into its partial sums,
   in an order that depends on the CPU (AVX2 or AVX-512 blocking), so one process summing two
@@ -138,11 +163,19 @@ Implementation notes
 - A layer keeps the signs of `A` as int8 (1 byte per entry) and forms `A = signs / sqrt(r)`
   in the compute dtype when it is used: 0.27 GiB instead of 1.08 GiB of fp32 projections
   per GPU for the 7B targets at r = 256. The values are the ones an fp32 `A` would hold.
+- The signs of every layer are made together (`make_signs_many`, `refresh`): the layers of one
+  width in batches of SIGN_BATCH hashed words, a few dozen tensor operations for a model's
+  hundreds of projections, where the CPU generator of projection 1 drew each on the host
+  (1.4 ms for a 256 x 896 projection, 23 ms at 256 x 18944, then a copy to the device).
+- `attach` lays out the sketches of layers of one shape as consecutive rows of one (L, n, r)
+  tensor (`stack_of` gives it back), so that RowAdam runs its arithmetic over all of them
+  at once (rowadam.py); each layer's `sketch` is its own (n, r) view.
 """
 
 import hashlib
 import math
 import numbers
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -156,6 +189,9 @@ import torch.nn.functional as F
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 # The rank of Table 1's LoGRA runs: `attach`'s without one, where the targets are wide enough (`default_rank`).
 PAPER_RANK = 256
+# The rule that makes A's signs from a seed (`make_signs`, "The projection A"): checkpoints and
+# sync payloads record it, and a missing record means 1, the CPU generator's draw of earlier releases.
+PROJECTION = 2
 
 # Module-path parts that wrappers insert and that must not change a layer's seed:
 # FSDP1, activation checkpointing and torch.compile. (FSDP2 inserts none.)
@@ -183,21 +219,108 @@ def projection_seed(base_seed: int, update: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2**63 - 1)
 
 
+# The signs of A as a counter-based hash (`make_signs`): 32-bit words in int64 tensors, each
+# multiplier below 2^31 so that no product leaves int64 (no overflow on any device).
+MASK32 = 0xFFFFFFFF
+MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+ROUND_KEY = 0x9E3779B9  # xored in with the seed's high word, so that seed 0 is no fixed point (mix32(0) = 0)
+SIGNS_PER_WORD = 16  # the 16 high bits of each hashed word give 16 signs
+SIGN_BATCH = 2**20  # hashed words per batch of make_signs_many (its int64 work: a few 8 MiB tensors)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit words (values in [0, 2^32) of an int64 tensor): xor-shift and
+    multiply rounds with odd multipliers (the `lowbias32` form of C. Wellons' hash prospector)."""
+    x = x ^ (x >> 16)
+    x = (x * MIX_MULTIPLIERS[0]) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MIX_MULTIPLIERS[1]) & MASK32
+    return x ^ (x >> 15)
+
+
+_SIGN_TABLES = {}  # device -> (256, 8) int8: entry [v, i] is -1 where bit i of the byte v is set, else +1
+
+
+def _sign_table(device) -> torch.Tensor:
+    if device not in _SIGN_TABLES:  # made on the device itself: no copy from the host
+        bits = torch.arange(256, dtype=torch.int32, device=device)[:, None] >> torch.arange(8, dtype=torch.int32,
+                                                                                             device=device)
+        _SIGN_TABLES[device] = (1 - 2 * (bits & 1)).to(torch.int8)  # (256, 8)
+    return _SIGN_TABLES[device]
+
+
 def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor:
-    """The signs of `A` (rank, width), int8 +-1, drawn on the CPU from `seed`: bit-identical
-    on any device. Stored instead of `A` itself: 1 byte per entry instead of 4."""
-    if rank <= 0 or width <= 0:
-        raise ValueError(f"projection needs rank > 0 and width > 0, got rank={rank}, width={width}")
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    bits = torch.randint(0, 2, (rank, width), generator=g, dtype=torch.int8)  # (r, k) in {0, 1}
-    return (bits * 2 - 1).to(device)  # (r, k) in {-1, +1}
+    """The signs of `A` (rank, width), int8 +-1: a pure function of (seed, row, column) made
+    with integer operations on `device`, so every device makes the same bits without a host
+    draw or copy (projection version `PROJECTION`). Stored instead of `A` itself: 1 byte per
+    entry instead of 4.
+
+    Row i's columns come in blocks of 16; block b's counter is c = i * ceil(width / 16) + b,
+    its word h = mix32(mix32(c ^ lo) ^ hi ^ ROUND_KEY) with (lo, hi) the low and high 32 bits
+    of `seed`, and A[i, 16 b + j] is -1 where bit 16 + j of h is set, +1 otherwise (the module
+    docstring). `make_signs_many` makes many projections' signs at once, the same bits.
+    """
+    return make_signs_many(rank, [width], [seed], device=device)[0]
+
+
+def make_signs_many(rank: int, widths, seeds, *, device=None) -> list:
+    """`make_signs(rank, width, seed)` for each (width, seed), computed together: the projections
+    of one width in batches of at most SIGN_BATCH hashed words, so that a model's hundreds of
+    projections take a few dozen tensor operations instead of a dozen each. Bit for bit
+    `make_signs` one at a time. Each result is (rank, width); results of one batch may be views
+    of one tensor. Seeds reach the device in one copy per batch (from pinned memory on a GPU:
+    no wait for the device)."""
+    widths, seeds = [int(w) for w in widths], [int(s) for s in seeds]
+    if len(widths) != len(seeds):
+        raise ValueError(f"{len(widths)} widths but {len(seeds)} seeds")
+    for width, seed in zip(widths, seeds):
+        if rank <= 0 or width <= 0:
+            raise ValueError(f"projection needs rank > 0 and width > 0, got rank={rank}, width={width}")
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"a projection seed is a 64-bit unsigned integer, got {seed}")
+        if rank * -(-width // SIGNS_PER_WORD) > 2**32:
+            raise ValueError(f"rank {rank} x width {width} needs more than 2^32 counters: a smaller rank")
+    device = torch.device("cpu") if device is None else torch.device(device)
+    out = [None] * len(widths)
+    by_width = {}
+    for i, width in enumerate(widths):
+        by_width.setdefault(width, []).append(i)
+    for width, members in by_width.items():
+        blocks = -(-width // SIGNS_PER_WORD)  # words per row
+        counter = torch.arange(rank * blocks, dtype=torch.int64, device=device)  # (r * blocks,)
+        per_batch = max(1, SIGN_BATCH // (rank * blocks))
+        for first in range(0, len(members), per_batch):
+            part = members[first:first + per_batch]
+            lo, hi = _seed_words([seeds[i] for i in part], device)  # (n, 1) each, or ints for one seed
+            h = mix32(mix32(counter ^ lo) ^ hi)  # (n, r * blocks) words in [0, 2^32)
+            high = torch.stack([(h >> 16) & 0xFF, h >> 24], dim=-1)  # (n, r * blocks, 2): bits 16-23 and 24-31
+            del h
+            # (n, r * blocks, 2, 8) int8: bit 16 + j of a word's h -> column 16 b + j of its row
+            signs = _sign_table(device)[high].view(-1, rank, blocks * SIGNS_PER_WORD)[:, :, :width]  # (n, r, k)
+            for j, i in enumerate(part):
+                out[i] = signs[j] if width == blocks * SIGNS_PER_WORD else signs[j].contiguous()  # (r, k)
+    return out
+
+
+def _seed_words(seeds, device):
+    """(lo, hi ^ ROUND_KEY) of each seed: Python ints for one seed (scalars in the kernels), else
+    (n, 1) int64 tensors on `device`, copied from pinned memory on a GPU without waiting for it."""
+    if len(seeds) == 1:
+        return seeds[0] & MASK32, (seeds[0] >> 32) ^ ROUND_KEY
+    words = torch.tensor([[s & MASK32, (s >> 32) ^ ROUND_KEY] for s in seeds], dtype=torch.int64)  # (n, 2)
+    if device.type == "cuda":
+        words = words.pin_memory().to(device, non_blocking=True)
+    else:
+        words = words.to(device)
+    return words[:, :1], words[:, 1:]
 
 
 def projection_from_signs(signs: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """A = signs / sqrt(r) (r, k), formed in float64 (float32 otherwise) on the signs' device,
-    so that every device receives the same rounded values."""
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    return (signs.to(work) * (1.0 / math.sqrt(signs.shape[0]))).to(dtype)  # (r, k)
+    """A = signs / sqrt(r) (r, k) in `dtype`, on the signs' device: +-1 times the scale in
+    the multiplication's own precision (fp32 for bf16 and fp16, as their kernels compute),
+    rounded once, so that every device forms the same values (1/sqrt(r) itself where r is a
+    power of 4: 1/16 at the paper's r = 256)."""
+    return signs.to(dtype) * (1.0 / math.sqrt(signs.shape[0]))  # (r, k)
 
 
 def make_projection(rank: int, width: int, seed: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -226,12 +349,13 @@ class _SketchedLinear(torch.autograd.Function):
         p, weight = ctx.saved_tensors
         sketch = ctx.sketch
         dy2 = dy.reshape(-1, dy.shape[-1])  # (N, d)
-        # Sketch: S += dY^T P, accumulated in the sketch's dtype (fp32).
+        # Sketch: S += dY^T P, the product formed from the activations' dtype (bf16 under mixed
+        # precision) and added into the fp32 sketch (the implementation notes).
         # Shapes: (d, N) @ (N, r) -> (d, r)
-        if ctx.group is None:
-            sketch.add_(dy2.t().to(sketch.dtype) @ p.to(sketch.dtype))  # not addmm_: see the notes
-        else:  # this process keeps its rows of the sum over the group (departure 1)
-            sketch.add_(reduce_scatter_rows(dy2.t().to(sketch.dtype) @ p.to(sketch.dtype), ctx.group))
+        product = sketch_product(dy2.t(), p, sketch.dtype)
+        if ctx.group is not None:  # this process keeps its rows of the sum over the group (departure 1)
+            product = reduce_scatter_rows(product, ctx.group)
+        sketch.add_(product)  # not addmm_: see the notes
         if ctx.layer is not None:
             ctx.layer.backwards += 1  # a Python int on the host: no device read
         dx = None
@@ -240,6 +364,40 @@ class _SketchedLinear(torch.autograd.Function):
             # Shapes: (..., d) @ (d, k) -> (..., k)
             dx = dy @ weight.to(dy.dtype)
         return dx, None, None, None, None, None, None, None
+
+
+def _has_fp32_out_mm(device_type: str) -> bool:
+    """Whether this torch has a GEMM of bf16/fp16 factors that writes fp32 on `device_type`
+    (`torch.mm(a, b, out_dtype=...)`, aten::mm.dtype: CUDA builds of recent releases)."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", device_type.upper())
+    except (AttributeError, RuntimeError):  # an older torch: no such overload or query
+        return False
+
+
+_FP32_OUT_MM = {}  # device type -> _has_fp32_out_mm, asked once
+
+
+def sketch_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b` in `dtype` (the sketch's, fp32) from factors in the activations' dtype: one GEMM
+    at that dtype's rate. Where the factors are bf16 or fp16 and the device has a GEMM that
+    writes fp32 from them, its fp32 accumulator is the result as it stands; elsewhere the
+    product is rounded once to the factors' dtype and converted (the authors' way)."""
+    if a.dtype == dtype:
+        return a @ b
+    kind = a.device.type
+    if kind not in _FP32_OUT_MM:
+        _FP32_OUT_MM[kind] = _has_fp32_out_mm(kind)
+    if _FP32_OUT_MM[kind] and dtype == torch.float32:
+        try:
+            return torch.mm(a, b, out_dtype=dtype)
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError) as e:  # a build whose overload takes other inputs: the rounded product
+            _FP32_OUT_MM[kind] = False
+            warnings.warn(f"torch.mm(..., out_dtype=torch.float32) failed on {kind} ({type(e).__name__}: "
+                          f"{str(e)[:120]}): the sketch's products are rounded to {a.dtype} from now on")
+    return (a @ b).to(dtype)
 
 
 def sketched_linear(x, weight, bias, projection, sketch, group=None, *, layer=None):
@@ -300,6 +458,8 @@ def _padded_rows(d: int, group) -> int:
 
 def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
     """This process's rows (n, r) of the sum over `group` of every process's `full` (d, r)."""
+    if dist.get_world_size(group) == 1:  # one process (FSDP2 on one GPU): the sum is its own
+        return full
     d = full.shape[0]
     padded = full if _padded_rows(d, group) == d else \
         torch.cat([full, full.new_zeros(_padded_rows(d, group) - d, *full.shape[1:])])  # (world * chunk, r)
@@ -311,6 +471,8 @@ def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
 def gather_rows(local: torch.Tensor, d: int, group) -> torch.Tensor:
     """All `d` rows (d, r) from every process's rows (n, r) (the inverse of the row shard)."""
     world = dist.get_world_size(group)
+    if world == 1:  # one process holds every row
+        return local
     chunk = -(-d // world)
     padded = local if local.shape[0] == chunk else \
         torch.cat([local, local.new_zeros(chunk - local.shape[0], *local.shape[1:])])  # (chunk, r)
@@ -349,6 +511,10 @@ class LayerSketch:
         """A_t (r, k) in the sketch's dtype, formed from the signs on each use."""
         return projection_from_signs(self.signs, self.sketch.dtype)
 
+    def projection_as(self, dtype) -> torch.Tensor:
+        """A_t (r, k) in `dtype` (the activations'), formed from the signs (`projection_from_signs`)."""
+        return projection_from_signs(self.signs, dtype)
+
     def all_rows(self, local: torch.Tensor) -> torch.Tensor:
         """All d rows (d, r) of a row-sharded (n, r) tensor such as U or F (gathered over the
         group), or `local` itself when rows are not sharded."""
@@ -365,18 +531,54 @@ class LayerSketch:
                                f"attach, or detach(model) and attach again after the move")
         if not torch.is_grad_enabled():  # no backward follows (a rollout, the KL probe): no A to form
             return F.linear(x, m.weight, m.bias)
-        return sketched_linear(x, m.weight, m.bias, self.projection, self.sketch, self.group, layer=self)
+        a = self.projection_as(x.dtype)  # (r, k) A_t in the activations' dtype (bf16 under mixed precision)
+        return sketched_linear(x, m.weight, m.bias, a, self.sketch, self.group, layer=self)
 
     def refresh(self, update: int) -> None:
-        """Switch to A_update (after update `update - 1` has been merged, or on resume)."""
-        seed = projection_seed(self.base_seed, update, self.name)
-        self.signs = make_signs(self.rank, self.signs.shape[1], seed, device=self.signs.device)
-        self.update = update
+        """Switch to A_update (after update `update - 1` has been merged, or on resume);
+        `refresh(layers, update)` moves many layers at once."""
+        refresh([self], update)
 
     def zero_(self) -> None:
         """S = 0, and no backward counted into it."""
         self.sketch.zero_()
         self.backwards = 0
+
+
+def stack_of(tensors):
+    """The (L, ...) tensor whose [i] is `tensors[i]` when they are consecutive equal-shaped
+    contiguous views of one storage (as `attach` lays out the sketches of one shape), else
+    None: what lets RowAdam's arithmetic run over many layers in one tensor operation."""
+    first = tensors[0]
+    step = first.numel()
+    for i, t in enumerate(tensors):
+        if not (t.shape == first.shape and t.dtype == first.dtype and t.device == first.device
+                and t.is_contiguous() and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and t.storage_offset() == first.storage_offset() + i * step):
+            return None
+    return first.as_strided((len(tensors), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def shape_groups(*lists) -> list:
+    """The indices i grouped by the shape, dtype and device of `lists[0][i]`, `lists[1][i]`,
+    ... (one list of tensors, or several of one length), each group in order."""
+    groups = {}
+    for i, ts in enumerate(zip(*lists)):
+        groups.setdefault(tuple((tuple(t.shape), t.dtype, t.device) for t in ts), []).append(i)
+    return list(groups.values())
+
+
+def refresh(layers, update: int) -> None:
+    """Switch every layer to A_update, their signs made together (`make_signs_many`), one batch
+    of tensor operations per device, rank and width rather than a dozen operations per layer."""
+    groups = {}
+    for layer in layers:
+        groups.setdefault((layer.signs.device, layer.rank), []).append(layer)
+    for (device, rank), group in groups.items():
+        signs = make_signs_many(rank, [l.signs.shape[1] for l in group],
+                                [projection_seed(l.base_seed, update, l.name) for l in group], device=device)
+        for layer, s in zip(group, signs):
+            layer.signs, layer.update = s, update
 
 
 def target_modules(model: nn.Module, targets=TARGETS) -> dict:
@@ -490,10 +692,17 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
         weight = module.weight
         acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         rows = module.out_features if group is None else row_shard(module.out_features, group)[1]
-        signs = make_signs(rank, module.in_features, projection_seed(seed, update, clean),
-                           device=weight.device)  # (r, k) int8
-        s = torch.zeros(rows, rank, device=weight.device, dtype=acc_dtype)  # (d, r), or this process's (n, r)
+        signs = torch.empty((), dtype=torch.int8, device=weight.device).expand(rank, module.in_features)  # A_update's, below
+        s = torch.empty((), device=weight.device, dtype=acc_dtype).expand(rows, rank)  # S's shape; its tensor below
         layers.append(LayerSketch(clean, module, signs, s, seed, update, group))
+    # The sketches of layers of one shape: consecutive rows of one zeroed tensor (L, n, r)
+    # (`stack_of`), so that RowAdam works on all of them at once. (d, r) each, or this process's (n, r).
+    for members in shape_groups([layer.sketch for layer in layers], [layer.signs for layer in layers]):
+        first = layers[members[0]].sketch
+        stack = torch.zeros(len(members), *first.shape, dtype=first.dtype, device=first.device)  # (L, n, r)
+        for j, i in enumerate(members):
+            layers[i].sketch = stack[j]
+    refresh(layers, update)  # the signs of A_update, every layer's made together
 
     # -- the changes, none of which can fail
     for layer in layers:

@@ -137,8 +137,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rowadam import MERGE_CHUNK_ROWS, local_rows, merge_rows
-from sketch import TARGETS, clean_name, make_projection, projection_seed, target_modules
+from rowadam import MERGE_ELEMENTS, entry_magnitude, local_rows, merge_layers, merge_rows, rows_per_chunk
+from sketch import (PROJECTION, TARGETS, clean_name, make_signs_many, projection_from_signs, projection_seed,
+                    shape_groups, target_modules)
 
 MAGIC = b"LOGRASYN"
 VERSION = 1
@@ -171,6 +172,7 @@ class Payload:
     rank: int
     factors: dict = field(default_factory=dict)
     kind: str = "delta"
+    projection: int = PROJECTION  # the rule that made A (sketch.PROJECTION); decoded: 1 where the header has none
 
 
 @dataclass
@@ -406,12 +408,29 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
     Rows are processed in chunks; both sums add up over row blocks, so the checksum of a
     row-sharded weight is the sum of its shards' (with their global row offset).
     """
+    return tuple(checksum_tensor(t).tolist())
+
+
+def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`checksum` as an int64 (2,) tensor on `t`'s device, not read to the host: the checksums
+    of many tensors are read at once (`checksums`)."""
     if t.numel() == 0:
-        return 0, 0
+        return torch.zeros(2, dtype=torch.int64, device=t.device)
     return _checksum_rows(t.detach().reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1), 0)
 
 
-def _checksum_rows(rows: torch.Tensor, row_offset: int) -> tuple[int, int]:
+def checksums(tensors) -> list[tuple[int, int]]:
+    """`checksum` of each tensor, with one host read for all of them (one per device)."""
+    sums = [checksum_tensor(t) for t in tensors]  # (2,) each
+    if not sums:
+        return []
+    devices = {s.device for s in sums}
+    read = torch.stack([s.to(sums[0].device) for s in sums]).tolist() if len(devices) == 1 else \
+        [s.tolist() for s in sums]
+    return [tuple(pair) for pair in read]
+
+
+def _checksum_rows(rows: torch.Tensor, row_offset: int) -> torch.Tensor:
     # Word i's weight is (i mod M) + 1, so s2 = sum_j (j + 1) c_j with c_j the sum of the words
     # whose global position is j mod M: the words viewed as rows of M, summed down the columns
     # (one pass, no per-word index), with the part before the first whole row and after the
@@ -431,7 +450,7 @@ def _checksum_rows(rows: torch.Tensor, row_offset: int) -> tuple[int, int]:
     cols[:tail.numel()] += tail
     s1 = cols.sum()
     s2 = cols.mul_(torch.arange(1, CHECK_MOD + 1, device=rows.device, dtype=torch.int64)).sum()
-    return int(s1), int(s2)
+    return torch.stack([s1, s2])  # (2,) int64, on the rows' device
 
 
 def encode(payload: Payload) -> torch.Tensor:
@@ -452,14 +471,18 @@ def encode(payload: Payload) -> torch.Tensor:
             raise ValueError(f"{name}: factors must be 2-D {list(DTYPES)} tensors, got {t.dtype} {tuple(t.shape)}")
         raw = t.detach().contiguous().flatten().view(torch.uint8)
         entries.append({"name": name, "shape": list(t.shape), "dtype": dtype, "offset": offset,
-                        "nbytes": raw.numel(), "check": list(checksum(t))})
+                        "nbytes": raw.numel(), "check": t})  # the tensor until its checksum is read, below
         blobs.append(raw)
         pad = -raw.numel() % ALIGN
         if pad:
             blobs.append(torch.zeros(pad, dtype=torch.uint8, device=raw.device))
         offset += raw.numel() + pad
+    dense = [e for e in entries if isinstance(e["check"], torch.Tensor)]
+    for e, pair in zip(dense, checksums([e["check"] for e in dense])):  # one host read for the payload
+        e["check"] = list(pair)
     header = json.dumps({"version": VERSION, "kind": payload.kind, "update": int(payload.update),
                          "base_seed": int(payload.base_seed), "rank": int(payload.rank),
+                         "projection": int(payload.projection),
                          "layers": entries, "data_bytes": offset}).encode()
     header += b" " * (-(len(MAGIC) + 8 + len(header)) % ALIGN)
     device = blobs[0].device if blobs else "cpu"
@@ -531,6 +554,7 @@ def decode(buffer: torch.Tensor) -> Payload:
             raise ValueError(f"unsupported payload version/kind {head['version']}/{head['kind']}")
         layers = head["layers"]
         update, base_seed, rank, data_bytes = (int(head[k]) for k in ("update", "base_seed", "rank", "data_bytes"))
+        projection = int(head.get("projection", 1))  # a payload of a release before the versions: the CPU draw
     except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"malformed payload header: {e}") from None
     if start + data_bytes != n:
@@ -552,13 +576,15 @@ def decode(buffer: torch.Tensor) -> Payload:
         if e["offset"] != expect or e["nbytes"] != nbytes or e["offset"] + nbytes > data_bytes:
             raise ValueError(f"{e['name']}: offset/size {e['offset']}/{e['nbytes']} inconsistent with {shape} {dtype}")
         t = data[e["offset"]:e["offset"] + nbytes].view(dtype).view(shape)
-        if list(checksum(t)) != e["check"]:
-            raise ValueError(f"{e['name']}: checksum mismatch, the payload is corrupted")
         if e["name"] in factors:
             raise ValueError(f"duplicate layer {e['name']} in payload")
         factors[e["name"]] = t
         expect = e["offset"] + nbytes + (-nbytes % ALIGN)
-    return Payload(update, base_seed, rank, factors, kind=head["kind"])
+    if head["kind"] != "sparse":  # every tensor's checksum against its entry's: one host read for all
+        for e, pair in zip(layers, checksums(factors.values())):
+            if list(pair) != e["check"]:
+                raise ValueError(f"{e['name']}: checksum mismatch, the payload is corrupted")
+    return Payload(update, base_seed, rank, factors, kind=head["kind"], projection=projection)
 
 
 # -----------------------------------------------------------------------------
@@ -698,6 +724,10 @@ class EngineWeights:
         if payload.base_seed != self.base_seed or payload.rank != self.rank:
             raise ValueError(f"payload has seed {payload.base_seed}, rank {payload.rank}; engine expects "
                              f"seed {self.base_seed}, rank {self.rank}")
+        if kind == "delta" and payload.projection != PROJECTION:
+            raise ValueError(f"the factors of update {payload.update} were merged with projection {payload.projection} "
+                             f"and this engine makes A by projection {PROJECTION} (sketch.PROJECTION): the trainer and "
+                             f"its engines must run one release of LoGRA; nothing was merged")
         unknown = sorted(set(payload.factors) - set(self.slots))[:3]
         if unknown or not payload.factors:
             raise ValueError(f"payload layers differ from the engine's: unknown {unknown}, "
@@ -710,8 +740,14 @@ class EngineWeights:
             want = (slot.rows, self.rank) if kind == "delta" else tuple(slot.weight.shape)
             if tuple(t.shape) != want:
                 raise ValueError(f"{name}: tensor shape {tuple(t.shape)}, expected {want}")
-            if not torch.isfinite(t.values if kind == "sparse" else t).all():
-                raise ValueError(f"{name}: non-finite values in the payload")
+        # Every layer's values finite: one host read for the whole payload, not one per layer
+        finite = torch.stack([torch.isfinite(t.values if kind == "sparse" else t).all()
+                              for t in payload.factors.values()])  # (layers,)
+        if not bool(finite.all()):
+            name = list(payload.factors)[int(finite.to(torch.int8).argmin())]
+            raise ValueError(f"{name}: non-finite values in the payload")
+        for name, t in payload.factors.items():
+            slot = self.slots[name]
             if kind == "sparse" and checksum(slot.weight) != tuple(t.base):
                 raise ValueError(f"{name}: the delta of update {payload.update} was made for other weights than the "
                                  f"engine holds (a skipped or repeated update?): resync with a full payload")
@@ -736,30 +772,59 @@ class EngineWeights:
             what = "already merged (duplicate)" if payload.update < self.update else "skips updates"
             raise ValueError(f"payload for update {payload.update} {what}: engine expects update {self.update}")
         self._check(payload, "sparse" if payload.kind == "sparse" else "delta")  # all checked before any change
-        for name, t in payload.factors.items():
-            if payload.kind == "sparse":  # the changed bf16 elements, written as they are
+        if payload.kind == "sparse":
+            for name, t in payload.factors.items():  # the changed bf16 elements, written as they are
                 weight = self.slots[name].weight.view(-1)  # (d k,) a view: the model's own storage
                 if t.positions is None:  # the dense form: every element
                     weight.copy_(t.values)
                 else:
                     weight.index_copy_(0, t.positions.to(weight.device), t.values.to(weight.device))
-            else:
-                self._merge_factor(self.slots[name], t, payload.update)
-            self._merged.add(name)
+        else:
+            self._merge_factors(payload)
+        self._merged.update(payload.factors)
         if len(self._merged) == len(self.slots):
             self.update, self._merged = self.update + 1, set()
 
-    def _merge_factor(self, slot: _Slot, f: torch.Tensor, update: int) -> None:
-        """W -= F @ A_update on one target, chunk by chunk: rebuild the fp32 master, merge exactly
-        as the trainer does, split it again."""
+    def _merge_factors(self, payload: Payload) -> None:
+        """W -= F @ A_update on every target of a factor payload, exactly as the trainer merges
+        (rowadam.merge_layers): the fp32 masters rebuilt from bf16 + int16, merged, split again.
+        A_update's signs of every target are made together on the weights' device; targets of one
+        shape small enough are merged together, a larger one (or one whose residual lives in host
+        memory) chunk by chunk."""
+        names = list(payload.factors)
+        slots = [self.slots[n] for n in names]
+        device = slots[0].param.device
+        signs = make_signs_many(self.rank, [s.weight.shape[1] for s in slots],
+                                [projection_seed(self.base_seed, payload.update, s.name) for s in slots], device=device)
+        magnitude = entry_magnitude(self.rank, torch.float32)  # |A's entries| as the trainer's fp32 A holds them
+        factors = [payload.factors[n].to(device) for n in names]  # (d, r) each
+        for same in shape_groups([s.weight for s in slots]):
+            group = [slots[i] for i in same]
+            per = MERGE_ELEMENTS // group[0].weight.numel()
+            if per < 2 or group[0].residual.device != device:
+                for i in same:
+                    self._merge_factor(slots[i], factors[i], projection_from_signs(signs[i]))
+                continue
+            for first in range(0, len(same), per):
+                part = same[first:first + per]
+                weights, residuals = [slots[i].weight for i in part], [slots[i].residual for i in part]
+                hi, lo = torch.stack(weights), torch.stack(residuals)  # (L, d, k) bf16 and int16
+                master = join_master(hi, lo)  # (L, d, k) fp32
+                merge_layers(list(master.unbind(0)), torch.stack([factors[i] for i in part]), [signs[i] for i in part],
+                             magnitude, avoid_ties=False)  # W -= F A
+                store_master(master, hi, lo)  # ties avoided here
+                torch._foreach_copy_(weights, list(hi.unbind(0)))
+                torch._foreach_copy_(residuals, list(lo.unbind(0)))
+
+    def _merge_factor(self, slot: _Slot, f: torch.Tensor, a: torch.Tensor) -> None:
+        """W -= F @ A on one target, chunk by chunk, `a` A_update (r, k) in fp32: rebuild the
+        fp32 master, merge exactly as the trainer does, split it again."""
         w = slot.weight  # (d, k) bf16
-        a = make_projection(self.rank, w.shape[1], projection_seed(self.base_seed, update, slot.name),
-                            device=w.device)  # (r, k)
-        f = f.to(w.device)
-        for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
-            stop = min(start + MERGE_CHUNK_ROWS, slot.rows)
+        step = rows_per_chunk(w.shape[1])
+        for start in range(0, slot.rows, step):
+            stop = min(start + step, slot.rows)
             master = join_master(w[start:stop], slot.residual[start:stop])  # (c, k) fp32
-            merge_rows(master, f, a, row_offset=start, avoid_ties=False)  # W -= F A
+            merge_rows(master, f, a, row_offset=start, chunk_rows=step, avoid_ties=False)  # W -= F A
             store_master(master, w[start:stop], slot.residual[start:stop])  # ties avoided here
 
     @torch.no_grad()
@@ -783,8 +848,9 @@ class EngineWeights:
                 slot.weight.copy_(w)
                 slot.residual.zero_()
             else:
-                for start in range(0, slot.rows, MERGE_CHUNK_ROWS):
-                    chunk = w[start:start + MERGE_CHUNK_ROWS].to(slot.param.device, torch.float32)  # (c, k)
+                step = rows_per_chunk(w.shape[1])
+                for start in range(0, slot.rows, step):
+                    chunk = w[start:start + step].to(slot.param.device, torch.float32)  # (c, k)
                     hi, lo = split_master(chunk)
                     slot.weight[start:start + chunk.shape[0]].copy_(hi)
                     slot.residual[start:start + chunk.shape[0]].copy_(lo)
@@ -793,7 +859,7 @@ class EngineWeights:
             self.update, self._loading = payload.update, {}
 
     def fingerprint(self) -> dict:
-        return {name: checksum(s.weight) for name, s in self.slots.items()}
+        return dict(zip(self.slots, checksums(s.weight for s in self.slots.values())))
 
 
 # -----------------------------------------------------------------------------
@@ -813,12 +879,12 @@ def fingerprint(layers_or_model, dtype=torch.bfloat16, group=None, weight=None) 
         mods = {l.name: l.module for l in layers_or_model}
     names = sorted(mods)
     if weight is not None:
-        return {n: checksum(weight(mods[n]).detach().to(dtype)) for n in names}
+        return dict(zip(names, checksums(weight(mods[n]).detach().to(dtype) for n in names)))
     device = local_rows(mods[names[0]].weight)[0].device
     sums = torch.zeros(len(names), 2, dtype=torch.int64, device=device)  # on the device: NCCL reduces it
     for i, name in enumerate(names):
         rows, offset = local_rows(mods[name].weight)
-        sums[i] = torch.tensor(_checksum_rows(rows.detach().to(dtype), offset))
+        sums[i] = _checksum_rows(rows.detach().to(dtype), offset)
     if dist.is_available() and dist.is_initialized() and any(hasattr(mods[n].weight, "to_local") for n in names):
         dist.all_reduce(sums, group=group)
     return {n: tuple(s.tolist()) for n, s in zip(names, sums)}

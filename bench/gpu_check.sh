@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared device check (bench/gpu_check.py says what each step checks):
 #
-#   bash bench/gpu_check.sh [--cpu] [--out DIR] [--step-timeout SECONDS] [--only "STEP ..."]
+#   bash bench/gpu_check.sh [--cpu] [--out DIR] [--step-timeout SECONDS] [--only "STEP ..."|STEP,STEP]
 #
 # Every step runs in its own process under its own timeout; a step that fails or overruns is a
 # FAIL line and a record in DIR/gpu_check.json, and the next step still runs. Exit status: the
@@ -9,22 +9,24 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cpu="" out="${OUT:-bench/results}/gpu_check" limit=""
-steps="versions cuda kernels merge_bitwise engine_weights probe fsdp2 train"
+steps="versions cuda kernels merge_bitwise engine_weights probe fsdp2 train speed depth7b"
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) cpu="--cpu" ;;
     --out) out="$2"; shift ;;
     --step-timeout) limit="$2"; shift ;;
-    --only) steps="$2"; shift ;;
+    --only) steps="${2//,/ }"; shift ;;
     *) echo "gpu_check.sh: unknown argument $1" >&2; exit 64 ;;
   esac
   shift
 done
 mkdir -p "$out" && rm -f "$out/gpu_check.json"
 n=$(wc -w <<< "$steps")
-# Seconds per step: the train step runs train.py (a warm-up and 3 updates); the others a minute.
+# Seconds per step: train runs train.py (a warm-up and 3 updates), speed two train.py runs of 8
+# updates, depth7b two processes of a 7B's updates (each under 4 minutes); the others a minute or two.
+# On an H100/H200 the whole check takes about 6 minutes (bench/README.md's table says each step's).
 declare -A seconds=([versions]=60 [cuda]=60 [kernels]=90 [merge_bitwise]=90 [engine_weights]=60 [probe]=120
-                    [fsdp2]=90 [train]=300)
+                    [fsdp2]=90 [train]=150 [speed]=235 [depth7b]=235)
 failed=0
 for step in $steps; do
   t="${limit:-${seconds[$step]}}"

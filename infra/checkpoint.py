@@ -256,6 +256,13 @@ def load(path: str, state: dict):
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
 
 
+def saved_keys(path: str) -> set:
+    """The flattened keys (`optimizer.update`, ...) of what a checkpoint holds, from DCP's index."""
+    import torch.distributed.checkpoint as dcp
+
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
 def read_pointer(run_dir: str, kept: list[str]):
     """(the checkpoint `latest` names, None), or (it, what is wrong with the pointer).
 

@@ -32,6 +32,7 @@ import sys
 import torch
 
 import kl_control
+import sketch
 from infra import checkpoint, launch, metrics, planning, run_dir as run_dirs
 from infra.errors import os_advice, os_cause
 from infra.options import Config
@@ -135,6 +136,8 @@ def load_run_state(path: str, model, opt, logra: bool, baseline, mismatch, layou
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = run_state(model, opt, logra, baseline, mismatch, 0)  # the template, filled in place
+    if logra and "optimizer.projection" not in checkpoint.saved_keys(path):
+        del state["optimizer"]["projection"]  # saved before projections had versions: RowAdam reads it as 1
     try:
         checkpoint.load(path, state)
     except Exception as e:  # DCP raises the same on every rank
@@ -196,6 +199,11 @@ class Run:
             self.log(f"{'resumed' if explicit else 'continued'} {self.run_dir} at update {self.start} "
                      f"({os.path.basename(opened.resume)}, verified{'; ' + moved if moved else ''})"
                      f"{'' if explicit else ' (another --run-dir starts anew)'}")
+            saved_under = getattr(self.opt, "resumed_projection", None) if self.logra else None
+            if saved_under is not None and saved_under != sketch.PROJECTION:
+                self.log(f"{os.path.basename(opened.resume)} was saved under projection {saved_under}; from update "
+                         f"{self.start} on A is drawn by projection {sketch.PROJECTION} (sketch.py: nothing the "
+                         f"checkpoint holds depends on A)")
         if self.rank == 0:
             self.metrics_log = metrics.Log(self.run_dir, start=self.start, config=self.cfg.record(),
                                            wandb_project=wandb)

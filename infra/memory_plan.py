@@ -39,12 +39,14 @@ Assumptions, numbered
    changed, and the trainer keeps a bf16 shadow of its rows of every target instead.
 3. Activations assume non-reentrant activation checkpointing of every decoder layer, bf16
    compute (`compute_bytes`), and FSDP2 prefetching one decoder layer ahead.
-4. The KL probe (kl_control.py) runs transformers' eager attention with forward-mode tangents:
-   its (B, H, T, T) scores, their fp32 softmax and the tangents of both are held one decoder
-   layer at a time, about 24 bytes a score entry in bf16 compute (20 in fp32), counted as
-   Qwen2's and Llama's eager attention forms them (a family that caps its scores, Gemma 2, adds
-   two more). At 7B and 2 x 4096 tokens that is 21.1 GiB, most of the probe's peak; the
-   training forward runs SDPA and holds none of it.
+4. The KL probe (kl_control.py) forms the attention's (B, H, T, T) scores, their fp32 softmax
+   and the tangents of both one decoder layer at a time. Its written-out decoder (Qwen2, Qwen3,
+   Llama, Mistral: `kl_control.written_decoder`) holds at most 14 bytes a score entry in bf16
+   compute (12 in fp32): the fp32 softmax and its bf16 copy, the tangent in one fp32 buffer
+   and one fp32 temporary; forward-mode AD through transformers' eager attention (the other
+   families) about 24 (20 in fp32; Gemma 2, which caps its scores, two more). At 7B and 2 x
+   4096 tokens that is 12.3 GiB, most of the probe's peak; the training forward runs SDPA and
+   holds none of it.
 """
 
 import torch
@@ -132,7 +134,6 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     d_max, k_max = max(d for d, _ in shapes), max(k for _, k in shapes)
     layer_targets = targets // layers
     layer_rows = sum(d for d, _ in shapes) // layers
-    chunk = rowadam.MERGE_CHUNK_ROWS
 
     adam_state = 4 * target_rows + 8 * target_rows  # grad + exp_avg + exp_avg_sq
     # LoRA (lora.py): A (r, k) and B (d, r) per target, row-sharded like every weight; each
@@ -147,10 +148,21 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     adam_transient = max(4 * target_rows, full_sync_bytes)
     logra_state = 4 * n_sum * r * 2 + 4 * n_sum + r * sum(k for _, k in shapes)  # S, U, v, signs
     factors = 2 * n_sum * r  # F (n, r) bf16, until the sync has sent it
-    # prepare, per layer: A formed in fp32 then float64, held while D, D A A^T, their product
-    # and the sum's work are formed in float64 (measured: bench/memory_check.py)
-    prepare = max(max(12 * r * k, 8 * r * k + max(32 * ceil(d) * r, 8 * min(2**20, ceil(d) * k)))
-                  for d, k in shapes)  # (||W||^2 is summed in float64 blocks of 2^20 entries)
+    # prepare, per layer, one at a time: ||W||^2 summed in float64 blocks of rowadam.SUM_BLOCK
+    # entries; A A^T from the signs in fp32 (the fp32 signs, their fp32 Gram and its two float64
+    # copies); then D and D (A A^T) and their product in float64 beside the Gram (measured:
+    # bench/memory_check.py)
+    counts = {}  # target shapes (rows held, k) and how many layers have each
+    for d, k in shapes:
+        counts[ceil(d), k] = counts.get((ceil(d), k), 0) + 1
+    # layers of one shape whose Gram matrices A A^T prepare forms at once, and whose merge is one batch
+    gram_batch = {s: min(c, max(1, rowadam.GRAM_ELEMENTS // (r * s[1]))) for s, c in counts.items()}
+    merge_batch = {s: min(c, rowadam.MERGE_ELEMENTS // (s[0] * s[1])) for s, c in counts.items()}
+    prepare = max(max(8 * min(rowadam.SUM_BLOCK, n * k),  # ||W||^2 in float64 blocks
+                      # a batch's stacked signs and their fp32 copy, fp32 Gram and its two float64 copies; then
+                      # D, D (A A^T) and their product in float64 beside the Gram
+                      g * (5 * r * k + 20 * r * r), g * (8 * r * r + 32 * n * r))
+                  for (n, k), g in gram_batch.items())
     # The probe is a forward pass with tangents over the first responses (after backward: the
     # training activations are gone): its activations and tangents, and the hook's P and dY,
     # are counted as activations; its own buffers are one layer's gathered U, A formed in
@@ -165,10 +177,23 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     # (assumption 4; measured: tests/test_memory_plan.py).
     seq = min(context, kl_control.MAX_TOKENS, probe_forward_tokens)
     mask = -(-probe_forward_tokens // seq) * seq * seq  # (B, 1, T, T) entries
-    probe_attention = mask * config.num_attention_heads * (2 * compute_bytes + (8 if compute_bytes < 4 else 0) + 12) \
-        + mask * compute_bytes
-    # A in fp32 and float64, and a float64 (c, k) block with its fp32 result, c = min(chunk, rows)
-    merge = max(12 * r * k + 12 * min(chunk, ceil(d)) * k for d, k in shapes)
+    if config.model_type in kl_control.WRITTEN_OUT:  # kl_control.written_decoder's attention, its tangent in place
+        per_entry = 12 + (compute_bytes if compute_bytes < 4 else 0)
+    else:  # forward-mode AD through the model's own eager attention
+        per_entry = 2 * compute_bytes + (8 if compute_bytes < 4 else 0) + 12
+    probe_attention = mask * config.num_attention_heads * per_entry + mask * compute_bytes
+    # The merge (rowadam.merge_layers), per shape: layers whose MERGE_ELEMENTS entries fit stacked (their
+    # W copy, F A in float64 and its fp32 rounding, A in float64 and F in float64), a larger layer
+    # in chunks of rows (A in float64 twice, a chunk's F A in float64 and fp32); then the signs of
+    # A_{t+1}, made in batches of sketch.SIGN_BATCH words (int64 work and its sign table lookup).
+    words = {}  # hashed words of A's signs per width: r ceil(k / 16) a layer
+    for (n, k), c in counts.items():
+        words[k] = words.get(k, 0) + c * r * -(-k // sketch.SIGNS_PER_WORD)
+    sign_words = max(min(w, max(sketch.SIGN_BATCH, r * -(-k // sketch.SIGNS_PER_WORD))) for k, w in words.items())
+    merge = max(max((16 * L * n * k + 9 * L * r * k + 8 * L * n * r) if L >= 2 else
+                    (16 * r * k + 12 * min(rowadam.rows_per_chunk(k), n) * k + 8 * n * r)
+                    for (n, k), L in merge_batch.items()),
+                56 * sign_words)
     # one payload's gathered F (one decoder layer's, or as many as fit in FACTOR_PAYLOAD_BYTES),
     # then the larger of its encoded payload and the checksum's work (sync.checksum: a block of
     # words as int64, and the int64 column sums and their weights)
@@ -193,7 +218,9 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     engine_weights = 2 * total
     overhead = engine_overhead(h, inter, vocab, compute_bytes)
     residual = 2 * targets
-    transfer = 4 * layer_targets + 16 * chunk * k_max + 12 * r * k_max  # fp32 layer payload, merge chunk
+    # fp32 layer payload, a merge chunk (rowadam.MERGE_ELEMENTS entries: bf16 + int16, fp32 master,
+    # F A in float64 and fp32), A in float64
+    transfer = 4 * layer_targets + 20 * rowadam.MERGE_ELEMENTS + 16 * r * k_max
     kv_on_gpu = gpu_bytes - engine_weights - residual - transfer - overhead
     on_host = kv_on_gpu < MIN_KV_CACHE
     engine_gpu = engine_weights + transfer + (0 if on_host else residual)

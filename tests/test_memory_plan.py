@@ -33,9 +33,10 @@ def test_dry_run_7b_memory_against_shapes():
     # is its optimizer step's transient; the engine keeps a KV cache of >= 16 GiB on 80 GB.
     assert m["trainer_logra_persistent_bytes"] - m["weights"] <= 1.0 * gib
     assert m["trainer_logra_transient_bytes"] <= 1.0 * gib
-    # The probe's eager attention, one decoder layer at a time: 2 responses x 28 heads x 4096^2
-    # scores, 24 bytes each in bf16 (scores, fp32 softmax, tangents), and the (2, 1, T, T) mask.
-    assert m["trainer_probe_attention_bytes"] == 2 * 28 * 4096**2 * 24 + 2 * 4096**2 * 2
+    # The probe's attention, one decoder layer at a time (kl_control.written_decoder): 2 responses x
+    # 28 heads x 4096^2 scores, 14 bytes each in bf16 at its peak (the fp32 softmax and its bf16
+    # copy, the tangent's fp32 buffer and one fp32 temporary), and the (2, 1, T, T) mask.
+    assert m["trainer_probe_attention_bytes"] == 2 * 28 * 4096**2 * 14 + 2 * 4096**2 * 2
     # The probe runs after backward, when the training activations are gone: the trainer's peak
     # is its state with the larger of the two, within an 80 GB GPU at 7B and at 27B.
     peak = lambda p: p["trainer_logra_bytes"] + max(p["trainer_activation_bytes"],  # noqa: E731
@@ -170,7 +171,7 @@ def test_the_probes_count_against_its_live_bytes(dtype, tokens):
                                 kl_real_positions=0, compute_bytes=c)
     d_max = k_max = 128
     planned = plan["trainer_probe_activation_bytes"] + 4 * d_max * r + 8 * r * k_max  # gathered U, A
-    assert plan["trainer_probe_attention_bytes"] > 0.8 * planned  # the regime of the 7B probe
+    assert plan["trainer_probe_attention_bytes"] > 0.7 * planned  # the regime of the 7B probe (80% there)
     assert 0.85 * planned <= live.peak <= 1.02 * planned, (live.peak, planned)
 
 

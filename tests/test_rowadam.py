@@ -207,6 +207,32 @@ def test_sharded_merge_equals_unsharded():
     assert torch.equal(full, w - (f.double() @ a.double()).float())
 
 
+@pytest.mark.parametrize("budget", [None, 10 * 24, 2])  # all layers in one batch; two a batch; row chunks
+def test_layers_merged_together_equal_merge_rows_each(budget, monkeypatch):
+    """rowadam.merge_layers (what RowAdam.merge and the engines run): several layers of one shape
+    merged with one batch of float64 operations, or in batches of two, or (a budget below one
+    layer) each in row chunks, give bitwise merge_rows layer by layer, bf16 ties and rows of
+    zero factors (left as they were, ties included) among them."""
+    if budget is not None:
+        monkeypatch.setattr(rowadam, "MERGE_ELEMENTS", budget)
+    g = torch.Generator().manual_seed(5)
+    L, d, k, r = 5, 10, 24, 16
+    weights = [(torch.randn(d, k, generator=g) * 2).to(torch.bfloat16).float() for _ in range(L)]
+    for w in weights:  # some exact bf16 ties, which the merge moves one ulp where F moves the row
+        w.view(torch.int32)[:, ::5] |= 0x8000
+    factors = (torch.randn(L, d, r, generator=g) * 1e-3).to(torch.bfloat16)
+    factors[:, :3] = 0  # rows the merge leaves alone
+    signs = [sketch.make_signs(r, k, seed) for seed in range(L)]
+    magnitude = rowadam.entry_magnitude(r, torch.float32)
+    before, expect = [w.clone() for w in weights], [w.clone() for w in weights]
+    for w, f, s in zip(expect, factors, signs):
+        rowadam.merge_rows(w, f, sketch.projection_from_signs(s))
+    rowadam.merge_layers(weights, factors, signs, magnitude)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(weights, expect))
+    # the test can fail: the moved rows moved, the others (ties and all) are as they were
+    assert all(not torch.equal(w[3:], b[3:]) and torch.equal(bits(w[:3]), bits(b[:3])) for w, b in zip(weights, before))
+
+
 def bits(x):
     """The raw fp32 words of `x`: torch.equal on them tells -0 from +0, which torch.equal on x does not."""
     return x.contiguous().view(torch.int32)
@@ -476,7 +502,11 @@ def _directions_across_ranks(group):
     shards = [sketch.row_shard(d, group) for d in rows]  # (first row, row count) of each layer
     mine = [S[a:a + n] for S, (a, n) in zip(sketches, shards)]
     v = [m[a:a + n] for m, (a, n) in zip(moments, shards)]
-    return rowadam.row_adam_directions_across_ranks(mine, v, rows=rows, group=group, **DIRECTION_ARGS)
+    # each layer a stack of one: its own shape (row_adam_groups reduces all stacks in each collective)
+    D, new_v = rowadam.row_adam_groups([S[None] for S in mine], [m[None] for m in v],
+                                       [torch.tensor([d], dtype=torch.float64) for d in rows], group=group,
+                                       **DIRECTION_ARGS)
+    return [D_l[0] for D_l in D], [v_l[0] for v_l in new_v]
 
 
 def _fsdp_updates(rank):

@@ -386,6 +386,66 @@ def test_refresh_switches_projection():
 
 
 # ---------------------------------------------------------------------------
+# The signs of A: the documented rule, balanced and uncorrelated
+
+def reference_signs(rank, width, seed):
+    """The rule of sketch.py's "The projection A", written apart in numpy's uint32 arithmetic
+    (its products wrap mod 2^32 by definition, where sketch.py keeps int64 below overflow)."""
+    import numpy as np
+
+    def mix32(x):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x21F0AAAD)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x735A2D97)
+        return x ^ (x >> np.uint32(15))
+
+    lo, hi = np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
+    blocks = -(-width // 16)
+    i, j = np.meshgrid(np.arange(rank, dtype=np.uint32), np.arange(width, dtype=np.uint32), indexing="ij")
+    with np.errstate(over="ignore"):
+        h = mix32(mix32((i * np.uint32(blocks) + j // np.uint32(16)) ^ lo) ^ hi ^ np.uint32(0x9E3779B9))
+    bit = (h >> (np.uint32(16) + j % np.uint32(16))) & np.uint32(1)
+    return torch.from_numpy(np.where(bit == 1, -1, 1).astype(np.int8))
+
+
+@pytest.mark.parametrize("rank, width, seed", [(1, 1, 0), (3, 17, 0), (8, 64, 5), (16, 100, 2**32 - 1),
+                                               (7, 33, 2**63 - 1), (4, 250, 2**64 - 1),
+                                               (5, 40, sketch.projection_seed(0, 3, "model.layers.1.mlp.up_proj"))])
+def test_signs_follow_the_documented_rule(rank, width, seed):
+    assert torch.equal(sketch.make_signs(rank, width, seed), reference_signs(rank, width, seed))
+
+
+def test_sign_errors():
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="64-bit unsigned"):
+            sketch.make_signs(4, 8, bad)
+    with pytest.raises(ValueError, match="rank > 0 and width > 0"):
+        sketch.make_signs(0, 8, 1)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**63 - 1), width=st.integers(300, 700))
+def test_signs_are_balanced_and_uncorrelated(seed, width):
+    """Hypothesis: every sign is +-1 with probability 1/2, independently. Under it each
+    statistic below is a mean of n independent +-1 terms, standard deviation 1/sqrt(n): the
+    share of +1 over the whole matrix; each pair of rows (what E[A^T A] = I needs: the sketch's
+    columns uncorrelated); each pair of columns of one 16-bit word (the same hash output); and
+    A against the next update's A. Bounds of 5.5 standard deviations: with these many pairs
+    a true hypothesis fails one with probability below 1e-4."""
+    r = 64
+    a = sketch.make_signs(r, width, seed).double()  # (r, k)
+    assert abs(a.mean().item()) < 5.5 / math.sqrt(a.numel())
+    rows = (a @ a.t() / width)[~torch.eye(r, dtype=torch.bool)]  # (r (r - 1),): pairs of rows
+    assert rows.abs().max().item() < 5.5 / math.sqrt(width)
+    word = a[:, : width // 16 * 16].reshape(r, -1, 16)  # (r, words, 16): the signs of one hashed word
+    pairs = torch.einsum("rwi,rwj->ij", word, word) / (word.shape[0] * word.shape[1])  # (16, 16)
+    assert pairs[~torch.eye(16, dtype=torch.bool)].abs().max().item() < 5.5 / math.sqrt(word.shape[0] * word.shape[1])
+    following = sketch.make_signs(r, width, sketch.projection_seed(seed, 1, "layer")).double()
+    assert abs((a * following).mean().item()) < 5.5 / math.sqrt(a.numel())
+
+
+# ---------------------------------------------------------------------------
 # Unbiasedness: E[A^T A] = I and E[G A^T A] = G
 
 def test_unbiased_estimator():

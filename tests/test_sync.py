@@ -3,6 +3,7 @@ sparse delta's position codes against numpy and a Python reference, engines with
 that follow LoGRA, AdamW and LoRA by sparse deltas, and the deltas they refuse."""
 
 import copy
+import json
 import os
 
 import pytest
@@ -163,9 +164,31 @@ def test_bad_payloads_are_rejected_and_change_nothing():
     ]:
         with pytest.raises(ValueError, match=match):
             engine.apply(bad)
+    # Factors merged with another projection (sketch.PROJECTION): one without the header's
+    # record, as a release before the versions encoded it, reads as projection 1 and is refused.
+    old = without_projection(good)
+    assert sync.decode(old).projection == 1 and sync.decode(good).projection == sketch.PROJECTION
+    with pytest.raises(ValueError, match="merged with projection 1 and this engine makes A by projection 2"):
+        engine.apply(sync.decode(old))
     assert_unchanged(engine, snap)
     engine.apply(sync.decode(good))  # the right one still goes through
     assert engine.update == 3
+    # Full weights do not depend on A: a full payload without the record still loads.
+    full = sync.encode(sync.full_payload(masters(layers), update=3, base_seed=SEED, rank=RANK, dtype=torch.float32))
+    engine.load_full(sync.decode(without_projection(full)))
+    assert engine.update == 3
+
+
+def without_projection(buf):
+    """`buf` re-encoded with its header's `projection` removed (a payload of an earlier release)."""
+    n = len(sync.MAGIC)
+    hlen = int.from_bytes(bytes(buf[n:n + 8].tolist()), "little")
+    head = json.loads(bytes(buf[n + 8:n + 8 + hlen].tolist()))
+    del head["projection"]
+    text = json.dumps(head).encode()
+    text += b" " * (-(n + 8 + len(text)) % sync.ALIGN)
+    prefix = torch.frombuffer(bytearray(sync.MAGIC + len(text).to_bytes(8, "little") + text), dtype=torch.uint8)
+    return torch.cat([prefix, buf[n + 8 + hlen:]])
 
 
 def test_fused_row_offsets_for_real_configs():
@@ -247,7 +270,7 @@ def test_fingerprint_mismatch_names_the_layer():
         sync.check_fingerprints(fp, engine.fingerprint())
     # Checksums of row shards add up to the whole (FSDP2 fingerprints rely on it).
     w = torch.randn(37, 11).to(torch.bfloat16)
-    parts = [sync._checksum_rows(w[:19], 0), sync._checksum_rows(w[19:], 19)]
+    parts = [sync._checksum_rows(w[:19], 0).tolist(), sync._checksum_rows(w[19:], 19).tolist()]
     assert tuple(map(sum, zip(*parts))) == sync.checksum(w)
 
 
@@ -272,7 +295,7 @@ def test_checksum_against_a_word_by_word_recomputation():
         x = w.view(torch.int16).numpy().astype(np.int64).ravel()
         i = offset * shape[1] + np.arange(x.size, dtype=np.int64)
         want = (int(x.sum()), int((x * (i % 65521 + 1)).sum()))
-        assert sync._checksum_rows(w, offset) == want, (shape, offset)
+        assert tuple(sync._checksum_rows(w, offset).tolist()) == want, (shape, offset)
     w = (torch.randn(64, 70000, generator=g)).to(torch.bfloat16)
     whole = sync.checksum(w)
     import unittest.mock
