@@ -225,7 +225,9 @@ Implementation notes
   tensor operations of the forward-AD path. Measured on examples/minimal_loop.py's toy (22
   responses probed, one thread): 8.1 ms a probe with forward AD, 4.0 ms written out, against
   1.8 ms for a plain forward of the same responses (bench/README.md, `loop_phases`). Its
-  attention holds 14 bytes a score entry at its peak in bf16, where forward AD's holds 24
+  primal attention is torch's fused kernel (SDPA, the model's default; the realised KL's
+  forward is that and nothing more), and the tangent forms P and dS once each: at its peak 10
+  bytes a score entry in bf16, where forward AD through the eager attention holds 24
   (infra/memory_plan.py, assumption 4). A model it does not cover (another family, a hook or
   a forward of its own on a module it would bypass, a sliding window shorter than the
   sequence) takes the forward-AD path; both are checked against `plain_probe`.
@@ -587,15 +589,17 @@ def _head_chunks(model, hidden, tangent=None):
 # The decoder and its tangent written out (Llama-like decoders): no forward AD, no per-op Python mode
 #
 # For the decoders of the families below (RMSNorm, rotary attention, a SwiGLU MLP: Qwen2, Qwen3,
-# Llama, Mistral) `written_decoder` runs the forward as Hugging Face's modules do, op for op (so
-# its primal is theirs, bit for bit), and beside it the tangent of each op from its derivative:
+# Llama, Mistral) `written_decoder` runs the forward as Hugging Face's modules do, op for op, its
+# attention torch's fused kernel (SDPA, the models' default), and beside it the tangent of each
+# op from its derivative:
 #
 #   linear (a target)     dY = dX W^T - (X A^T) U^T           (injected_tangents' rule)
 #   linear (not a target) dY = dX W^T
 #   RMSNorm               y = w (x r),  r = 1/sqrt(mean(x^2) + eps)  ->  dy = w r (dx - x r^2 mean(x dx))
 #   rotary embedding      linear in q and k: dq' = dq cos + rot(dq) sin
-#   attention             S = q k^T s + mask, P = softmax(S), O = P v
+#   attention             S = q k^T s + mask, P = softmax(S), O = P v (fused: no (B, H, T, T) tensor)
 #                         dS = (dq k^T + q dk^T) s,  dP = P (dS - sum_j P dS),  dO = dP v + P dv
+#                         (P and dS formed once each; P dv fused too)
 #   SiLU                  dy = dx sig(x) (1 + x (1 - sig(x)))
 #   product, residual     d(a b) = da b + a db,  d(a + b) = da + db
 #
@@ -702,6 +706,7 @@ def written_decoder(model, input_ids, attention_mask=None, tangents=None):
     if attention_mask is not None:
         allowed = allowed & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
     mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(~allowed, torch.finfo(h.dtype).min)
+    fused_mask = None if attention_mask is None else mask  # the fused kernel's causal mask is its own (is_causal)
     for block in decoder.layers:
         gathered = hasattr(block, "unshard")  # an FSDP2 unit: its weights gathered for this layer only
         if gathered:
@@ -720,29 +725,25 @@ def written_decoder(model, input_ids, attention_mask=None, tangents=None):
         k, dk = _rotary(k, dk, cos, sin)
         groups = attn.num_key_value_groups
         k, dk, v, dv = (None if t is None else t.repeat_interleave(groups, dim=1) for t in (k, dk, v, dv))
-        scores = torch.matmul(q, k.transpose(2, 3)) * attn.scaling + mask  # (B, H, T, T)
-        p32 = torch.softmax(scores, dim=-1, dtype=torch.float32)  # (B, H, T, T) fp32
-        del scores
-        p = p32.to(q.dtype)
-        o = torch.matmul(p, v)  # (B, H, T, hd)
+        # O = softmax(q k^T s + mask) v by torch's fused attention: no (B, H, T, T) tensor
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=fused_mask, is_causal=fused_mask is None,
+                                           scale=attn.scaling)  # (B, H, T, hd)
         do = None
-        if dq is not None or dk is not None:
-            # dS = (dq k^T + q dk^T) s, in one (B, H, T, T) buffer (and the second product beside it)
-            ds = torch.matmul(dq, k.transpose(2, 3)) if dq is not None else None
-            if dk is not None:
-                qdk = torch.matmul(q, dk.transpose(2, 3))
-                ds = qdk if ds is None else ds.add_(qdk)
-                del qdk
-            ds.mul_(attn.scaling)
-            ds32 = ds.to(torch.float32)  # (B, H, T, T)
-            del ds
-            # dP = P (dS - sum_j P dS), in dS's fp32 buffer: one (B, H, T, T) temporary besides it
-            ds32.sub_((p32 * ds32).sum(-1, keepdim=True)).mul_(p32)
-            do = torch.matmul(ds32.to(q.dtype), v)
-            del ds32
-        del p32
-        if dv is not None:
-            do = _plus(do, torch.matmul(p, dv))
+        if (dq, dk, dv) != (None, None, None):
+            dq, dk, dv = (torch.zeros_like(t) if dt is None else dt for t, dt in ((q, dq), (k, dk), (v, dv)))
+            # dO = dP v + P dv with dP = P (dS - c), c = sum_j P dS, dS = (dq k^T + q dk^T) s: P and dS
+            # formed, dP in dS's place; P dv by the fused attention
+            scores = torch.matmul(q * attn.scaling, k.transpose(2, 3)).add_(mask)  # (B, H, T, T)
+            p32 = torch.softmax(scores, dim=-1, dtype=torch.float32)  # (B, H, T, T) fp32
+            del scores
+            ds = torch.matmul(torch.cat([dq, q], dim=-1) * attn.scaling,
+                              torch.cat([k, dk], dim=-1).transpose(2, 3))  # (B, H, T, T): dq k^T s + q dk^T s
+            c = (p32 * ds).sum(-1, keepdim=True)  # (B, H, T, 1) fp32
+            dp = (ds - c).mul_(p32)  # (B, H, T, T) fp32
+            del ds, p32
+            do = torch.matmul(dp.to(v.dtype), v) + F.scaled_dot_product_attention(
+                q, k, dv, attn_mask=fused_mask, is_causal=fused_mask is None, scale=attn.scaling)
+            del dp
         o = o.transpose(1, 2).reshape(B, T, -1)
         do = None if do is None else do.transpose(1, 2).reshape(B, T, -1)
         y, dy = linear(attn.o_proj, o, do)

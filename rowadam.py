@@ -193,9 +193,9 @@ import torch.distributed as dist
 
 from sketch import PROJECTION, LayerSketch, projection_from_signs, refresh, shape_groups, stack_of
 
-# Entries of W a merge works on at once (float64 F A and its fp32 rounding: 12 bytes each,
-# 96 MiB): several small layers of one shape together, or a large layer's rows in chunks.
-MERGE_ELEMENTS = 2**23
+# Entries of W a merge works on at once (W's copy, float64 F A and its fp32 rounding: 16 bytes
+# each, 256 MiB): several layers of one shape together, or a larger layer's rows in chunks.
+MERGE_ELEMENTS = 2**24
 SUM_BLOCK = 2**22  # entries per float64 block of ||W||^2 (32 MiB: few launches at 7B, little memory)
 GRAM_ELEMENTS = 2**22  # sign entries whose Gram matrices prepare forms at once (fp32: 16 MiB)
 # ||U A|| / ||W|| before alpha: with the default budget (kl_control.budget_for) binding, only the

@@ -39,14 +39,14 @@ Assumptions, numbered
    changed, and the trainer keeps a bf16 shadow of its rows of every target instead.
 3. Activations assume non-reentrant activation checkpointing of every decoder layer, bf16
    compute (`compute_bytes`), and FSDP2 prefetching one decoder layer ahead.
-4. The KL probe (kl_control.py) forms the attention's (B, H, T, T) scores, their fp32 softmax
-   and the tangents of both one decoder layer at a time. Its written-out decoder (Qwen2, Qwen3,
-   Llama, Mistral: `kl_control.written_decoder`) holds at most 14 bytes a score entry in bf16
-   compute (12 in fp32): the fp32 softmax and its bf16 copy, the tangent in one fp32 buffer
-   and one fp32 temporary; forward-mode AD through transformers' eager attention (the other
-   families) about 24 (20 in fp32; Gemma 2, which caps its scores, two more). At 7B and 2 x
-   4096 tokens that is 12.3 GiB, most of the probe's peak; the training forward runs SDPA and
-   holds none of it.
+4. The KL probe (kl_control.py) forms the attention's (B, H, T, T) softmax and its tangent one
+   decoder layer at a time. Its written-out decoder (Qwen2, Qwen3, Llama, Mistral:
+   `kl_control.written_decoder`, whose primal attention is torch's fused kernel) holds at most
+   10 bytes a score entry in bf16 compute (12 in fp32): the fp32 softmax P, the bf16 dS and one
+   fp32 temporary (P dS, then dP); forward-mode AD through transformers' eager attention (the
+   other families) about 24 (20 in fp32; Gemma 2, which caps its scores, two more). At 7B and
+   2 x 4096 tokens that is 8.8 GiB, most of the probe's peak; the training forward runs SDPA
+   and holds none of it.
 """
 
 import torch
@@ -177,8 +177,8 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     # (assumption 4; measured: tests/test_memory_plan.py).
     seq = min(context, kl_control.MAX_TOKENS, probe_forward_tokens)
     mask = -(-probe_forward_tokens // seq) * seq * seq  # (B, 1, T, T) entries
-    if config.model_type in kl_control.WRITTEN_OUT:  # kl_control.written_decoder's attention, its tangent in place
-        per_entry = 12 + (compute_bytes if compute_bytes < 4 else 0)
+    if config.model_type in kl_control.WRITTEN_OUT:  # kl_control.written_decoder: fp32 P and dP, dS
+        per_entry = 8 + compute_bytes
     else:  # forward-mode AD through the model's own eager attention
         per_entry = 2 * compute_bytes + (8 if compute_bytes < 4 else 0) + 12
     probe_attention = mask * config.num_attention_heads * per_entry + mask * compute_bytes

@@ -151,9 +151,10 @@ def test_the_fast_path_is_the_plain_probe(dtype, path, monkeypatch):
     another temperature, an attention mask that hides two tokens of the first sequence (every
     query still sees token 0: Hugging Face's eager attention gives NaN on a fully masked row in
     float64), and kept logits short of, and beyond, the scored positions. The written-out
-    decoder's primal is the model's own op for op (the kept logits to float64's last bits);
-    its RMSNorm tangent is the derivative's closed form, where forward AD differentiates
-    Hugging Face's fp32 norm op by op: the two KL1 agree to fp32's rounding (2.6e-9 measured)."""
+    decoder runs its attention through torch's fused kernel (the model's default, SDPA), where
+    plain_probe's eager attention forms softmax in fp32 whatever the model's dtype, and its
+    RMSNorm tangent is the derivative's closed form, where forward AD differentiates the fp32
+    norm op by op: in float64 the two agree to fp32's rounding, not float64's."""
     if path == "forward AD":
         monkeypatch.setattr(kl_control, "WRITTEN_OUT", ())
     model, layers, opt, ids, mask = prepared(dtype)
@@ -162,12 +163,11 @@ def test_the_fast_path_is_the_plain_probe(dtype, path, monkeypatch):
     cases = [dict(max_responses=3, keep_positions=7),
              dict(max_responses=2, max_tokens=7, temperature=0.7, keep_positions=100),
              dict(max_responses=3, attention_mask=holes, keep_positions=12)]
-    tol = 1e-12 if dtype == F64 else 1e-5
-    kl_tol = 1e-7 if dtype == F64 and path == "written out" else tol
+    tol = 1e-6 if path == "written out" else 1e-12 if dtype == F64 else 1e-5
     for i, kwargs in enumerate(cases):
         plain = kl_control.plain_probe(model, layers, opt.directions, ids, mask, **kwargs)
         fast = kl_control.probe(model, layers, opt.directions, ids, mask, **kwargs)
-        assert plain.kl1 > 0 and math.isclose(fast.kl1, plain.kl1, rel_tol=kl_tol), (i, fast.kl1, plain.kl1)
+        assert plain.kl1 > 0 and math.isclose(fast.kl1, plain.kl1, rel_tol=tol), (i, fast.kl1, plain.kl1)
         scored = int(mask[:kwargs["max_responses"], 1:kwargs.get("max_tokens")].sum())
         assert fast.logits.shape == plain.logits.shape == (min(kwargs["keep_positions"], scored), VOCAB), i
         assert fast.kept == plain.kept == fast.logits.shape[0], i

@@ -34,9 +34,9 @@ def test_dry_run_7b_memory_against_shapes():
     assert m["trainer_logra_persistent_bytes"] - m["weights"] <= 1.0 * gib
     assert m["trainer_logra_transient_bytes"] <= 1.0 * gib
     # The probe's attention, one decoder layer at a time (kl_control.written_decoder): 2 responses x
-    # 28 heads x 4096^2 scores, 14 bytes each in bf16 at its peak (the fp32 softmax and its bf16
-    # copy, the tangent's fp32 buffer and one fp32 temporary), and the (2, 1, T, T) mask.
-    assert m["trainer_probe_attention_bytes"] == 2 * 28 * 4096**2 * 14 + 2 * 4096**2 * 2
+    # 28 heads x 4096^2 scores, 10 bytes each in bf16 at its peak (the fp32 softmax P, the bf16 dS
+    # and one fp32 temporary: P dS, then dP), and the (2, 1, T, T) mask.
+    assert m["trainer_probe_attention_bytes"] == 2 * 28 * 4096**2 * 10 + 2 * 4096**2 * 2
     # The probe runs after backward, when the training activations are gone: the trainer's peak
     # is its state with the larger of the two, within an 80 GB GPU at 7B and at 27B.
     peak = lambda p: p["trainer_logra_bytes"] + max(p["trainer_activation_bytes"],  # noqa: E731
