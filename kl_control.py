@@ -223,8 +223,10 @@ Implementation notes
   (so the kept logits are the model's own, and `scored_logits` runs the same primal) and the
   tangent of each op from its derivative (the comment above it lists them), about half the
   tensor operations of the forward-AD path. Measured on examples/minimal_loop.py's toy (22
-  responses probed, one thread): 8.1 ms a probe with forward AD, 4.0 ms written out, against
-  1.8 ms for a plain forward of the same responses (bench/README.md, `loop_phases`). Its
+  responses probed, one thread): 8.0 ms a probe with forward AD, 4.5 ms written out, against
+  1.9 ms for a plain forward of the same responses (bench/README.md, `loop_phases`, both in one
+  run); at a wider model the tangent's second set of matmuls dominates and the two paths cost
+  about the same (`kl_probe`). Its
   primal attention is torch's fused kernel (SDPA, the model's default; the realised KL's
   forward is that and nothing more), and the tangent forms P and dS once each: at its peak 10
   bytes a score entry in bf16, where forward AD through the eager attention holds 24
@@ -658,7 +660,8 @@ def _rms_norm(norm, x, dx):
         return y, None
     # dy = w r (dx - x r^2 mean(x dx)) = w r (dx - xr mean(xr dx))
     dx32 = dx.to(torch.float32)
-    return y, norm.weight * (r * (dx32 - xr * (xr * dx32).mean(-1, keepdim=True))).to(dtype)
+    centred = torch.addcmul(dx32, xr, (xr * dx32).mean(-1, keepdim=True), value=-1)  # dx - xr mean(xr dx)
+    return y, norm.weight * (r * centred).to(dtype)
 
 
 def _rotary(x, dx, cos, sin):
@@ -691,8 +694,8 @@ def written_decoder(model, input_ids, attention_mask=None, tangents=None):
             # -(X A^T) U^T, in the activations' dtype (departure 1), U gathered for this layer only.
             # Shapes: (N, k) @ (k, r) -> (N, r); (N, r) @ (r, d) -> (N, d)
             p = x.reshape(-1, x.shape[-1]) @ layer.projection_as(x.dtype).t()
-            injected = (p @ -layer.all_rows(u).to(x.dtype).t()).reshape(y.shape)
-            dy = injected if dy is None else dy.add_(injected)
+            pu = (p @ layer.all_rows(u).to(x.dtype).t()).reshape(y.shape)  # (X A^T) U^T
+            dy = pu.neg_() if dy is None else dy.sub_(pu)
         return y, dy
 
     h = decoder.embed_tokens(input_ids)  # (B, T, h); the embedding is frozen: no tangent
@@ -752,10 +755,8 @@ def written_decoder(model, input_ids, attention_mask=None, tangents=None):
         x, dx = _rms_norm(block.post_attention_layernorm, h, dh)
         (g, dg), (u, du) = linear(mlp.gate_proj, x, dx), linear(mlp.up_proj, x, dx)
         a = F.silu(g)
-        da = None
-        if dg is not None:
-            sig = torch.sigmoid(g)
-            da = dg * (sig * (1 + g * (1 - sig)))
+        # d silu(g) = dg sig(g) (1 + g (1 - sig(g))): SiLU's own derivative kernel, applied to dg
+        da = None if dg is None else torch.ops.aten.silu_backward(dg, g)
         m, dm = a * u, _plus(None if da is None else da * u, None if du is None else a * du)
         y, dy = linear(mlp.down_proj, m, dm)
         h, dh = h + y, _plus(dh, dy)

@@ -158,9 +158,9 @@ Implementation notes
   one GEMM, and `merge` merges as many layers of one shape as MERGE_ELEMENTS holds with one
   float64 GEMM (`merge_layers`); no step reads the device per layer. A model of many small
   layers pays a few dozen tensor operations an update, not a few dozen per layer: on the
-  2-layer toy of examples/minimal_loop.py, prepare went from 2.9 to 1.7 ms and the merge from
+  2-layer toy of examples/minimal_loop.py, prepare went from 2.8 to 1.7 ms and the merge from
   2.3 to 1.6 ms (its signs made together too: sketch.make_signs_many; bench/README.md,
-  `loop_phases`). The batched formulas and merge are the line-by-line ones bit for bit
+  `loop_phases`, both in one run). The batched formulas and merge are the line-by-line ones bit for bit
   (tests/test_rowadam.py::test_directions_across_ranks_equal_the_plain_formulas,
   test_sharded_merge_equals_unsharded, test_row_sharded_state_equals_one_process_bitwise).
 - `prepare` computes the new moments but `merge` commits them, together with the update
@@ -599,8 +599,9 @@ class RowAdam:
     # -- checkpoints ----------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Moments, counter and configuration. Row-sharded moments are DTensors on the
-        weights' device mesh, so that torch.distributed.checkpoint saves every process's rows."""
+        """Moments, counter, configuration and the projection rule (sketch.PROJECTION).
+        Row-sharded moments are DTensors on the weights' device mesh, so that
+        torch.distributed.checkpoint saves every process's rows."""
         return {
             "update": self.update,
             "moments": {l.name: self._shared(l, v.clone()) for l, v in zip(self.layers, self.moments)},
@@ -627,8 +628,8 @@ class RowAdam:
         names = [l.name for l in self.layers]
         projection = int(state.get("projection", 1))
         if projection > PROJECTION:
-            raise ValueError(f"this state was saved with projection {projection}, and this rowadam.py knows projections "
-                             f"up to {PROJECTION} (sketch.PROJECTION): load it with the release that saved it")
+            raise ValueError(f"this state was saved with projection {projection}, and this rowadam.py knows "
+                             f"projections up to {PROJECTION} (sketch.PROJECTION): load it with the release that saved it")
         if state["rank"] != self.rank or state["base_seed"] != self.base_seed:
             raise ValueError(f"checkpoint has rank {state['rank']}, seed {state['base_seed']}; "
                              f"this optimizer has rank {self.rank}, seed {self.base_seed}")

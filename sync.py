@@ -41,7 +41,7 @@ The paper's method section on seed-based sync (arXiv:2610.06647) has the trainer
 per target layer:
 
     F     = bf16(alpha U)                       (d, r), what the trainer merged and sends
-    A_t   = sketch.make_projection(r, k, projection_seed(base_seed, t, name))   (r, k)
+    A_t   = sketch.make_projection(r, k, projection_seed(base_seed, t, name))   (r, k), on the engine's device
     W    <- W - F @ A_t                         the engine, in the trainer's row chunks
     bytes = sum_layers 2 d r  (+ a header)      against sum_layers 2 d k for bf16 weights
 
@@ -126,7 +126,18 @@ Implementation notes
 --------------------
 - Each layer in a payload carries two integer checksums of its bytes, so a corrupted buffer
   is refused before anything is merged (tests/test_sync.py,
-  test_bad_payloads_are_rejected_and_change_nothing).
+  test_bad_payloads_are_rejected_and_change_nothing). The checksums of a payload's tensors,
+  and of a fingerprint's, are read from the device once for all of them (`checksums`).
+- A payload's header records the projection rule its factors were merged with
+  (`Payload.projection`, sketch.PROJECTION; a header without one is projection 1, the CPU
+  generator's draw of earlier releases). An engine merges factors only of its own rule: A
+  would differ and the engine would silently drift, so factors of another are refused before
+  anything changes; full weights and sparse deltas do not depend on A and load either way
+  (tests/test_sync.py, test_bad_payloads_are_rejected_and_change_nothing).
+- The engine makes A_update's signs for every target of a payload at once on its weights'
+  device (sketch.make_signs_many) and merges the targets of one shape together where they fit
+  rowadam.MERGE_ELEMENTS (rowadam.merge_layers, the trainer's bits), a larger target in row
+  chunks; it reads the device once per payload (its finiteness check), not once per target.
 - vLLM tensor parallelism inside an engine is not supported (Table 1's setup runs one vLLM
   engine per GPU); a sharded vLLM layer raises (test_a_tensor_parallel_vllm_layer_is_refused).
 """

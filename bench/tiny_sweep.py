@@ -83,7 +83,7 @@ def main():
                    [("lora", "--lora-lr", v) for v in (3e-4, 1e-3, 3e-3)]
     header = ["method", "setting", "seed", "base", "final", "best", "gain (points)", "wall"]
     print(report.table(header, []))  # the rows follow as the runs finish
-    runs, summary = [], []
+    runs, summary, updates = [], [], {}
     for method, option, value in settings:
         results = []
         for seed in args.seeds:
@@ -92,13 +92,18 @@ def main():
             runs.append([method, f"{option or 'default'} {value or ''}", seed, f"{r['base']:.3f}", f"{r['final']:.3f}",
                          f"{r['best']:.3f}", f"{r['gain']:+.1f}", f"{r['wall']:.0f} s"])
             print(report.row(runs[-1]), flush=True)
+        updates[method, option, value] = statistics.median(t for r in results for t in r["update_ms"])
         summary.append([method, f"{option or 'default'} {value or ''}", spread([r["base"] for r in results], ".3f"),
                         spread([r["final"] for r in results], ".3f"), spread([r["gain"] for r in results], "+.1f"),
-                        f"{statistics.median(t for r in results for t in r['update_ms']):.0f} ms",
+                        updates[method, option, value],
                         f"{statistics.median(b for r in results for b in r['sync_bytes']) / 1e3:.0f} KB",
                         f"{min(r['mem'] for r in results):.2f}-{max(r['mem'] for r in results):.2f} GiB"])
+    # each median update beside AdamW's at its default rate (the runs' own, on this machine)
+    adam = updates.get(("adam", None, None))
+    for row in summary:
+        row[5] = f"{row[5]:.0f} ms" + (f" ({row[5] / adam:.2f}x)" if adam else "")
     means = report.table([f"mean +- sd over seeds {', '.join(map(str, args.seeds))}", "setting", "base", "final",
-                          "gain (points)", "median update", "sync per update", "peak RSS"], summary)
+                          "gain (points)", "median update (x AdamW's)", "sync per update", "peak RSS"], summary)
     print("\n" + means)
     if args.markdown:
         report.publish("tiny_sweep_sweep" if args.sweep else "tiny_sweep",
@@ -143,7 +148,8 @@ def one_update(out: str, seed: int, step: int = 2) -> str:
         f"tokens ({r['tokens']}); **backward** fills the {7 * cfg.model['num_hidden_layers']} sketches `S = G A^T` "
         f"(r = {cfg.sketch_rank}), and no weight gradient exists. **RowAdam** rescales their rows into directions "
         f"`U` with `||U A|| = update_ratio ||W||` (update_ratio {cfg.update_ratio:g}). The **KL probe** pushes the "
-        f"step's tangent through the model (forward-mode AD) on {r['probe_responses']} responses and predicts "
+        f"step's tangent through the model (its first-order change, formed beside the forward) on "
+        f"{r['probe_responses']} responses and predicts "
         f"`KL(alpha) = alpha^2 KL1` with `KL1` = {kl1:.2e}; the budget is {r['budget']:.2e} (its cosine schedule, "
         f"less the engine/trainer mismatch estimate {r['mismatch']:.1e}), {spent}. The **merge** writes "
         f"`W -= bf16(alpha U) A` into the fp32 weights and moves every layer to the next update's projection; the "

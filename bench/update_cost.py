@@ -14,18 +14,15 @@ update on one rank, rollout excluded:
   rebuild fp32 from bf16 + int16, merge, split);
 - AdamW: its step, the full bf16 payload (encode) and the engine's load of it.
 
-Memory per rank: the peak during the trainer's phases (GPU: torch.cuda.max_memory_allocated;
-CPU: the process's peak RSS, torch and Python included), and the state counted from the
+Memory per rank: the peak during the trainer's phases (the process's peak RSS, torch and
+Python included), and the state counted from the
 tensors (weights, gradients, optimizer state). The engine's copy is made after that peak.
 
-On a GPU (`--device cuda`, no vLLM or download needed) the model keeps fp32 weights and
-computes under bf16 autocast with activation checkpointing, as train.py's FSDP2 runs do, at the
-paper's 4096-token sequences; a width that does not fit is reported with the phase that ran
-out of memory. The test suite runs `--widths tiny` on the CPU so that the script works the
-first time it meets a GPU.
+The same comparison on a GPU, at the paper's 7B at full depth with one whole update timed end to
+end (not one micro-batch multiplied), is the device check's `depth7b` step (bench/gpu_check.py):
+one instrument for that figure. The test suite runs `--widths tiny` here.
 
     python bench/update_cost.py [--widths 44m,100m,7b-2l] [--reps 3] [--markdown]
-    python bench/update_cost.py --device cuda --widths 1.5b,7b    # one GPU, ~8 minutes
 """
 
 import argparse
@@ -61,67 +58,49 @@ WIDTHS = {
     "100m": (dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
                   num_key_value_heads=4, vocab_size=32000), 256, 256),
     "7b-2l": (dict(QWEN_7B, num_hidden_layers=2), 128, 256),  # two decoder layers of Qwen2.5-7B's widths
-    "1.5b": (dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 4096, 256),
-    "7b": (dict(QWEN_7B, num_hidden_layers=28), 4096, 256),
 }
 
 
-def build(width, device):
+def build(width):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = dict(tie_word_embeddings=False, max_position_embeddings=4096)
     config.update(WIDTHS[width][0])
-    with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**config))
-    if device.type == "cuda":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()  # Hugging Face checkpoints only in train mode (Qwen2 has no dropout)
-    else:
-        model.eval()
-    return model
+    return Qwen2ForCausalLM(Qwen2Config(**config)).eval()
 
 
-def batch(width, device):
+def batch(width):
     """Two responses of the width's length, the last three quarters "generated"."""
     length = WIDTHS[width][1]
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, WIDTHS[width][0]["vocab_size"], (MICRO, length), generator=g).to(device)
-    mask = torch.zeros(MICRO, length, dtype=torch.bool, device=device)
+    ids = torch.randint(3, WIDTHS[width][0]["vocab_size"], (MICRO, length), generator=g)
+    mask = torch.zeros(MICRO, length, dtype=torch.bool)
     mask[:, length // 4:] = True
-    return ids, mask, torch.tensor([1.0, -1.0], device=device)
+    return ids, mask, torch.tensor([1.0, -1.0])
 
 
-def timed(device, fn):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def timed(fn):
     t0 = time.perf_counter()
     out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     return out, time.perf_counter() - t0
 
 
-def peak_bytes(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+def peak_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def one(width, method, reps, device):
+def one(width, method, reps):
     """Phase times (s, medians), peak and state bytes of one method at one width: a dict."""
-    model = build(width, device)
-    ids, mask, adv = batch(width, device)
-    bf16 = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    model = build(width)
+    ids, mask, adv = batch(width)
     modules = sketch.target_modules(model)
     rank = WIDTHS[width][2]
 
     def backward():
-        with bf16:
-            logp = ppo.response_logprobs(model(input_ids=ids, use_cache=False).logits, ids)
-            loss, _ = ppo.policy_loss(logp.float(), adv, mask, rollout_logprobs=logp.detach().float(),
-                                      num_tokens=int(mask.sum()) * RESPONSES // MICRO)
+        logp = ppo.response_logprobs(model(input_ids=ids, use_cache=False).logits, ids)
+        loss, _ = ppo.policy_loss(logp.float(), adv, mask, rollout_logprobs=logp.detach().float(),
+                                  num_tokens=int(mask.sum()) * RESPONSES // MICRO)
         loss.backward()
 
     times, phase = {}, "set-up"
@@ -139,58 +118,54 @@ def one(width, method, reps, device):
         for rep in range(reps + 1):  # the first round warms up
             laps = {}
             phase = "forward and backward"
-            _, laps["train (x16 to 32 responses)"] = timed(device, backward)
+            _, laps["train (x16 to 32 responses)"] = timed(backward)
             laps["train (x16 to 32 responses)"] *= RESPONSES // MICRO
             if method == "logra":
                 phase = "prepare"
-                _, laps["prepare"] = timed(device, opt.prepare)
+                _, laps["prepare"] = timed(opt.prepare)
                 phase = "probe"
-                with bf16:
-                    probe, laps["probe"] = timed(device, lambda: kl_control.probe(
-                        model, layers, opt.directions, ids, mask, max_responses=PROBED, keep_positions=KL_POSITIONS))
+                probe, laps["probe"] = timed(lambda: kl_control.probe(
+                    model, layers, opt.directions, ids, mask, max_responses=PROBED, keep_positions=KL_POSITIONS))
                 alpha = kl_control.solve_alpha(probe.kl1, budget=2e-4)
                 phase = "merge"
-                factors, laps["merge"] = timed(device, lambda: opt.merge(alpha))
+                factors, laps["merge"] = timed(lambda: opt.merge(alpha))
                 phase = "realised KL"
-                with bf16:
-                    _, laps["realised KL"] = timed(device, lambda: kl_control.realised_kl(
-                        probe.logits, model, ids, mask, max_responses=PROBED))
+                _, laps["realised KL"] = timed(lambda: kl_control.realised_kl(
+                    probe.logits, model, ids, mask, max_responses=PROBED))
                 del probe
                 phase = "payload"
                 payload = sync.Payload(opt.update - 1, 0, rank, {l.name: f for l, f in zip(layers, factors)})
-                buf, laps["payload (encode)"] = timed(device, lambda: sync.encode(payload))
+                buf, laps["payload (encode)"] = timed(lambda: sync.encode(payload))
             else:
                 phase = "step"
-                _, laps["step"] = timed(device, lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
+                _, laps["step"] = timed(lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
                 phase = "payload"
                 weights = {n: m.weight for n, m in modules.items()}
-                buf, laps["payload (encode)"] = timed(device, lambda: sync.encode(sync.full_payload(
+                buf, laps["payload (encode)"] = timed(lambda: sync.encode(sync.full_payload(
                     weights, update=rep + 1, base_seed=0, rank=rank)))
             if rep:
                 for k, v in laps.items():
                     times.setdefault(k, []).append(v)
             if rep < reps:
                 del buf
-        peak = peak_bytes(device)
+        peak = peak_bytes()
         if method == "adam":  # its fp32 gradients exist from backward to the step
             state = [p for p in model.parameters()] + [torch.empty_like(p) for p in targets] \
                 + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
         state_bytes = sum(t.numel() * t.element_size() for t in state)
         params = sum(p.numel() for p in model.parameters())
-        # The engine's side, on a bf16 copy made once the trainer is gone (it has its own GPU).
+        # The engine's side, on a bf16 copy made once the trainer is gone (it has its own GPU in a run).
         update = opt.update - 1 if method == "logra" else 0
         del model, opt, state, modules
         layers = targets = None  # the last references to the trainer's tensors
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         phase = "engine"
-        engine = sync.EngineWeights(build(width, device).to(torch.bfloat16), base_seed=0, rank=rank, update=update)
+        engine = sync.EngineWeights(build(width).to(torch.bfloat16), base_seed=0, rank=rank, update=update)
         payload = sync.decode(buf)
         if method == "logra":
-            _, engine_time = timed(device, lambda: engine.apply(payload))
+            _, engine_time = timed(lambda: engine.apply(payload))
         else:
-            _, engine_time = timed(device, lambda: engine.load_full(payload))
-    except torch.cuda.OutOfMemoryError:
+            _, engine_time = timed(lambda: engine.load_full(payload))
+    except torch.OutOfMemoryError:
         return {"width": width, "method": method, "oom": phase}
     result = {k: statistics.median(v) for k, v in times.items()}
     result["engine's merge" if method == "logra" else "engine's load"] = engine_time
@@ -198,10 +173,10 @@ def one(width, method, reps, device):
             "payload": buf.numel(), "params": params}
 
 
-def measure(width, method, reps, device):
+def measure(width, method, reps):
     """`one` in its own process: its peak memory is its own."""
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", width, method, "--reps", str(reps),
-                          "--device", device], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", width, method, "--reps", str(reps)],
+                         capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{width} {method} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -211,7 +186,7 @@ def size(n):
     return f"{n / GIB:.2f} GiB" if n >= GIB / 4 else f"{n / 2**20:.1f} MiB"
 
 
-def tables(results, device, reps):
+def tables(results, reps):
     header = ["width", "params", "method", "train (x16)", "LoGRA: prepare + probe + merge + realised KL",
               "step", "payload encode + engine", "payload", "update", "LoGRA / AdamW", "peak memory",
               "state (weights + grads + optimizer)"]
@@ -235,8 +210,7 @@ def tables(results, device, reps):
                          size(r["state"])])
             if method == "logra":
                 phases.append(f"{width}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items()))
-    where = "One GPU, fp32 weights, bf16 autocast, activation checkpointing" if device == "cuda" else \
-        f"This CPU ({torch.get_num_threads()} threads), fp32"
+    where = f"This CPU ({torch.get_num_threads()} threads), fp32"
     caption = (f"One rank's update, rollout excluded, at the paper's proportions: {RESPONSES} responses per rank "
                f"in micro-batches of {MICRO}, the probe and the realised KL on {PROBED} of them ({KL_POSITIONS} "
                f"positions kept); the forward and backward of one micro-batch is timed and multiplied by "
@@ -248,19 +222,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", default=None, help=f"comma-separated, of {', '.join(WIDTHS)}")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--one", nargs=2, metavar=("WIDTH", "METHOD"), help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the results as one JSON list")
     args = report.parse_args(p, "update_cost")
     if args.one:
-        print(json.dumps(one(*args.one, args.reps, torch.device(args.device))))
+        print(json.dumps(one(*args.one, args.reps)))
         return
-    widths = (args.widths or ("1.5b,7b" if args.device == "cuda" else "44m,100m,7b-2l")).split(",")
+    widths = (args.widths or "44m,100m,7b-2l").split(",")
     unknown = [w for w in widths if w not in WIDTHS]
     if unknown:
         raise SystemExit(f"unknown widths {unknown}: choose from {', '.join(WIDTHS)}")
-    results = [measure(w, m, args.reps, args.device) for w in widths for m in ("logra", "adam")]
-    text = tables(results, args.device, args.reps)
+    results = [measure(w, m, args.reps) for w in widths for m in ("logra", "adam")]
+    text = tables(results, args.reps)
     print(text)
     if args.json:
         print(json.dumps(results))

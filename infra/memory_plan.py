@@ -161,7 +161,7 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     prepare = max(max(8 * min(rowadam.SUM_BLOCK, n * k),  # ||W||^2 in float64 blocks
                       # a batch's stacked signs and their fp32 copy, fp32 Gram and its two float64 copies; then
                       # D, D (A A^T) and their product in float64 beside the Gram
-                      g * (5 * r * k + 20 * r * r), g * (8 * r * r + 32 * n * r))
+                      g * (5 * r * k + 20 * r * r), g * (8 * r * r + 24 * n * r))
                   for (n, k), g in gram_batch.items())
     # The probe is a forward pass with tangents over the first responses (after backward: the
     # training activations are gone): its activations and tangents, and the hook's P and dY,
@@ -184,21 +184,21 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     probe_attention = mask * config.num_attention_heads * per_entry + mask * compute_bytes
     # The merge (rowadam.merge_layers), per shape: layers whose MERGE_ELEMENTS entries fit stacked (their
     # W copy, F A in float64 and its fp32 rounding, A in float64 and F in float64), a larger layer
-    # in chunks of rows (A in float64 twice, a chunk's F A in float64 and fp32); then the signs of
+    # in chunks of rows (A in float64, a chunk's F and F A in float64 and fp32); then the signs of
     # A_{t+1}, made in batches of sketch.SIGN_BATCH words (int64 work and its sign table lookup).
     words = {}  # hashed words of A's signs per width: r ceil(k / 16) a layer
     for (n, k), c in counts.items():
         words[k] = words.get(k, 0) + c * r * -(-k // sketch.SIGNS_PER_WORD)
     sign_words = max(min(w, max(sketch.SIGN_BATCH, r * -(-k // sketch.SIGNS_PER_WORD))) for k, w in words.items())
-    merge = max(max((16 * L * n * k + 9 * L * r * k + 8 * L * n * r) if L >= 2 else
-                    (16 * r * k + 12 * min(rowadam.rows_per_chunk(k), n) * k + 8 * n * r)
+    merge = max(max((16 * L * n * k + 8 * L * r * k + 8 * L * n * r) if L >= 2 else
+                    (8 * r * k + 12 * min(rowadam.rows_per_chunk(k), n) * k + 8 * n * r)
                     for (n, k), L in merge_batch.items()),
                 56 * sign_words)
     # one payload's gathered F (one decoder layer's, or as many as fit in FACTOR_PAYLOAD_BYTES),
     # then the larger of its encoded payload and the checksum's work (sync.checksum: a block of
     # words as int64, and the int64 column sums and their weights)
     words = min(sync.CHECK_WORDS, d_max * r)
-    payload = min(max(2 * layer_rows * r, sync.FACTOR_PAYLOAD_BYTES), 2 * layer_rows * layers * r)
+    payload = 2 * layer_rows * r * max(1, min(layers, sync.FACTOR_PAYLOAD_BYTES // (2 * layer_rows * r)))
     factor_sync_bytes = payload + max(payload, 8 * words + 16 * sync.CHECK_MOD)
     # The realised KL: the probe keeps the policy's logits at its first positions (compute
     # dtype) until after the merge; then the same positions' new logits and one block of

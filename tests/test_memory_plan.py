@@ -177,10 +177,10 @@ def test_the_probes_count_against_its_live_bytes(dtype, tokens):
 
 @pytest.mark.slow
 def test_update_cost_runs_at_tiny_widths():
-    """bench/update_cost.py, the prepared one-GPU script, at the tiny width on this CPU: both
-    methods run every phase of an update in their own process, LoGRA's payload is the smaller,
-    its realised KL and probe are measured, its state is the smaller, and the table names the
-    scaled train phase. (On a GPU the same code runs with --device cuda.)"""
+    """bench/update_cost.py at the tiny width on this CPU: both methods run every phase of an
+    update in their own process, LoGRA's payload is the smaller, its realised KL and probe are
+    measured, its state is the smaller, and the table names the scaled train phase. (Its GPU
+    counterpart is the device check's depth7b step: tests/test_gpu_check.py.)"""
     import json
     import subprocess
 
