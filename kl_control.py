@@ -219,10 +219,10 @@ Implementation notes
   tests/test_kl_control.py::test_the_fast_path_is_the_plain_probe checks the fast path
   against `plain_probe`.
 - For Qwen2, Qwen3, Llama and Mistral the fast path runs neither forward AD nor the function
-  mode: `written_decoder` forms the decoder's primal op for op as transformers' modules do
-  (so the kept logits are the model's own, and `scored_logits` runs the same primal) and the
-  tangent of each op from its derivative (the comment above it lists them), about half the
-  tensor operations of the forward-AD path. Measured on examples/minimal_loop.py's toy (22
+  mode: `written_decoder` forms the decoder's primal as transformers' modules do with SDPA
+  attention, their default (so the kept logits are the model's own, and `scored_logits` runs
+  the same primal), and the tangent of each op from its derivative (the comment above it
+  lists them), about half the tensor operations of the forward-AD path. Measured on examples/minimal_loop.py's toy (22
   responses probed, one thread): 8.0 ms a probe with forward AD, 4.5 ms written out, against
   1.9 ms for a plain forward of the same responses (bench/README.md, `loop_phases`, both in one
   run); at a wider model the tangent's second set of matmuls dominates and the two paths cost
@@ -704,7 +704,7 @@ def written_decoder(model, input_ids, attention_mask=None, tangents=None):
     positions = torch.arange(T, device=h.device)[None]  # (1, T), as the model's own forward
     cos, sin = decoder.rotary_emb(h, positions)  # (1, T, hd) each
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    # The eager attention's additive mask: 0 where key j <= query i (and j not padding), else the dtype's min
+    # The additive mask, as transformers forms it: 0 where key j <= query i (and j not padding), else the dtype's min
     allowed = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()[None, None]  # (1, 1, T, T)
     if attention_mask is not None:
         allowed = allowed & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
@@ -732,7 +732,7 @@ def written_decoder(model, input_ids, attention_mask=None, tangents=None):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=fused_mask, is_causal=fused_mask is None,
                                            scale=attn.scaling)  # (B, H, T, hd)
         do = None
-        if (dq, dk, dv) != (None, None, None):
+        if dq is not None or dk is not None or dv is not None:
             dq, dk, dv = (torch.zeros_like(t) if dt is None else dt for t, dt in ((q, dq), (k, dk), (v, dv)))
             # dO = dP v + P dv with dP = P (dS - c), c = sum_j P dS, dS = (dq k^T + q dk^T) s: P and dS
             # formed, dP in dS's place; P dv by the fused attention

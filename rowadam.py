@@ -350,7 +350,7 @@ def merge_layers(weights, factors, signs, magnitude: float, *, avoid_ties=True):
     exact in float64 whatever the order of its sums (implementation notes)."""
     n, k = weights[0].shape
     per = MERGE_ELEMENTS // max(n * k, 1)
-    if per < 2:  # one layer holds the budget or more: its rows in chunks
+    if per < 2:  # two layers would overflow the budget: each layer's rows in chunks
         for w, f, s in zip(weights, factors, signs):
             merge_rows(w, f, s.to(torch.float64).mul_(magnitude), avoid_ties=avoid_ties)  # A (r, k) in float64
         return
@@ -435,9 +435,9 @@ class RowAdam:
         self._dtypes = [layer.module.weight.dtype for layer in layers]
         # t, the 0-based count of merged updates (sketch.py, "The update counter"); step t + 1
         self.update = layers[0].update
-        # The layers by shape (S's and A's, `shape_groups`): each group's sketches S one (L, n, r) tensor, as
-        # sketch.attach lays them out (sketches made apart are copied into one and the layers
-        # pointed at it), and beside it its v (L, n): one fp32 second moment per output row
+        # The layers by shape (S's and A's, `shape_groups`): each group's sketches S one (L, n, r)
+        # tensor, as sketch.attach lays them out (sketches made apart are copied into one and the
+        # layers pointed at it), and beside it its v (L, n): one fp32 second moment per output row
         # this process holds; U (L, n, r), allocated once and written in place by every prepare
         # (no transient copies); and d (L,), each layer's whole row count.
         self._groups = []

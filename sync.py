@@ -435,9 +435,7 @@ def checksums(tensors) -> list[tuple[int, int]]:
     sums = [checksum_tensor(t) for t in tensors]  # (2,) each
     if not sums:
         return []
-    devices = {s.device for s in sums}
-    read = torch.stack([s.to(sums[0].device) for s in sums]).tolist() if len(devices) == 1 else \
-        [s.tolist() for s in sums]
+    read = torch.stack(sums).tolist() if len({s.device for s in sums}) == 1 else [s.tolist() for s in sums]
     return [tuple(pair) for pair in read]
 
 

@@ -14,8 +14,7 @@ One update, in the order the paper runs it (the loop in `run`):
     backward  into the sketches S = G A^T; no weight gradient exists             (sketch.py)
     RowAdam   per-row scaling of the sketches, one global scale -> U             (rowadam.py)
     KL probe  the step's tangent through the model predicts KL(alpha) = alpha^2 KL1; alpha
-              spends the budget (its cosine schedule, minus the engine/trainer mismatch)
-                                                                                 (kl_control.py)
+              spends the budget (its schedule, minus the engine/trainer mismatch) (kl_control.py)
     merge     W -= bf16(alpha U) A_t in the fp32 master weights; A_t -> A_{t+1}  (rowadam.py)
     sync      the same bf16 factors go to the engine, which merges them itself; fingerprints
               and a short sample's log-probs confirm both run the same weights (infra/engine_sync.py)

@@ -148,10 +148,10 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     adam_transient = max(4 * target_rows, full_sync_bytes)
     logra_state = 4 * n_sum * r * 2 + 4 * n_sum + r * sum(k for _, k in shapes)  # S, U, v, signs
     factors = 2 * n_sum * r  # F (n, r) bf16, until the sync has sent it
-    # prepare, per layer, one at a time: ||W||^2 summed in float64 blocks of rowadam.SUM_BLOCK
-    # entries; A A^T from the signs in fp32 (the fp32 signs, their fp32 Gram and its two float64
-    # copies); then D and D (A A^T) and their product in float64 beside the Gram (measured:
-    # bench/memory_check.py)
+    # prepare: ||W||^2 summed a layer at a time in float64 blocks of rowadam.SUM_BLOCK entries;
+    # A A^T of a batch of layers of one shape from their signs in fp32 (the stacked signs, their
+    # fp32 copy, the fp32 Gram and its two float64 copies); then D, D (A A^T) and their product
+    # in float64 beside the Gram (measured: bench/memory_check.py)
     counts = {}  # target shapes (rows held, k) and how many layers have each
     for d, k in shapes:
         counts[ceil(d), k] = counts.get((ceil(d), k), 0) + 1
