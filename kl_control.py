@@ -704,12 +704,17 @@ def written_decoder(model, input_ids, attention_mask=None, tangents=None):
     positions = torch.arange(T, device=h.device)[None]  # (1, T), as the model's own forward
     cos, sin = decoder.rotary_emb(h, positions)  # (1, T, hd) each
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    # The additive mask, as transformers forms it: 0 where key j <= query i (and j not padding), else the dtype's min
-    allowed = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()[None, None]  # (1, 1, T, T)
-    if attention_mask is not None:
-        allowed = allowed & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
-    mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(~allowed, torch.finfo(h.dtype).min)
-    fused_mask = None if attention_mask is None else mask  # the fused kernel's causal mask is its own (is_causal)
+    # The additive mask, as transformers forms it: 0 where key j <= query i (and j not padding), else
+    # the dtype's min. Formed only where it is read: by the tangent's softmax, and by the fused
+    # kernel for a padded batch (unpadded, its own causal mask serves: is_causal).
+    mask = None
+    if tangents is not None or attention_mask is not None:
+        allowed = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()[None, None]  # (1, 1, T, T)
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
+        mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(~allowed,
+                                                                                         torch.finfo(h.dtype).min)
+    fused_mask = None if attention_mask is None else mask
     for block in decoder.layers:
         gathered = hasattr(block, "unshard")  # an FSDP2 unit: its weights gathered for this layer only
         if gathered:

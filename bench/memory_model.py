@@ -86,7 +86,7 @@ def dry_run_7b() -> str:
             f"{gib(big['engine_delta_kv_cache_bytes'])}) and each training GPU a bf16 shadow of its rows instead "
             f"({gib(m['trainer_delta_shadow_bytes'])}, at 27B {gib(big['trainer_delta_shadow_bytes'])}). "
             f"After backward the KL probe's forward with tangents takes {gib(m['trainer_probe_activation_bytes'])} "
-            f"({gib(m['trainer_probe_attention_bytes'])} of it its eager attention, at 2 x 4096 tokens), more than "
+            f"({gib(m['trainer_probe_attention_bytes'])} of it its attention's softmax and tangent, at 2 x 4096 tokens), more than "
             f"training's activations: a training GPU's estimated peak is {gib(peak(m))} (27B: {gib(peak(big))} of "
             f"80 GB). Activations and vLLM's overhead are estimates, not GPU measurements.")
     return "```\n" + "\n".join(lines) + "\n```\n\n" + said
