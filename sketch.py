@@ -636,7 +636,10 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
     from (RowAdam and the engines read it from the layers). `targets`: names (a module's last
     name part or its clean name), or a {name: module} mapping of modules of `model`
     (`target_modules`). `update`: the updates
-    already merged (the update counter; a resumed run's), which picks A_update. `group`: the
+    already merged (the update counter; a resumed run's), which picks A_update (on a resume
+    through `RowAdam.load_state_dict` the state's counter wins: it moves every layer to its own
+    A whatever `update` was given here, so `update` matters only where no RowAdam state is
+    loaded afterwards). `group`: the
     FSDP2 data-parallel group of an FSDP2-sharded model. Each process then keeps only its rows
     of every sketch (the rows it holds of the weight), summed over the group in backward
     (departure 1). Returns the layers in module order (a mapping's: its order).
