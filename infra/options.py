@@ -162,6 +162,10 @@ class Config:
                            default=None, task=("math",))
     eval_data: str = knob("MATH-500-format evaluation data: a local .parquet/.jsonl file or folder, or a hub id",
                           default=None, task=("math",))
+    grader: str = knob("how a math answer is graded, in the rollouts' reward and the held-out evaluation alike: "
+                       "math-verify (the paper's; the default) or number (the last \\boxed{} must hold exactly "
+                       "the integer answer: tasks.grade_number)", default=None, choices=("math-verify", "number"),
+                       task=("math",))
     gym_tasks: str = knob("with --task reasoning-gym: a mixture (hard: tasks.GYM_HARD) or NAME[:WEIGHT],... of its "
                           "tasks", default=None, task=("reasoning-gym",))
     gym_level: int = knob("with --task reasoning-gym: the level of every task's curriculum (0: the easiest)",

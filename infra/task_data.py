@@ -45,7 +45,7 @@ DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
 
 
 def chat_task(task: str, model_path: str, *, seed: int, eval_problems: int, train_data=None, eval_data=None,
-              gym_tasks=None, gym_level=0, max_prompt_tokens=None) -> ChatTask:
+              gym_tasks=None, gym_level=0, max_prompt_tokens=None, grader=None) -> ChatTask:
     """A chat checkpoint's task: the math task from this node's tokenizer and data files, or
     Reasoning Gym's problems made from the seed (at most `max_prompt_tokens` a prompt).
 
@@ -58,7 +58,7 @@ def chat_task(task: str, model_path: str, *, seed: int, eval_problems: int, trai
         return GymTask(tokenizer, gym_mixture(gym_tasks), level=gym_level, **kw, heldout=eval_problems,
                        max_prompt_tokens=max_prompt_tokens)
     train_set, heldout = load_math_data(train_data, eval_data)
-    return MathTask(tokenizer, train_set, heldout[:eval_problems], **kw)
+    return MathTask(tokenizer, train_set, heldout[:eval_problems], **kw, grader=grader)
 
 
 def generation_stop_ids(path: str, tokenizer) -> list[int]:

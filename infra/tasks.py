@@ -11,7 +11,10 @@ problems), `eos` and `pad`.
 - `MathTask`: the paper's task (Table 1's setup, arXiv:2610.06647): DAPO-Math-17k problems for
   training and MATH-500 for evaluation, the Qwen-Math system prompt "Please reason step by
   step, and put your final answer within \\boxed{}." through the tokenizer's chat template
-  (`ChatTask`), graded with math-verify (`grade`). Its data and its tokenizer are read by
+  (`ChatTask`), graded with math-verify (`grade`), or with `--grader number` by `grade_number`:
+  right only when the last boxed answer is exactly the integer asked for, for data whose
+  answers are plain integers (an expression restating the question's operands passes
+  math-verify, which equates it with its value). Its data and its tokenizer are read by
   task_data.py (`task_data.chat_task` builds a chat task from a checkpoint's files).
 - `GymTask`: the task of the paper's 27B long run, a Reasoning Gym "Hard" mixture (the paper
   does not list its own; `GYM_HARD` says how this one is chosen): problems made by the
@@ -49,6 +52,7 @@ Departures, numbered
 import hashlib
 import math
 import random
+import re
 
 import torch
 
@@ -138,14 +142,24 @@ class ChatTask:
 
 
 class MathTask(ChatTask):
-    """The paper's prompts (its system prompt, then the problem); a response is right when
-    math-verify accepts its final answer. Problems are (problem, gold) pairs."""
+    """The paper's prompts (its system prompt, then the problem); a response is right when its
+    grader accepts its final answer: math-verify (`grade`, the paper's) or, with
+    `grader="number"`, `grade_number` (a boxed integer and nothing else). Problems are
+    (problem, gold) pairs."""
 
     system = SYSTEM_PROMPT
 
-    def __init__(self, tokenizer, train, heldout, seed, stop_ids=None):
+    def __init__(self, tokenizer, train, heldout, seed, stop_ids=None, grader=None):
         super().__init__(tokenizer, stop_ids)
+        if grader not in GRADERS:
+            raise TaskError(f"grader {grader!r}: one of {', '.join(g for g in GRADERS if g)} (--grader)")
+        if grader == "number":  # every gold answer an integer as written, or the grader could never pay
+            bad = next((p for p in (*train, *heldout) if not INTEGER.fullmatch(str(p[1]).strip())), None)
+            if bad is not None:
+                raise TaskError(f"--grader number needs integer answers, and the problem {bad[0][:60]!r} has the "
+                                f"answer {str(bad[1])[:40]!r}: use --grader math-verify for this data")
         self.train, self.heldout, self.seed = train, heldout, seed
+        self.grade = GRADERS[grader]
 
     def train_problem(self, index: int):
         """An epoch-wise shuffle of the deduplicated training set, a pure function of the index."""
@@ -159,7 +173,7 @@ class MathTask(ChatTask):
         return problem[0]
 
     def correct(self, problem, response_ids) -> bool:
-        return grade(self.tokenizer.decode(response_ids, skip_special_tokens=True), problem[1])
+        return self.grade(self.tokenizer.decode(response_ids, skip_special_tokens=True), problem[1])
 
 
 def grade(prediction: str, gold: str) -> bool:
@@ -174,6 +188,41 @@ def grade(prediction: str, gold: str) -> bool:
         return bool(verify(parse(f"${gold}$"), parse(prediction)))
     except Exception:  # a parse or sympy failure is a wrong answer, not a crash of the run
         return False
+
+
+BOXED = "\\boxed{"
+INTEGER = re.compile(r"[+-]?[0-9]+")  # an integer as written: an optional sign, then digits only
+
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last `\\boxed{...}` of `text`, its braces matched (`\\boxed{\\frac{1}{2}}`
+    holds `\\frac{1}{2}`), or None when there is none or the last one is never closed."""
+    start = text.rfind(BOXED)
+    if start < 0:
+        return None
+    depth, i = 1, start + len(BOXED)
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def grade_number(prediction: str, gold) -> bool:
+    """A response is right only when its last `\\boxed{...}` holds exactly an integer (an optional
+    sign and digits, spaces around them trimmed) equal to the integer `gold`. Wrong: no boxed
+    answer, an expression (`7 \\cdot 8`, `0 + 7`, restated operands), a fraction or a decimal, a
+    number among words, and an earlier right answer followed by a different boxed one.
+
+    For the tasks whose answers are integers given plainly, where math-verify, which equates an
+    expression with its value, would pay a policy for boxing the question's own operands."""
+    inside = last_boxed(prediction)
+    if inside is None or not INTEGER.fullmatch(inside.strip()):
+        return False
+    return int(inside.strip()) == int(str(gold).strip())
+
+
+GRADERS = {None: grade, "math-verify": grade, "number": grade_number}  # --grader; None: the paper's
 
 
 def one_line(e: BaseException) -> str:

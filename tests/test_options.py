@@ -140,6 +140,8 @@ def test_the_task_options_belong_to_their_task():
         (["--model", "tiny", "--task", "math"], "the chat tasks need a chat checkpoint's preset"),
         (["--model", "7b", "--gym-level", "3"], "--gym-level: an option of --task reasoning-gym"),
         ([*gym, "--train-data", "d.jsonl"], "--train-data: an option of --task math"),
+        ([*gym, "--grader", "number"], "--grader: an option of --task math"),
+        (["--model", "tiny", "--grader", "number"], "--grader: an option of --task math"),
         ([*gym, "--gym-tasks", "chain_sum:0"], "--gym-tasks chain_sum:0: give hard, or distinct"),
         ([*gym, "--gym-level", "-1"], "--gym-level -1 must be >= 0"),
         ([*gym, "--gym-tasks", "chain_sum,no_such_task"], "'no_such_task' is not a Reasoning Gym task"),
@@ -153,6 +155,10 @@ def test_the_task_options_belong_to_their_task():
     assert cfg.train_data is None and cfg.eval_data is None
     math_cfg = planning.configure(["--model", "27b", "--model-path", "/ckpt", "--dry-run"], train.PRESETS)[1]
     assert math_cfg.gym_tasks is None and math_cfg.gym_level is None  # a math run's configuration is unchanged
+    assert math_cfg.grader is None  # math-verify, the paper's (tasks.GRADERS)
+    strict = planning.configure(["--model", "27b", "--model-path", "/ckpt", "--grader", "number", "--dry-run"],
+                                train.PRESETS)[1]
+    assert strict.grader == "number" and strict.record()["grader"] == "number"  # config.json records it
     layout = planning.planned_layout(None, cfg)
     line = planning.launch_commands(cfg, layout, train.PRESETS["27b"].engine_gpus)[0]
     assert "--model 27b --model-path /ckpt --task reasoning-gym --gym-tasks hard --gym-level 2" in line, line

@@ -257,3 +257,29 @@ def test_a_damaged_generation_config(made, tmp_path):
         f.write('{"eos_token_id": [1,')
     message = refusal(math_task, folder, made["train"], made["eval"], names=f"{folder}/generation_config.json")
     assert "cannot be read" in message
+
+
+def test_the_number_grader_is_the_tasks_own_when_asked(made, tmp_path):
+    """chat_task(..., grader="number"): the math task's `correct`, which both the rollouts'
+    reward and the held-out evaluation call, is tasks.grade_number; by default it is
+    math-verify's, which also pays for the sum's operands restated in the box. Data whose gold
+    answers are not all integers is refused under the number grader, in one line."""
+    strict = task_data.chat_task("math", made["model"], seed=0, eval_problems=8, train_data=made["train"],
+                                 eval_data=made["eval"], grader="number")
+    paper = math_task(made["model"], made["train"], made["eval"])
+    problem = strict.heldout[0]
+    question, gold = problem
+    a, b = (int(x) for x in question.split("$")[1].split("+"))  # "What is $a+b$?"
+    assert int(gold) == a + b
+
+    def ids(text):
+        return strict.tokenizer.encode(text, add_special_tokens=False)
+
+    assert strict.correct(problem, ids(f"so \\boxed{{{a + b}}}")) and paper.correct(problem, ids(f"\\boxed{{{a + b}}}"))
+    assert paper.correct(problem, ids(f"\\boxed{{{a}+{b}}}")) and not strict.correct(problem, ids(f"\\boxed{{{a}+{b}}}"))
+    rows = _rows(made["eval"])
+    rows[0]["answer"] = "\\frac{1}{2}"
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    refusal(lambda: task_data.chat_task("math", made["model"], seed=0, eval_problems=8, train_data=made["train"],
+                                        eval_data=str(bad), grader="number"), names="--grader number")

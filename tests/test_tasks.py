@@ -26,6 +26,35 @@ def test_grader_on_math_answers(prediction, gold, right):
     assert tasks.grade(prediction, gold) is right
 
 
+@pytest.mark.parametrize("prediction, gold, right", [
+    ("so the answer is \\boxed{56}.", "56", True),
+    ("$\\boxed{ -3 }$", "-3", True),  # a sign, and spaces trimmed
+    ("\\boxed{+56}", 56, True),
+    ("first \\boxed{7 \\cdot 8}, finally \\boxed{56}", "56", True),  # the last box counts
+    # what math-verify pays for and this grader does not: the question's operands restated
+    ("What is 7 times 8? \\boxed{7 \\cdot 8}", "56", False),
+    ("\\boxed{7 * 8}", "56", False),
+    ("\\boxed{0 + 7}", "7", False),
+    ("Answer: 7 * 8", "56", False),
+    ("The result of 0 + 7 is 0. In other words, 0 is", "7", False),  # the base model's "right" answer
+    ("\\boxed{56/1}", "56", False),  # a fraction
+    ("\\boxed{\\frac{112}{2}}", "56", False),
+    ("\\boxed{56.0}", "56", False),  # a decimal
+    ("\\boxed{1,000}", "1000", False),
+    ("\\boxed{56 apples}", "56", False),  # a number among words
+    ("\\boxed{\\textbf{56}}", "56", False),
+    ("\\boxed{56}, no wait: \\boxed{57}", "56", False),  # a later boxed answer that differs
+    ("56", "56", False),  # no boxed answer
+    ("\\boxed{56", "56", False),  # never closed
+])
+def test_the_number_grader_pays_only_for_the_integer(prediction, gold, right):
+    """tasks.grade_number: right only when the last \\boxed{} holds exactly the integer answer;
+    every answer that games math-verify on a one-operation task is wrong here."""
+    assert tasks.grade_number(prediction, gold) is right
+    if "cdot" in prediction and not right:  # the gaming answer math-verify does pay for
+        assert tasks.grade(prediction, str(gold))
+
+
 def test_dapo_prompt_extraction():
     content = ("Solve the following math problem step by step. The last line of your response should be of "
                "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
