@@ -71,6 +71,9 @@ TABLES = (
     Table("defaults_tuning", ("defaults_tuning",),
           ("defaults.py", "--tune", "--jobs", "2", "--out", "/tmp/defaults/runs.jsonl"), "CPU",
           "about 10 min after `defaults`", "LoGRA's settings around the defaults on the family's seeds 0-4"),
+    Table("strict_prompts", ("strict_prompts",), ("strict_prompts.py", "--checkpoint", CHECKPOINT), "SmolLM2",
+          "about 12 min: 8 wordings x 200 samples", "the base SmolLM2 on real_model.py's arithmetic under the strict "
+          "integer grader and math-verify, wording by wording"),
     Table("defaults_smollm2", ("defaults_smollm2",), ("defaults.py", "--smollm2", CHECKPOINT, "--seeds", "0", "1", "2"),
           "SmolLM2", "about 15 min: 3 runs of 30 updates", "the defaults on SmolLM2-135M-Instruct"),
     Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--batch", "32", "128", "512"), "CPU", "about 3 min",
