@@ -741,8 +741,9 @@ def test_the_one_call_optimizer_resumes_from_its_state_dict():
 def test_micro_batches_as_the_readme_says_are_the_whole_batch():
     """README's micro-batches: each micro-batch's loss divided by the whole batch's response
     tokens, then one step with the whole batch. The sketches sum to the whole batch's (within
-    fp32 rounding of the sums' order), and the merged weights agree with the one-batch step's
-    to that rounding; alpha and the probe's budget are the same to 1e-5."""
+    fp32 rounding of the sums' order); alpha and the probe's budget are the same to 1e-5; the
+    merged weights agree to 1e-3, where the step moves them by up to 0.035 (a factor entry that
+    rounds to the other bf16 neighbour moves a weight by about 1e-4)."""
     ids, mask, advantages = policy_batch(21)
     mask[::2, -3:] = False  # responses of different lengths: the per-micro-batch count would differ
     runs = []
@@ -762,7 +763,7 @@ def test_micro_batches_as_the_readme_says_are_the_whole_batch():
     assert last1["alpha"] == pytest.approx(last2["alpha"], rel=1e-5)
     assert last1["budget"] == pytest.approx(last2["budget"], rel=1e-5)
     for a, b in zip(w1, w2):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
     # the wrong count (each micro-batch's own tokens) would not be the same step
     model = tiny_qwen2(seed=5, initializer_range=0.2)
     layers = sketch.attach(model, seed=5)
