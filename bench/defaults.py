@@ -488,11 +488,11 @@ def family(args):
 
     header = ["loop", "role", "AdamW's best lr (seeds 0-4)", "AdamW, seeds 5-9", "LoGRA's defaults, seeds 5-9",
               "gap (AdamW - LoGRA)", "LoGRA, seeds 0-4", "alpha at its cap (updates, seeds 5-9)", "target"]
-    rows, sweep = [], []
+    rows, sweep, gaps = [], [], {}
     for loop in loops:
         adam = runs.scores(loop, "adamw", lr_name(best[loop]), REPORT)
         logra = runs.scores(loop, "logra", "default", REPORT)
-        gap = statistics.mean(adam) - statistics.mean(logra)
+        gap = gaps[loop] = statistics.mean(adam) - statistics.mean(logra)
         capped = [runs.rows[(loop, "logra", "default", s)] for s in REPORT]
         verdict = "met" if gap <= 0.03 else "named (0.03-0.05)" if gap <= 0.05 else "**short**"
         rows.append([loop, LOOPS[loop][1], f"{best[loop]:g}", ms(adam), ms(logra), f"{gap:+.3f}",
@@ -511,8 +511,6 @@ def family(args):
             "variations), check (never looked at while a default was set), earlier (the two loops of the earlier "
             "table). The alpha column: updates at the cap in each of seeds 5-9's runs. "
             f"Compute: {compute(runs, loops, family_only=True) / 60:.0f} min of runs, one thread each.")
-    gaps = {loop: statistics.mean(runs.scores(loop, "adamw", lr_name(best[loop]), REPORT)) -
-            statistics.mean(runs.scores(loop, "logra", "default", REPORT)) for loop in loops}
     met, short = [lp for lp in loops if gaps[lp] <= 0.03], [lp for lp in loops if gaps[lp] > 0.03]
     claim = (f"Untuned, against AdamW at its best learning rate on {len(loops)} small loops of bench/defaults.py "
              f"(held-out greedy scores on seeds 5-9, AdamW's rate chosen on seeds 0-4), the defaults come within "
@@ -544,6 +542,14 @@ TUNE = [  # LoGRA's settings tried on the choosing seeds of the loops that are n
 ]
 
 
+def adamw_best(runs, loop):
+    """(mean held-out score on seeds 0-4, setting) of AdamW's best rate among those run on all of
+    seeds 0-4 of `loop`, or None when none was."""
+    rates = sorted({k[2] for k in runs.rows if k[0] == loop and k[1] == "adamw"
+                    and all((loop, "adamw", k[2], s) in runs.rows for s in CHOOSE)})
+    return max(((statistics.mean(runs.scores(loop, "adamw", lr, CHOOSE)), lr) for lr in rates), default=None)
+
+
 def tune(args):
     """--tune: LoGRA's settings (TUNE) on seeds 0-4 of every loop but the check, beside AdamW's
     best there: how the defaults were chosen, never looking at the check loops."""
@@ -552,25 +558,18 @@ def tune(args):
     settings = TUNE if not args.settings else [t for t in TUNE if t[0] in args.settings]
     runs.ensure([(loop, "logra", name, s, kw) for loop in loops for name, kw in settings for s in CHOOSE])
     header = ["loop", "AdamW's best, seeds 0-4"] + [name for name, _ in settings]
-    rows = []
+    rows, lines = [], []
     for loop in loops:
-        rates = sorted({r["setting"] for k, r in runs.rows.items() if k[0] == loop and k[1] == "adamw"
-                        and all((loop, "adamw", r["setting"], s) in runs.rows for s in CHOOSE)})
-        adam = max((statistics.mean(runs.scores(loop, "adamw", lr, CHOOSE)), lr) for lr in rates) if rates else None
+        adam = adamw_best(runs, loop)  # (mean, its rate's setting) on seeds 0-4, or None
+        means = {name: statistics.mean(runs.scores(loop, "logra", name, CHOOSE)) for name, _ in settings}
         capped = {name: sum(runs.rows[(loop, "logra", name, s)]["capped"] for s in CHOOSE) for name, _ in settings}
         rows.append([loop, f"{adam[0]:.3f} ({adam[1]})" if adam else ""] +
                     [ms(runs.scores(loop, "logra", name, CHOOSE)) + f" ({capped[name]})" for name, _ in settings])
-    lines = []
-    for loop in loops:
-        rates = [k[2] for k in runs.rows if k[0] == loop and k[1] == "adamw" and k[3] == CHOOSE[0]
-                 and all((loop, "adamw", k[2], s) in runs.rows for s in CHOOSE)]
-        if not rates:
+        if adam is None:
             continue
-        adam = max(statistics.mean(runs.scores(loop, "adamw", lr, CHOOSE)) for lr in rates)
-        means = {name: statistics.mean(runs.scores(loop, "logra", name, CHOOSE)) for name, _ in settings}
         top = max(means, key=means.get)
-        gap, default_gap = adam - means[top], adam - means.get("default", float("nan"))
-        lines.append(f"- {loop}: AdamW's best {adam:.3f}; the defaults {means.get('default', float('nan')):.3f} "
+        gap, default_gap = adam[0] - means[top], adam[0] - means.get("default", float("nan"))
+        lines.append(f"- {loop}: AdamW's best {adam[0]:.3f}; the defaults {means.get('default', float('nan')):.3f} "
                      f"({default_gap:+.3f}); LoGRA's best setting here, {top}, {means[top]:.3f} ({gap:+.3f}: "
                      + ("within 0.03" if gap <= 0.03 else "short") + ")")
     table = report.table(header, rows) + "\n\nAdamW's best minus LoGRA's, seeds 0-4:\n\n" + "\n".join(lines)

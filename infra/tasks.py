@@ -217,9 +217,8 @@ def grade_number(prediction: str, gold) -> bool:
     For the tasks whose answers are integers given plainly, where math-verify, which equates an
     expression with its value, would pay a policy for boxing the question's own operands."""
     inside = last_boxed(prediction)
-    if inside is None or not INTEGER.fullmatch(inside.strip()):
-        return False
-    return int(inside.strip()) == int(str(gold).strip())
+    answer = None if inside is None else inside.strip()
+    return answer is not None and INTEGER.fullmatch(answer) is not None and int(answer) == int(str(gold).strip())
 
 
 GRADERS = {None: grade, "math-verify": grade, "number": grade_number}  # --grader; None: the paper's
