@@ -369,7 +369,7 @@ def setup(cfg: Config, opened, run_dir: str):
     if cfg.task in tasks.CHAT_TASKS:
         task = launch.agreed(task_data.chat_task, cfg.task, cfg.model_path, seed=cfg.seed,
                              eval_problems=cfg.eval_problems, train_data=cfg.train_data, eval_data=cfg.eval_data,
-                             gym_tasks=cfg.gym_tasks, gym_level=cfg.gym_level, grader=cfg.grader,
+                             gym_tasks=cfg.gym_tasks, gym_level=cfg.gym_level, grader=cfg.grader, shots=cfg.shots,
                              max_prompt_tokens=cfg.context - cfg.max_new_tokens)
         model = policy.load_pretrained_sharded(cfg.model_path, cfg.optimizer, device, layout.world, rank,
                                                sketch_rank=cfg.sketch_rank, lora_alpha=cfg.lora_alpha, seed=cfg.seed)

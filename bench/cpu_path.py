@@ -45,7 +45,8 @@ def splits(cores: int) -> dict:
     return {
         "torch's and vLLM's own": {"OMP_NUM_THREADS": every, "VLLM_CPU_OMP_THREADS_BIND": "auto"},
         "one thread each": {"OMP_NUM_THREADS": "1"},
-        "the trainer on half": real_model.split_env({}),  # the split the comparison's runs are pinned to
+        "the trainer on half": {"OMP_NUM_THREADS": str(max(1, cores // 2)),  # the engine bound to every core
+                                "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0))))},
         CHOSEN: {},
     }
 
@@ -58,7 +59,7 @@ def run(checkpoint: str, data, out: str, name: str, env: dict, updates: int) -> 
     shutil.rmtree(run_dir, ignore_errors=True)
     environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
     command = [sys.executable, os.path.join(ROOT, "train.py"), "--model", "smollm2-cpu", "--model-path", checkpoint,
-               "--train-data", data[0], "--eval-data", data[1], "--optimizer", "logra", "--seed", "0",
+               "--train-data", data["train"], "--eval-data", data["validation"], "--optimizer", "logra", "--seed", "0",
                "--updates", str(updates), "--eval-every", "0", "--no-eval-base", "--save-every", "0",
                "--run-dir", run_dir]
     print(f"run ({name}):", " ".join(command), flush=True)
@@ -90,7 +91,7 @@ def main():
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "cpu-path"))
     p.add_argument("--updates", type=int, default=6)
     args = report.parse_args(p, "cpu_path")
-    data = real_model.write_task(os.path.join(args.out, "data"))
+    data = real_model.write_task(os.path.join(args.out, "data"), real_model.TASKS["words"])
     cores = len(os.sched_getaffinity(0))
     results = {name: run(args.checkpoint, data, args.out, name, env, args.updates)
                for name, env in splits(cores).items()}

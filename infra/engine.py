@@ -65,18 +65,25 @@ def rollout_slots(update: int, *, batch: int, group_size: int, seed: int, world:
     return prompts, seeds
 
 
+SHOWN = 8  # responses an evaluation returns as text (`eval_texts`), for a reader to check its grades
+
+
 def evaluate(engine, task, *, samples, temperature, top_p, max_new_tokens, seed, world, rank,
              device, problems=None) -> dict:
-    """Held-out {pass1, passk, pass1_se, eval_problems, eval_samples}, k = `samples`: Pass@1 is
-    the mean score of the k samples of a problem (1 right, 0 wrong; Reasoning Gym's in [0, 1]),
-    Pass@k their best, pass1_se Pass@1's standard error over problems (the sd of the problems'
-    mean scores / sqrt(problems): the error of a mean over these problems' draws). `problems`:
-    the first n of `task.heldout` (None: all). Sums and counts over ranks: rank `rank` of
-    `world` samples every world-th problem, each sample with a seed from (run seed, problem,
-    sample), so any number of ranks scores the same samples."""
+    """Held-out {pass1, passk, pass1_se, eval_problems, eval_samples, eval_tokens_mean,
+    eval_texts}, k = `samples`: Pass@1 is the mean score of the k samples of a problem (1
+    right, 0 wrong; Reasoning Gym's in [0, 1]), Pass@k their best, pass1_se Pass@1's standard
+    error over problems (the sd of the problems' mean scores / sqrt(problems): the error of a
+    mean over these problems' draws), eval_tokens_mean the generated tokens a response (as the
+    engine returned them, EOS included), eval_texts the first sample of this rank's first
+    `SHOWN` problems as {question, response, score}. `problems`: the first n of `task.heldout`
+    (None: all). Sums and counts over ranks: rank `rank` of `world` samples every world-th
+    problem, each sample with a seed from (run seed, problem, sample), so any number of ranks
+    scores the same samples."""
     heldout = task.heldout[:problems]
     problems = heldout[rank::world]
     right = torch.zeros(len(problems), samples)
+    tokens, texts = 0, []
     bar = metrics.Progress(samples * len(heldout), "evaluation: samples", enabled=rank == 0)
     for s in range(samples):
         seeds = [stable_seed("eval", seed, i * world + rank, s) for i in range(len(problems))]
@@ -84,16 +91,21 @@ def evaluate(engine, task, *, samples, temperature, top_p, max_new_tokens, seed,
                                   max_new_tokens=max_new_tokens)
         right[:, s] = torch.tensor([task.correct(p, y) for p, y in zip(problems, rollout.responses)],
                                    dtype=torch.float32)
+        tokens += sum(map(len, rollout.responses))
+        if s == 0:
+            texts = [{"question": task.question(p), "response": task.decode(y), "score": float(right[i, 0])}
+                     for i, (p, y) in enumerate(zip(problems[:SHOWN], rollout.responses))]
         bar.update(len(heldout))
     bar.close()
     means = right.mean(1).double()
-    (correct, any_correct, n_samples, count, squares), _ = metrics.global_sums(
-        [right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems), means.square().sum().item()],
-        device=device)
+    (correct, any_correct, n_samples, count, squares, tokens), _ = metrics.global_sums(
+        [right.sum().item(), right.amax(1).sum().item(), right.numel(), len(problems), means.square().sum().item(),
+         tokens], device=device)
     pass1 = correct / n_samples
     variance = max(squares / count - pass1**2, 0.0) * count / max(count - 1, 1)  # of a problem's mean score
     return {"pass1": pass1, "passk": any_correct / count, "pass1_se": math.sqrt(variance / count),
-            "eval_problems": int(count), "eval_samples": samples}
+            "eval_problems": int(count), "eval_samples": samples, "eval_tokens_mean": tokens / n_samples,
+            "eval_texts": texts}
 
 
 def stable_seed(*parts) -> int:

@@ -185,7 +185,8 @@ def update_row(completed, rewards, correct, rollout, trainer_logp, kl_step, loss
             "mismatch": mismatch,
             "sketch_norm": kl_step["sketch_norm"], "tis_weight": None if tis is None else float(tis),
             "logp_gap_mean": gap_mean, "logp_gap_max": gap_max, "sync_bytes": sync_bytes,
-            "mem_gib": memory_gib(device), "tokens": num_tokens, "tokens_per_s": num_tokens / seconds, **groups,
+            "mem_gib": memory_gib(device), "responses": int(count), "tokens": num_tokens,
+            "tokens_per_s": num_tokens / seconds, **groups,
             **({} if sync_changed is None else {"sync_changed": sync_changed}), "state_mib": kl_step["state"] / 2**20}
 
 

@@ -166,6 +166,10 @@ class Config:
                        "math-verify (the paper's; the default) or number (the last \\boxed{} must hold exactly "
                        "the integer answer: tasks.grade_number)", default=None, choices=("math-verify", "number"),
                        task=("math",))
+    shots: str = knob("worked examples shown before every math problem as earlier user and assistant turns, in the "
+                      "rollouts and the held-out evaluation alike: a .jsonl file of {\"problem\", \"solution\"} rows "
+                      "(default: none, the paper's prompt; a small model copies their form, bench/README.md's "
+                      "strict_prompts)", default=None, task=("math",))
     gym_tasks: str = knob("with --task reasoning-gym: a mixture (hard: tasks.GYM_HARD) or NAME[:WEIGHT],... of its "
                           "tasks", default=None, task=("reasoning-gym",))
     gym_level: int = knob("with --task reasoning-gym: the level of every task's curriculum (0: the easiest)",

@@ -20,7 +20,7 @@ or row (.parquet), counted from 1.
   not UTF-8, a line that is not JSON or a JSON value that is not an object (a row), a file
   with no rows, a file of another kind than .parquet, .jsonl or .json, and rows without their
   data set's fields (DAPO-Math-17k: a non-empty prompt[0].content and reward_model.ground_truth;
-  MATH-500: a non-empty problem and answer).
+  MATH-500: a non-empty problem and answer; --shots: a non-empty problem and solution).
 - The tokenizer (`load_tokenizer`): a model folder without tokenizer files (transformers 5
   then builds an empty tokenizer from config.json instead of raising, and vLLM later stops on
   an empty prompt), or tokenizer files that do not load (tasks.ChatTask then checks what it
@@ -45,7 +45,7 @@ DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
 
 
 def chat_task(task: str, model_path: str, *, seed: int, eval_problems: int, train_data=None, eval_data=None,
-              gym_tasks=None, gym_level=0, max_prompt_tokens=None, grader=None) -> ChatTask:
+              gym_tasks=None, gym_level=0, max_prompt_tokens=None, grader=None, shots=None) -> ChatTask:
     """A chat checkpoint's task: the math task from this node's tokenizer and data files, or
     Reasoning Gym's problems made from the seed (at most `max_prompt_tokens` a prompt).
 
@@ -58,7 +58,8 @@ def chat_task(task: str, model_path: str, *, seed: int, eval_problems: int, trai
         return GymTask(tokenizer, gym_mixture(gym_tasks), level=gym_level, **kw, heldout=eval_problems,
                        max_prompt_tokens=max_prompt_tokens)
     train_set, heldout = load_math_data(train_data, eval_data)
-    return MathTask(tokenizer, train_set, heldout[:eval_problems], **kw, grader=grader)
+    return MathTask(tokenizer, train_set, heldout[:eval_problems], **kw, grader=grader,
+                    shots=load_shots(shots) if shots else ())
 
 
 def generation_stop_ids(path: str, tokenizer) -> list[int]:
@@ -126,6 +127,24 @@ def load_math_data(train_source: str, eval_source: str):
             seen.add(problem)
             train.append((problem, gold))
     return train, heldout
+
+
+def load_shots(path: str) -> list[tuple[str, str]]:
+    """The worked examples of --shots: (problem, solution) pairs from a local .jsonl/.json file
+    (or folder) of {"problem": ..., "solution": ...} rows, in the file's order. They go before
+    every problem as earlier chat turns (tasks.ChatTask), so a missing one is refused here."""
+    if not os.path.exists(path):
+        raise TaskError(f"--shots {path}: no such file; give a .jsonl file of {{\"problem\", \"solution\"}} rows")
+    return read_rows(path, "worked examples", "--shots", shot_row)
+
+
+def shot_row(row: dict) -> tuple[str, str]:
+    """(problem, solution) of a worked example; ValueError says what the row lacks."""
+    for field in ("problem", "solution"):
+        if not isinstance(row.get(field), str) or not row[field].strip():
+            raise ValueError(f"a worked example needs the fields problem and solution, non-empty strings; its {field} "
+                             f"is {json.dumps(row.get(field), default=str)[:60]}")
+    return row["problem"], row["solution"]
 
 
 def _answer(value, field: str) -> str:

@@ -80,9 +80,14 @@ class ChatTask:
     model's plain-text format is not guessed), as is one without an EOS token or whose
     vocabulary encodes a question to nothing (`PROBE`). `stop_ids`: the token ids that end a response
     (task_data.generation_stop_ids: the checkpoint's generation config, where Llama 3 lists several).
-    A subclass gives `system`, `train_problem`, `question(problem)` and `correct`."""
+    A subclass gives `system`, `train_problem`, `question(problem)` and `correct`; `shots`,
+    worked examples as (question, solution) pairs, go before every question as earlier user and
+    assistant turns (a few-shot prompt: a small model copies the form of its own earlier turns,
+    where an example inside the question is answered or copied instead, bench/README.md's
+    `strict_prompts`)."""
 
     system = ""
+    shots = ()  # (question, solution) pairs: the earlier turns of every prompt
     PROBE = "What is $1+1$?"  # a question any tokenizer of a chat model encodes to several distinct ids
 
     def __init__(self, tokenizer, stop_ids=None):
@@ -126,14 +131,20 @@ class ChatTask:
                             f"chat_template in its tokenizer_config.json (or chat_template.jinja)")
 
     def messages(self, problem: str) -> list[dict]:
+        turns = [{"role": role, "content": text} for shot in self.shots
+                 for role, text in zip(("user", "assistant"), shot)] + [{"role": "user", "content": problem}]
         if self.system_role:
-            return [{"role": "system", "content": self.system}, {"role": "user", "content": problem}]
-        return [{"role": "user", "content": f"{self.system}\n\n{problem}"}]
+            return [{"role": "system", "content": self.system}, *turns]
+        return [{"role": "user", "content": f"{self.system}\n\n{turns[0]['content']}"}, *turns[1:]]
 
     def _template(self, problem: str, tokenize=True):
         out = self.tokenizer.apply_chat_template(self.messages(problem), add_generation_prompt=True,
                                                  tokenize=tokenize, return_dict=False)
         return [int(i) for i in out] if tokenize else out
+
+    def decode(self, response_ids) -> str:
+        """A response as its grader reads it (special tokens dropped)."""
+        return self.tokenizer.decode(response_ids, skip_special_tokens=True)
 
     def prompt_ids(self, problems) -> list[list[int]]:
         """Token ids of the chat prompt. `return_dict=False`: since transformers 5,
@@ -145,11 +156,12 @@ class MathTask(ChatTask):
     """The paper's prompts (its system prompt, then the problem); a response is right when its
     grader accepts its final answer: math-verify (`grade`, the paper's) or, with
     `grader="number"`, `grade_number` (a boxed integer and nothing else). Problems are
-    (problem, gold) pairs."""
+    (problem, gold) pairs; `shots`: worked examples before each (ChatTask)."""
 
     system = SYSTEM_PROMPT
 
-    def __init__(self, tokenizer, train, heldout, seed, stop_ids=None, grader=None):
+    def __init__(self, tokenizer, train, heldout, seed, stop_ids=None, grader=None, shots=()):
+        self.shots = tuple(shots)  # before the template's checks, which then render them too
         super().__init__(tokenizer, stop_ids)
         if grader not in GRADERS:
             raise TaskError(f"grader {grader!r}: one of {', '.join(g for g in GRADERS if g)} (--grader)")
@@ -173,7 +185,7 @@ class MathTask(ChatTask):
         return problem[0]
 
     def correct(self, problem, response_ids) -> bool:
-        return self.grade(self.tokenizer.decode(response_ids, skip_special_tokens=True), problem[1])
+        return self.grade(self.decode(response_ids), problem[1])
 
 
 def grade(prediction: str, gold: str) -> bool:
@@ -366,7 +378,7 @@ class GymTask(ChatTask):
 
     def correct(self, problem, response_ids) -> float:
         name, entry = problem
-        answer = self.extract_answer(self.tokenizer.decode(response_ids, skip_special_tokens=True))
+        answer = self.extract_answer(self.decode(response_ids))
         try:
             score = float(self.datasets[name].score_answer(answer, entry))
         except Exception:  # a scorer that fails on a malformed answer: a wrong answer, not a crash (departure 3)
@@ -424,6 +436,8 @@ class Arithmetic:
     def prompt(problem) -> str:
         a, op, b = problem
         return f"{a:02d}{op}{b:02d}="
+
+    question = prompt  # what the held-out evaluation's samples show (engine.evaluate), as the chat tasks'
 
     @staticmethod
     def answer(problem) -> int:

@@ -88,3 +88,52 @@ def test_a_padded_rollout_is_the_same_rollout_longer():
         assert "cannot be padded" in str(e)
     else:
         raise AssertionError("a shorter length was accepted")
+
+
+class _EvenFirst:
+    """A held-out task for evaluate: a response is right when its first token is even."""
+
+    def __init__(self, n):
+        self.heldout = [(i, [1, 5 + i % 7, 6, 7]) for i in range(n)]
+
+    @staticmethod
+    def prompt_ids(problems):
+        return [p[1] for p in problems]
+
+    @staticmethod
+    def correct(problem, response):
+        return bool(response) and response[0] % 2 == 0
+
+    @staticmethod
+    def question(problem):
+        return f"problem {problem[0]}"
+
+    @staticmethod
+    def decode(response):
+        return " ".join(map(str, response))
+
+
+def test_the_evaluation_counts_scores_tokens_and_shows_its_first_responses():
+    """engine.evaluate against a numpy recomputation from the same samples (the engine's own
+    generate, each sample's documented seed): pass@1, pass@k, pass@1's standard error over
+    problems, the generated tokens a response, and the first sample of the first SHOWN
+    problems as text with its score."""
+    from infra.engine import SHOWN, evaluate, stable_seed
+
+    eng, task, k = engine(), _EvenFirst(11), 3
+    got = evaluate(eng, task, samples=k, temperature=1.0, top_p=1.0, max_new_tokens=5, seed=4, world=1, rank=0,
+                   device="cpu")
+    right, lengths, first = np.zeros((11, k)), [], []
+    for s in range(k):
+        ro = eng.generate(task.prompt_ids(task.heldout), [stable_seed("eval", 4, i, s) for i in range(11)],
+                          temperature=1.0, max_new_tokens=5)
+        right[:, s] = [task.correct(p, y) for p, y in zip(task.heldout, ro.responses)]
+        lengths += [len(y) for y in ro.responses]
+        first = first or ro.responses
+    means = right.mean(1)
+    assert got["pass1"] == right.mean() and got["passk"] == right.max(1).mean()
+    assert abs(got["pass1_se"] - means.std(ddof=1) / np.sqrt(11)) < 1e-6  # the means of k scores in float32
+    assert got["eval_tokens_mean"] == np.mean(lengths) and 1 <= np.mean(lengths) <= 5
+    assert got["eval_texts"] == [{"question": f"problem {i}", "response": " ".join(map(str, first[i])),
+                                  "score": float(right[i, 0])} for i in range(SHOWN)]
+    assert (got["eval_problems"], got["eval_samples"]) == (11, k) and 0 < right.mean() < 1  # both grades occur

@@ -142,6 +142,7 @@ def test_the_task_options_belong_to_their_task():
         ([*gym, "--train-data", "d.jsonl"], "--train-data: an option of --task math"),
         ([*gym, "--grader", "number"], "--grader: an option of --task math"),
         (["--model", "tiny", "--grader", "number"], "--grader: an option of --task math"),
+        ([*gym, "--shots", "s.jsonl"], "--shots: an option of --task math"),
         ([*gym, "--gym-tasks", "chain_sum:0"], "--gym-tasks chain_sum:0: give hard, or distinct"),
         ([*gym, "--gym-level", "-1"], "--gym-level -1 must be >= 0"),
         ([*gym, "--gym-tasks", "chain_sum,no_such_task"], "'no_such_task' is not a Reasoning Gym task"),
@@ -159,6 +160,9 @@ def test_the_task_options_belong_to_their_task():
     strict = planning.configure(["--model", "27b", "--model-path", "/ckpt", "--grader", "number", "--dry-run"],
                                 train.PRESETS)[1]
     assert strict.grader == "number" and strict.record()["grader"] == "number"  # config.json records it
+    shown = planning.configure(["--model", "27b", "--model-path", "/ckpt", "--shots", "s.jsonl", "--dry-run"],
+                               train.PRESETS)[1]
+    assert math_cfg.shots is None and shown.record()["shots"] == "s.jsonl"
     layout = planning.planned_layout(None, cfg)
     line = planning.launch_commands(cfg, layout, train.PRESETS["27b"].engine_gpus)[0]
     assert "--model 27b --model-path /ckpt --task reasoning-gym --gym-tasks hard --gym-level 2" in line, line

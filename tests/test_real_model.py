@@ -136,28 +136,49 @@ def test_a_wheel_converts_once_and_bad_files_are_refused(tmp_path):
 # -----------------------------------------------------------------------------
 # The bench on the checkpoint: its task, its resumable runs, its tables
 
-def test_the_task_files_are_the_paper_formats_disjoint_and_right(tmp_path):
-    """The math task reads the files as it reads DAPO-Math-17k and MATH-500: 344 problems to
-    train on and 200 held out, together every "a plus b" (a, b < 20) and "a times b" (a, b in
-    1..12) once, each gold answer worked out here from the question's own words; the preset
-    evaluates all 200."""
+def test_the_task_files_are_the_paper_formats_three_disjoint_splits_and_right(tmp_path):
+    """Each task's files read as the math task reads DAPO-Math-17k and MATH-500, with its worked
+    examples as --shots reads them: train, validation (>= 100) and test (>= 200) disjoint, and no
+    problem in one split whose twin (the same numbers in another order) is in another; the
+    worked examples' own problems and their twins in none; every gold answer worked out here
+    from the question's own words; the words task holds every "a plus b" (a, b < 20) and "a
+    times b" (a, b in 1..12) but those."""
     import re
 
-    import train
-    from infra import task_data, tasks
+    from infra import task_data
 
-    train_set, heldout = task_data.load_math_data(*real_model.write_task(str(tmp_path)))
-    assert (len(train_set), len(heldout)) == (344, 200) and train.PRESETS["smollm2-cpu"].eval_problems == 200
-    seen = []
-    for question, gold in train_set + heldout:
-        a, op, b = re.fullmatch(r"What is (\d+) (plus|times) (\d+)\?", question).groups()
-        assert gold == str(int(a) + int(b) if op == "plus" else int(a) * int(b))
-        seen.append((op, int(a), int(b)))
-    want = [("plus", a, b) for a in range(20) for b in range(20)] + \
-        [("times", a, b) for a in range(1, 13) for b in range(1, 13)]
-    assert sorted(seen) == sorted(want)  # disjoint, and all of them
-    assert heldout[0] == ("What is 0 plus 7?", "7")  # the split is fixed: every clone holds out the same 200
-    assert tasks.grade("So the answer is \\boxed{13}.", "13") and not tasks.grade("\\boxed{12}", "13")
+    def twin(question):  # the numbers in sorted order and the words around them
+        return (re.sub(r"\d+", "#", question), tuple(sorted(map(int, re.findall(r"\d+", question)))))
+
+    def worked_out(question):
+        n = list(map(int, re.findall(r"\d+", question)))
+        if question.startswith("What is"):
+            return n[0] + n[1] if " plus " in question else n[0] * n[1]
+        if "change" in question:
+            return n[2] - n[0] * n[1]
+        if "marbles" in question:
+            return n[0] - n[1] + n[2]
+        return n[0] * n[1] + n[2] if ("in all" in question) else n[0] * n[1] - n[2]
+
+    for key, task in real_model.TASKS.items():
+        paths = real_model.write_task(str(tmp_path / key), task)
+        train_set, validation = task_data.load_math_data(paths["train"], paths["validation"])
+        test = task_data.load_math_data(paths["train"], paths["test"])[1]
+        shots = task_data.load_shots(paths["shots"])
+        assert shots == list(task.shots) and len(validation) >= 100 and len(test) >= 200 and len(train_set) >= 200
+        where = {}
+        for split, problems in (("train", train_set), ("validation", validation), ("test", test)):
+            for question, gold in problems:
+                assert gold == str(worked_out(question)) and (int(gold) > 0 or key == "words"), question
+                assert where.setdefault(twin(question), split) == split, question  # a twin in another split
+        assert not {twin(q) for q, _ in shots} & set(where)  # the worked examples' problems (and twins): in none
+        every = [q for q, _ in train_set + validation + test]
+        assert len(every) == len(set(every))
+        if key == "words":
+            want = {f"What is {a} plus {b}?" for a in range(20) for b in range(20)} | \
+                {f"What is {a} times {b}?" for a in range(1, 13) for b in range(1, 13)}
+            assert set(every) == {q for q in want if twin(q) not in {twin(s) for s, _ in shots}}
+    assert real_model.task_split(real_model.TASKS["words"])[2][0] == ("What is 6 plus 7?", 13)  # fixed in every clone
 
 
 def test_every_method_starts_from_the_same_engine_weights():
@@ -207,14 +228,20 @@ def test_every_method_starts_from_the_same_engine_weights():
 # -----------------------------------------------------------------------------
 # The comparison's bookkeeping on rows worked out by hand
 
-def method(key="adam", grid=(1e-5, 3e-5, 1e-4), step=10 ** 0.5):
-    return real_model.Method(key, key.upper(), "adam" if key.startswith("adam") else key, "lr", grid, step)
+TASK = real_model.TASKS["words"]
+
+
+def method(key="adam", grid=(1e-5, 3e-5, 1e-4), step=10 ** 0.5, **kw):
+    return real_model.Method(key, key.upper(), "adam" if key.startswith("adam") else key, "lr", grid, step, **kw)
 
 
 def row(m, value, seed, pass1, start="s0", update_s=10.0, sync_s=1.0):
-    return {"method": m.key, "value": value, "seed": seed, "flags": [], "start": start, "updates": 40,
-            "rollouts": 320, "final": {"pass1": pass1, "passk": pass1, "pass1_se": 0.02, "eval_problems": 200,
-                                       "eval_samples": 4},
+    return {"task": "words", "method": m.key, "value": value, "seed": seed, "flags": [], "start": start,
+            "updates": 40, "rollouts": 320, "response_tokens_mean": 20.0, "selected_on": "validation",
+            "reported_on": real_model.split_of(seed),
+            "final": {"pass1": pass1, "passk": pass1, "pass1_se": 0.02, "eval_problems": 200, "eval_samples": 4,
+                      "eval_tokens_mean": 21.0},
+            "samples": [{"question": "What is 6 plus 7?", "response": "6 plus 7 is 13, so \\boxed{13}.", "score": 1.0}],
             "curve": [[10, pass1 - 0.05, 50, 1], [40, pass1, 200, 4]],
             "phases": {p: (sync_s if p == "sync" else 1.0) for p in real_model.PHASES}, "update_s": update_s,
             "state_mib": 85.0, "plan_mib": 85.0, "peak_rss_gib": 2.5, "sync_mib": 19.0, "kl_real_over_pred": 1.0,
@@ -238,10 +265,11 @@ def test_a_sweep_extends_past_an_edge_until_its_best_is_inside():
     rows[real_model.run_key(m, values[3], 0)] = row(m, values[3], 0, 0.45)  # lower: the best is now inside
     assert real_model.sweep_values(m, rows) == values and real_model.best_value(m, rows) == (1e-4, False)
     plan = real_model.pending([m], rows)
-    assert [(v, s) for _, v, s in plan] == [(1e-4, 1), (1e-4, 2)]  # its best at the other seeds, nothing else
+    assert [(v, s) for _, v, s in plan] == [(1e-4, 1), (1e-4, 2), (1e-4, 3)]  # its best at the reporting seeds
     other = method("lora", grid=(1e-4, 3e-4, 1e-3))  # a sweep not done: after the done one's seeds
     assert [(n.optimizer, v, s) for n, v, s in real_model.pending([other, m], rows)] == \
-        [("adam", 1e-4, 1), ("adam", 1e-4, 2), ("lora", 1e-4, 0), ("lora", 3e-4, 0), ("lora", 1e-3, 0)]
+        [("adam", 1e-4, 1), ("adam", 1e-4, 2), ("adam", 1e-4, 3), ("lora", 1e-4, 0), ("lora", 3e-4, 0),
+         ("lora", 1e-3, 0)]
     for v in list(values):  # always better further up: EXTEND more values, then reported at its edge
         rows[real_model.run_key(m, v, 0)] = row(m, v, 0, v)
     for _ in range(real_model.EXTEND):
@@ -253,101 +281,142 @@ def test_a_sweep_extends_past_an_edge_until_its_best_is_inside():
     assert real_model.best_value(one, {real_model.run_key(one, 3e-5, 0): row(one, 3e-5, 0, 0.4)}) == (3e-5, False)
 
 
+def test_a_named_setting_competes_with_the_grid_and_the_defaults_are_reported_beside_the_best():
+    """LoGRA's paper schedule is tried beside its budget grid at the selection seed; when it is
+    the best, the grid is not extended even with its own best at an edge, and the defaults run
+    at the reporting seeds beside it. Its flags are the schedule's, not the rule's."""
+    logra = method("logra", grid=(0.5, 1.0, 2.0), step=2.0, named=(real_model.PAPER,), defaults=1.0)
+    rows = {real_model.run_key(logra, v, 0): row(logra, v, 0, p)
+            for v, p in ((0.5, 0.30), (1.0, 0.35), (2.0, 0.40))}
+    assert real_model.sweep_values(logra, rows) == [0.5, 1.0, 2.0, "paper"] and real_model.best_value(logra, rows) is None
+    rows[real_model.run_key(logra, "paper", 0)] = row(logra, "paper", 0, 0.50)
+    assert real_model.best_value(logra, rows) == ("paper", False) and real_model.run_key(logra, "paper", 2) == \
+        "logra-paper-seed2"
+    assert [(v, s) for _, v, s in real_model.pending([logra], rows)] == \
+        [("paper", 1), ("paper", 2), ("paper", 3), (1.0, 1), (1.0, 2), (1.0, 3)]
+    rows[real_model.run_key(logra, "paper", 0)] = row(logra, "paper", 0, 0.20)  # the grid's edge is best: extended
+    assert real_model.sweep_values(logra, rows) == [0.5, 1.0, 2.0, 4.0, "paper"]
+    flags = real_model.methods(18)[0].flags("paper")
+    assert flags[flags.index("--kl-entropy-share") + 1] == "0" and flags[flags.index("--kl-start") + 1] == "2e-4"
+
+
 def test_intervals_are_t_over_seeds_and_paired_with_adamw():
     # gains 0.10, 0.20, 0.15: mean 0.15, sd 0.05, t(2) = 4.303: half-width 4.303 * 0.05 / sqrt(3) = 0.1242
     mean, half = real_model.interval([0.10, 0.20, 0.15])
     assert mean == pytest.approx(0.15) and half == pytest.approx(0.124216, abs=1e-5)
     assert math.isnan(real_model.interval([0.1])[1]) and real_model.spread(0.1, math.nan, 1) == "+0.100 (1 seed)"
-    logra, adam = method("logra", grid=(0.5, 1.0, 2.0), step=2.0), method("adam")
-    rows = {f"base-seed{s}": base(s, 0.3) for s in (0, 1, 2)}
+    logra = method("logra", grid=(0.5, 1.0, 2.0), step=2.0, defaults=0.5)
+    adam = method("adam")
+    rows = {f"base-seed{s}": base(s, 0.3) for s in (0, 1, 2, 3)}
     for v, p in ((0.5, 0.40), (1.0, 0.45), (2.0, 0.42)):
         rows[real_model.run_key(logra, v, 0)] = row(logra, v, 0, p)
     for v, p in ((1e-5, 0.38), (3e-5, 0.44), (1e-4, 0.41)):
         rows[real_model.run_key(adam, v, 0)] = row(adam, v, 0, p)
-    for s, (pl, pa) in {1: (0.55, 0.40), 2: (0.50, 0.42)}.items():
+    for s, (pl, pa, pd) in {1: (0.45, 0.44, 0.40), 2: (0.55, 0.40, 0.45), 3: (0.50, 0.42, 0.42)}.items():
         rows[real_model.run_key(logra, 1.0, s)] = row(logra, 1.0, s, pl)
+        rows[real_model.run_key(logra, 0.5, s)] = row(logra, 0.5, s, pd)
         rows[real_model.run_key(adam, 3e-5, s)] = row(adam, 3e-5, s, pa, sync_s=3.0)
-    markdown, line, printed = real_model.tables(rows, [logra, adam])
+    markdown, line, printed = real_model.tables(rows, TASK, [logra, adam])
     # LoGRA's gains 0.15, 0.25, 0.20 (mean 0.20, sd 0.05: +- 0.124); AdamW's 0.14, 0.10, 0.12 (mean 0.12,
-    # sd 0.02: +- 0.0497); paired differences 0.01, 0.15, 0.08 (mean 0.08, sd 0.07: +- 4.303 * 0.07 / sqrt 3 = 0.174)
-    assert "| LOGRA | budget x default 1 | +0.150, +0.250, +0.200 | +0.200 [+0.076, +0.324] | " \
-           "+0.080 [-0.094, +0.254] |" in markdown.replace("lr 1", "budget x default 1")
-    assert "| ADAM | lr 3e-05 | +0.140, +0.100, +0.120 | +0.120 [+0.070, +0.170] | - |" in markdown
-    assert "LOGRA +0.200 +- 0.124; ADAM +0.120 +- 0.050" in line
-    assert "| LOGRA | lr 1 **best** | 0.450 +- 0.020 | +0.150 | 10.0 |" in markdown
-    assert "| ADAM | 1.00 | 1.00 | 1.00 | 1.00 | 1.00 | 3.00 | 10.0 | 30% | 85.0 | 85.0 | 2.50 | 19.00 |" in markdown
+    # sd 0.02: +- 0.0497); paired differences 0.01, 0.15, 0.08 (mean 0.08, sd 0.07: +- 4.303 * 0.07 / sqrt 3 = 0.174).
+    # Its defaults' gains 0.10, 0.15, 0.12 (mean 0.1233); minus AdamW's -0.04, 0.05, 0.00; minus its best -0.05,
+    # -0.10, -0.08 (mean -0.0767, sd 0.02517: +- 0.0625)
+    assert "| LOGRA, its best | lr 1 | +0.150, +0.250, +0.200 | +0.200 [+0.076, +0.324] | " \
+           "+0.080 [-0.094, +0.254] |" in markdown
+    assert "| ADAM, its best | lr 3e-05 | +0.140, +0.100, +0.120 | +0.120 [+0.070, +0.170] | - |" in markdown
+    assert "| LOGRA, its defaults | lr 0.5 | +0.100, +0.150, +0.120 | +0.123 [" in markdown
+    assert "LOGRA's defaults minus its best, paired by seed: -0.077 [-0.139, -0.014]" in markdown
+    assert "LOGRA +0.200 [+0.076, +0.324]; LOGRA's defaults +0.123; ADAM +0.120 [+0.070, +0.170]" in line
+    assert "| LOGRA | lr 1 **best** | 0.450 +- 0.020 | +0.150 | 20 | 10.0 |" in markdown
+    assert "| ADAM | 1.00 | 1.00 | 1.00 | 1.00 | 1.00 | 3.00 | 10.0 | 30% | 85.0 | 85.0 | 2.50 | 19.00 | 20 | 21 |" \
+        in markdown
+    assert "- right: What is 6 plus 7? -> `6 plus 7 is 13, so \\boxed{13}.`" in markdown  # the first test responses
 
 
 def test_rows_from_other_starts_or_budgets_make_no_table():
     m = method()
     rows = {"base-seed0": base(0), real_model.run_key(m, 1e-5, 0): row(m, 1e-5, 0, 0.4, start="other")}
     with pytest.raises(real_model.BenchError, match="no base evaluation of seed 0 from its start"):
-        real_model.tables(rows, [m])
+        real_model.tables(rows, TASK, [m])
     rows[real_model.run_key(m, 1e-5, 0)]["start"] = "s0"
-    rows[real_model.run_key(m, 3e-5, 0)] = dict(row(m, 3e-5, 0, 0.4), updates=20)
+    rows[real_model.run_key(m, 3e-5, 0)] = dict(row(m, 3e-5, 0, 0.4), rollouts=312)  # an engine returned fewer
     with pytest.raises(real_model.BenchError, match="one rollout budget"):
-        real_model.tables(rows, [m])
+        real_model.tables(rows, TASK, [m])
 
 
 def test_runs_write_their_rows_resume_and_share_one_start(tmp_path, monkeypatch):
     """A finished run is never run again (its row is read); the first run of a seed evaluates
     its start and the others run with --no-eval-base; a run whose start differs is refused; a
-    run dir with a checkpoint is continued, one without starts anew."""
+    run dir with a checkpoint is continued, one without starts anew. Each run is scored on its
+    seed's split with the strict grader and the task's worked examples, under train.py's own
+    thread choice; its row counts the rollouts and tokens the engine returned."""
     import train
 
     updates = train.PRESETS["smollm2-cpu"].updates
     m = method(grid=(1e-5,), step=None)
     calls, starts = [], {0: "s0", 1: "s1"}
+    texts = [{"question": "q", "response": "r", "score": 0.0}]
 
     def fake_run(command, **kw):
         calls.append(command)
-        cores = sorted(os.sched_getaffinity(0))  # every run on one split: the trainer on half, the engine on all
-        assert kw["env"]["OMP_NUM_THREADS"] == str(max(1, len(cores) // 2))
-        assert kw["env"]["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
+        assert kw.get("env") is None  # this process's environment: train.py chooses its threads
         run_dir = command[command.index("--run-dir") + 1]
         seed = int(command[command.index("--seed") + 1])
+        assert command[command.index("--eval-data") + 1].endswith(f"{real_model.split_of(seed)}.jsonl")
+        assert command[command.index("--grader") + 1] == "number" and "--shots" in command
         first = {"update": 0, "start": starts[seed]}
         if "--no-eval-base" not in command:
-            first.update(pass1=0.3, passk=0.6, pass1_se=0.02, eval_problems=200, eval_samples=4)
+            first.update(pass1=0.3, passk=0.6, pass1_se=0.02, eval_problems=200, eval_samples=4, eval_tokens_mean=20.0,
+                         eval_texts=texts)
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
             f.write(json.dumps(first) + "\n")
             for u in range(1, updates + 1):
-                r = {"update": u, "time_s": 10.0, "state_mib": 85.0, "mem_gib": 2.5, "sync_bytes": 2**20}
+                r = {"update": u, "time_s": 10.0, "state_mib": 85.0, "mem_gib": 2.5, "sync_bytes": 2**20,
+                     "responses": 8 - (u == 1), "tokens": 160}
                 if u == updates:
-                    r.update(pass1=0.4, passk=0.7, pass1_se=0.02, eval_problems=200, eval_samples=4)
+                    r.update(pass1=0.4, passk=0.7, pass1_se=0.02, eval_problems=200, eval_samples=4,
+                             eval_tokens_mean=22.0, eval_texts=texts)
                 f.write(json.dumps(r) + "\n")
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(real_model.subprocess, "run", fake_run)
     monkeypatch.setattr(real_model, "planned_state", lambda *a: 85 * 2**20)
     folder = str(tmp_path / "rows")
-    rows = real_model.run_all("/nowhere/ckpt", str(tmp_path), folder, all_methods=[m], seeds=(0,))
+    rows = real_model.run_all("/nowhere/ckpt", str(tmp_path), TASK, folder, all_methods=[m], report=())
     assert len(calls) == 1 and "--no-eval-base" not in calls[0]
     assert rows["base-seed0"]["pass1"] == 0.3 and rows["base-seed0"]["start"] == "s0"
-    assert rows[real_model.run_key(m, 1e-5, 0)]["final"]["pass1"] == 0.4
+    assert rows["base-seed0"]["samples"] == texts and rows["base-seed0"]["reported_on"] == "validation"
+    done = rows[real_model.run_key(m, 1e-5, 0)]
+    assert done["final"]["pass1"] == 0.4 and done["samples"] == texts and done["task"] == "words"
+    assert done["rollouts"] == 8 * updates - 1 and done["response_tokens_mean"] == 160 * updates / (8 * updates - 1)
+    assert (done["selected_on"], done["reported_on"]) == ("validation", "validation")
     assert sorted(os.listdir(folder)) == ["adam-1e-05-seed0.json", "base-seed0.json"]
-    real_model.run_all("/nowhere/ckpt", str(tmp_path), folder, all_methods=[m], seeds=(0,))
+    real_model.run_all("/nowhere/ckpt", str(tmp_path), TASK, folder, all_methods=[m], report=())
     assert len(calls) == 1  # finished: read, not run again
+    real_model.run_all("/nowhere/ckpt", str(tmp_path), TASK, folder, all_methods=[m], report=(1,))
+    assert len(calls) == 2 and "--no-eval-base" not in calls[1]  # seed 1's own start evaluated, on test
+    assert real_model.read_rows(folder)[real_model.run_key(m, 1e-5, 1)]["reported_on"] == "test"
     m2 = method(grid=(3e-5,), step=None)
-    real_model.run_all("/nowhere/ckpt", str(tmp_path), folder, all_methods=[m, m2], seeds=(0,))
-    assert len(calls) == 2 and "--no-eval-base" in calls[1]  # seed 0's start was evaluated once
+    real_model.run_all("/nowhere/ckpt", str(tmp_path), TASK, folder, all_methods=[m, m2], report=())
+    assert len(calls) == 3 and "--no-eval-base" in calls[2]  # seed 0's start was evaluated once
     starts[0] = "moved"
     m3 = method(grid=(1e-4,), step=None)
     with pytest.raises(real_model.BenchError, match="other engine weights"):
-        real_model.run_all("/nowhere/ckpt", str(tmp_path), folder, all_methods=[m3], seeds=(0,))
+        real_model.run_all("/nowhere/ckpt", str(tmp_path), TASK, folder, all_methods=[m3], report=())
     half = tmp_path / "adam-0.0003-seed0"  # interrupted: a checkpoint is continued, nothing else kept
     (half / "checkpoint-10").mkdir(parents=True)
     assert real_model.has_checkpoint(str(half)) and not real_model.has_checkpoint(str(tmp_path / "none"))
 
 
 def test_the_quick_look_takes_each_sweeps_best_or_its_centre():
-    logra, adam = real_model.methods(64, 18)[:2]
+    logra, adam, lora = real_model.methods(18)
+    assert lora.fixed == ("--rank", "18") and len(adam.grid) >= 4 and len(lora.grid) >= 3
     rows = {real_model.run_key(adam, v, 0): row(adam, v, 0, p) for v, p in zip(adam.grid[:2], (0.40, 0.45))}
-    quick = real_model.quick_methods(rows, 64, 18)  # AdamW's best so far (its sweep unfinished); LoGRA's centre
-    assert [(m.key, m.grid, m.step) for m in quick] == [("logra", (1.0,), None), ("adam", (1e-5,), None)]
-    rows[real_model.run_key(adam, 3e-5, 0)] = row(adam, 3e-5, 0, 0.5)  # at the edge: its extension pending
-    assert real_model.quick_methods(rows, 64, 18)[1].grid == (3e-5,)
+    quick = real_model.quick_methods(rows, 18)  # AdamW's best so far (its sweep unfinished); LoGRA's centre
+    assert [(m.key, m.grid, m.step, m.named) for m in quick] == [("logra", (1.0,), None, ()), ("adam", (1e-5,), None, ())]
+    rows[real_model.run_key(logra, "paper", 0)] = row(logra, "paper", 0, 0.5)  # a named setting can be the best
+    assert real_model.quick_methods(rows, 18)[0].grid == ("paper",)
     flags = real_model.quick_flags()
     assert flags[flags.index("--updates") + 1] == flags[flags.index("--kl-horizon") + 1] == "10"
     assert adam.flags(1e-5) == ["--optimizer", "adam", "--adam-lr", "1e-05"]

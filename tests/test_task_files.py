@@ -283,3 +283,42 @@ def test_the_number_grader_is_the_tasks_own_when_asked(made, tmp_path):
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
     refusal(lambda: task_data.chat_task("math", made["model"], seed=0, eval_problems=8, train_data=made["train"],
                                         eval_data=str(bad), grader="number"), names="--grader number")
+
+
+def test_worked_examples_come_before_every_problem_as_earlier_turns(made, tmp_path):
+    """chat_task(..., shots=FILE): the prompt of every problem, training and held out alike, is
+    the chat template of the system prompt, each worked example as a user turn and an
+    assistant turn in the file's order, then the problem (rendered here from the tokenizer
+    itself); without --shots the paper's prompt. A file that is missing, empty, or whose row
+    lacks a solution is refused in one line naming it."""
+    from transformers import AutoTokenizer
+
+    shots = [("What is $2+3$?", "2 plus 3 is 5, so \\boxed{5}."), ("What is $4+4$?", "4 plus 4 is 8, so \\boxed{8}.")]
+    path = tmp_path / "shots.jsonl"
+    path.write_text("".join(json.dumps({"problem": q, "solution": a}) + "\n" for q, a in shots))
+    task = task_data.chat_task("math", made["model"], seed=0, eval_problems=4, train_data=made["train"],
+                               eval_data=made["eval"], shots=str(path))
+    tok = AutoTokenizer.from_pretrained(made["model"])
+    for problem in (task.heldout[0], task.train_problem(0)):
+        turns = [{"role": "system", "content": tasks.SYSTEM_PROMPT}]
+        for q, a in shots:
+            turns += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        turns.append({"role": "user", "content": problem[0]})
+        expected = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        assert tok.decode(task.prompt_ids([problem])[0]) == expected
+        assert expected.index(shots[1][1]) < expected.index(problem[0])
+    task.system_role = False  # a template without a system role (Gemma's): the prompt opens the first user turn
+    assert [m["role"] for m in task.messages("Q")] == ["user", "assistant", "user", "assistant", "user"]
+    assert task.messages("Q")[0]["content"] == f"{tasks.SYSTEM_PROMPT}\n\n{shots[0][0]}"
+    plain = math_task(made["model"], made["train"], made["eval"])
+    assert shots[0][1] not in tok.decode(plain.prompt_ids([task.heldout[0]])[0])
+
+    def with_shots(file):
+        return lambda: task_data.chat_task("math", made["model"], seed=0, eval_problems=4, train_data=made["train"],
+                                           eval_data=made["eval"], shots=str(file))
+
+    assert "no such file" in refusal(with_shots(tmp_path / "none.jsonl"), names="--shots")
+    (tmp_path / "empty.jsonl").write_text("")
+    assert "no rows" in refusal(with_shots(tmp_path / "empty.jsonl"), names="--shots")
+    (tmp_path / "half.jsonl").write_text(json.dumps({"problem": "What is $1+1$?"}) + "\n")
+    assert "its solution is null" in refusal(with_shots(tmp_path / "half.jsonl"), names="--shots")
