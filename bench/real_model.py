@@ -782,9 +782,9 @@ def quick_methods(rows: dict, matched: int) -> list[Method]:
     grid's centre before any), as one-setting methods that are not extended."""
     chosen = []
     for m in methods(matched)[:2]:
-        done = [(rows[k]["final"]["pass1"], i) for i, v in enumerate(sweep_values(m, rows))
-                if (k := run_key(m, v, SELECT)) in rows]
-        value = sweep_values(m, rows)[max(done)[1]] if done else m.grid[len(m.grid) // 2]
+        values = sweep_values(m, rows)
+        done = [(rows[k]["final"]["pass1"], i) for i, v in enumerate(values) if (k := run_key(m, v, SELECT)) in rows]
+        value = values[max(done)[1]] if done else m.grid[len(m.grid) // 2]
         chosen.append(dataclasses.replace(m, grid=(value,), step=None, named=(), defaults=None))
     return chosen
 

@@ -21,6 +21,8 @@ responses with their strict grades. The checkpoint: `python bench/real_model.py 
 """
 
 import argparse
+import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -81,13 +83,14 @@ def score(model, tokenizer, problems, shots, task_key, seed, name):
     task = tasks.MathTask(tokenizer, [], problems, seed=0, grader="number", shots=shots)
     texts, lengths = sample(model, tokenizer, task.prompt_ids(problems), seed, NEW_TOKENS[task_key])
     golds = [gold for _, gold in problems for _ in range(SAMPLES)]
-    strict = statistics.mean(tasks.grade_number(t, g) for t, g in zip(texts, golds))
+    right = [tasks.grade_number(t, g) for t, g in zip(texts, golds)]
+    strict = statistics.mean(right)
     lenient = statistics.mean(tasks.grade(t, g) for t, g in zip(texts, golds))
     boxed = statistics.mean(tasks.last_boxed(t) is not None for t in texts)
     row = [f"{strict:.3f}", f"{lenient:.3f}", f"{boxed:.2f}", f"{statistics.mean(lengths):.1f}",
            "yes" if 0.05 <= strict <= 0.6 else "no"]
-    shown = [f"- {name}, gold {g}, {'right' if tasks.grade_number(t, g) else 'wrong'}: `{' '.join(t.split())[:200]}`"
-             for t, g in list(zip(texts, golds))[:3]]
+    shown = [f"- {name}, gold {g}, {'right' if r else 'wrong'}: `{' '.join(t.split())[:200]}`"
+             for t, g, r in list(zip(texts, golds, right))[:3]]
     return row, shown
 
 
@@ -113,7 +116,7 @@ def main():
         samples += shown
         print(report.row(words[-1]), flush=True)
     for name, numbers in RANGES.items():
-        task = dataclasses_replace(STEPS, numbers)
+        task = dataclasses.replace(STEPS, problems=functools.partial(real_model.steps_problems, **numbers))
         problems = [(q, str(answer)) for q, answer in real_model.task_split(task)[1][:PROBLEMS["steps"]]]
         row, shown = score(model, tokenizer, problems, STEPS.shots, "steps", args.seed, name)
         steps.append([name, f"`{problems[0][0]}`", *row])
@@ -132,13 +135,6 @@ def main():
     print("\n" + out)
     if args.markdown:
         report.publish("strict_prompts", out)
-
-
-def dataclasses_replace(task, numbers):
-    """The steps task with its problems at another range of numbers."""
-    import dataclasses
-
-    return dataclasses.replace(task, problems=lambda: real_model.steps_problems(**numbers))
 
 
 if __name__ == "__main__":
