@@ -29,7 +29,7 @@ MATH-500's; twins, the same numbers in another order, never in two splits) and i
 examples.
 
 The protocol. `methods` are the columns: LoGRA (its defaults, half and twice their budget, the
-paper's 2e-4 schedule), AdamW at four rates and LoRA at the rank whose state is LoGRA's at
+paper's 2e-4 schedule), AdamW at five rates and LoRA at the rank whose state is LoGRA's at
 three, each sweep extended past an edge while its best sits there. `plan` is every run the
 rows call for: each sweep at seed 0, scored on validation; then each method's best (and
 LoGRA's defaults) at seeds 1, 2 and 3, scored on test. `run_all` runs the pending ones one
@@ -342,16 +342,19 @@ class Method:
         return "the paper's schedule" if value == PAPER else f"{self.swept} {value:.3g}"
 
 
+LOGRA = Method("logra", "LoGRA", "logra", "budget x default", (0.5, 1.0, 2.0), 2.0, named=(PAPER,), defaults=1.0)
+ADAMW = Method("adam", "AdamW", "adam", "lr", (3e-6, 1e-5, 3e-5, 1e-4, 3e-4), 10 ** 0.5)
+
+
 def methods(matched_rank: int) -> list[Method]:
     """LoGRA: its defaults (x1: kl_control.budget_for itself), half and twice that budget, and
-    the paper's schedule; AdamW at four learning rates around 1e-5; LoRA at the rank whose state
-    is LoGRA's (in MiB, by the dry run) at three rates around ten times AdamW's."""
-    return [
-        Method("logra", "LoGRA", "logra", "budget x default", (0.5, 1.0, 2.0), 2.0, named=(PAPER,), defaults=1.0),
-        Method("adam", "AdamW", "adam", "lr", (3e-6, 1e-5, 3e-5, 1e-4), 10 ** 0.5),
-        Method("lora", f"LoRA r={matched_rank}", "lora", "lr", (1e-4, 3e-4, 1e-3), 10 ** 0.5,
-               ("--rank", str(matched_rank))),
-    ]
+    the paper's schedule; AdamW at five learning rates around 1e-5 (five, so that
+    bench/defaults.py's SmolLM2 loops read these rows as its family's AdamW sweep); LoRA at the
+    rank whose state is LoGRA's (in MiB, by the dry run) at three rates around ten times
+    AdamW's."""
+    return [LOGRA, ADAMW,
+            Method("lora", f"LoRA r={matched_rank}", "lora", "lr", (1e-4, 3e-4, 1e-3), 10 ** 0.5,
+                   ("--rank", str(matched_rank)))]
 
 
 def run_key(method: Method, value, seed: int) -> str:
@@ -390,8 +393,9 @@ def row_of(metrics_rows: list[dict], task: Task, method: Method, value, seed: in
     """A finished run's row from its metrics.jsonl: its final and curve evaluations (on the split
     of its seed) with the final one's first responses as text (`samples`), the rollouts and
     their tokens as the engine returned them, the per-update medians of its phases, its state
-    (counted from the tensors) against the dry run's, its peak RSS, the sync's bytes, and its
-    start's fingerprint digest (and its base evaluation, when it made it)."""
+    (counted from the tensors) against the dry run's, its peak RSS, the sync's bytes, LoGRA's
+    alpha of every update (`alphas`: bench/defaults.py counts those at the cap) and its start's
+    fingerprint digest (and its base evaluation, when it made it)."""
     steps = list({r["update"]: r for r in metrics_rows if "time_s" in r}.values())  # a resumed update: its last row
     evals = [r for r in metrics_rows if "pass1" in r and r["update"] > 0]
     med = lambda key: statistics.median([r.get(key, 0.0) for r in steps])  # noqa: E731
@@ -410,6 +414,7 @@ def row_of(metrics_rows: list[dict], task: Task, method: Method, value, seed: in
         "state_mib": med("state_mib"), "plan_mib": plan_bytes / 2**20,
         "peak_rss_gib": max(r["mem_gib"] for r in steps), "sync_mib": med("sync_bytes") / 2**20,
         "kl_real_over_pred": statistics.median(kl) if kl else None, "wall_s": wall_s,
+        "alphas": [r["alpha"] for r in steps] if method.optimizer == "logra" else None,  # LoGRA's step multipliers
         "base": dict({k: first[k] for k in EVAL_KEYS}, samples=first["eval_texts"]) if "pass1" in first else None,
     }
 
@@ -845,8 +850,11 @@ def main():
                 before = len(read_rows(folder))
                 done[key] = run_all(path, args.out, TASKS[key], folder, all_methods=runnable, limit=left)
                 left = None if left is None else left - (len(done[key]) - before)
+        for key in TASKS:  # the tables show every task's rows, the ones this call did not run too
+            if key not in done:
+                done[key] = read_rows(os.path.join(RESULTS, key))
         parts, lines = [], []
-        for key in chosen:
+        for key in TASKS:
             markdown, line, printed = tables(done[key], TASKS[key], all_methods)
             todo = pending(all_methods, done[key])
             if todo:
@@ -864,8 +872,10 @@ def main():
     except (ConversionError, BenchError, subprocess.CalledProcessError) as e:
         sys.exit(f"real_model.py: {e}")
     if args.markdown:
-        report.publish("real_model", "\n\n".join(parts))
-        report.publish("real_model_summary", "SmolLM2-135M-Instruct on a CPU. " + " ".join(lines))
+        # the cost of the tables is the runs' compute (their rows' wall time), not this call's
+        seconds = sum(r.get("wall_s", 0) for rows in done.values() for r in rows.values())
+        report.publish("real_model", "\n\n".join(parts), seconds)
+        report.publish("real_model_summary", "SmolLM2-135M-Instruct on a CPU. " + " ".join(lines), seconds)
 
 
 if __name__ == "__main__":

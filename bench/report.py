@@ -192,23 +192,27 @@ def parse_args(parser, *names: str, which=None):
     return args
 
 
-def publish(name: str, markdown: str) -> list[str]:
+def publish(name: str, markdown: str, seconds: float | None = None) -> list[str]:
     """Write `markdown` into the block `name` of every README that has its markers, below one
     line saying which command produced it, when and on what machine. Returns the paths it
     wrote. Raises LookupError if no README has the markers, ValueError if one has them broken;
-    either way nothing is written (every file is checked before any is written)."""
+    either way nothing is written (every file is checked before any is written). `seconds`:
+    what the block's measurements cost, for a script that builds it from runs it kept and read
+    back (`record_cost`)."""
     updates = updated_readmes(name, provenance() + "\n\n" + markdown.strip("\n"))
     for path, new in updates.items():
         checkpoint.write_atomic(path, new.encode("utf-8"))  # a reader never sees half a file
         print(f"published bench:{name} in {os.path.relpath(path, ROOT)}")
-    record_cost(name)
+    record_cost(name, seconds)
     return list(updates)
 
 
-def record_cost(name: str) -> None:
-    """Write down what regenerating block `name` cost here: the seconds since the script
-    started (this module's import), with its command, the date and the machine."""
+def record_cost(name: str, seconds: float | None = None) -> None:
+    """Write down what regenerating block `name` cost here: `seconds`, or without it the
+    seconds since the script started (this module's import), with its command, the date and
+    the machine. A script that reads back runs it kept passes their summed wall time: reading
+    them is not what the block cost."""
     costs = json.load(open(COSTS)) if os.path.exists(COSTS) else {}
-    costs[name] = {"seconds": round(time.time() - STARTED), "command": command(), "machine": machine(),
+    costs[name] = {"seconds": round(time.time() - STARTED if seconds is None else seconds), "command": command(), "machine": machine(),
                    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
     checkpoint.write_atomic(COSTS, (json.dumps(costs, indent=1, sort_keys=True) + "\n").encode())

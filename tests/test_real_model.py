@@ -411,7 +411,7 @@ def test_runs_write_their_rows_resume_and_share_one_start(tmp_path, monkeypatch)
 
 def test_the_quick_look_takes_each_sweeps_best_or_its_centre():
     logra, adam, lora = real_model.methods(18)
-    assert lora.fixed == ("--rank", "18") and len(adam.grid) >= 4 and len(lora.grid) >= 3
+    assert lora.fixed == ("--rank", "18") and len(adam.grid) >= 5 and len(lora.grid) >= 3
     rows = {real_model.run_key(adam, v, 0): row(adam, v, 0, p) for v, p in zip(adam.grid[:2], (0.40, 0.45))}
     quick = real_model.quick_methods(rows, 18)  # AdamW's best so far (its sweep unfinished); LoGRA's centre
     assert [(m.key, m.grid, m.step, m.named) for m in quick] == [("logra", (1.0,), None, ()), ("adam", (1e-5,), None, ())]
@@ -421,3 +421,40 @@ def test_the_quick_look_takes_each_sweeps_best_or_its_centre():
     assert flags[flags.index("--updates") + 1] == flags[flags.index("--kl-horizon") + 1] == "10"
     assert adam.flags(1e-5) == ["--optimizer", "adam", "--adam-lr", "1e-05"]
     assert logra.flags(0.5) == ["--optimizer", "logra", "--kl-entropy-share", "0.1", "--kl-per-response", "1"]
+
+
+def test_bench_defaults_reads_its_smollm2_loops_from_these_rows(tmp_path):
+    """bench/defaults.py's SmolLM2 loops are this protocol's rows read back: AdamW's best rate on
+    validation at seed 0, AdamW there and LoGRA's defaults at seeds 1-3 on test, the gap of their
+    means, the updates at alpha's cap; a task whose reporting runs are not all done says so."""
+    import defaults  # bench/defaults.py
+
+    logra, adam = real_model.LOGRA, real_model.ADAMW
+    words = tmp_path / "words"
+    words.mkdir()
+    rows = {f"base-seed{s}": base(s) for s in (0, 1, 2, 3)}
+    for v, p in zip(adam.grid, (0.40, 0.52, 0.50, 0.30, 0.10)):  # best 1e-5, inside the sweep
+        rows[real_model.run_key(adam, v, 0)] = row(adam, v, 0, p)
+    for s, p in zip((1, 2, 3), (0.60, 0.64, 0.68)):
+        rows[real_model.run_key(adam, 1e-5, s)] = row(adam, 1e-5, s, p)
+    for s, p, capped in zip((0, 1, 2, 3), (0.55, 0.50, 0.58, 0.60), (0, 2, 0, 40)):
+        rows[real_model.run_key(logra, 1.0, s)] = dict(row(logra, 1.0, s, p), alphas=[3.0] * capped + [0.5] * (40 - capped))
+    rows[real_model.run_key(logra, real_model.PAPER, 0)] = row(logra, real_model.PAPER, 0, 0.45)
+    for key, r in rows.items():
+        (words / f"{key}.json").write_text(json.dumps(r))
+    table, phrases = defaults.smollm2_loops(str(tmp_path))
+    by_loop = {t[0]: dict(zip(defaults.SMOLLM2_HEADER, t)) for t in table}
+    got = by_loop["SmolLM2, words"]
+    gap = (0.60 + 0.64 + 0.68) / 3 - (0.50 + 0.58 + 0.60) / 3  # 0.08
+    assert got["AdamW's best lr (validation, seed 0)"] == "1e-05"
+    assert got["AdamW, test, seeds 1-3"].startswith("0.640 +- 0.040")
+    assert got["LoGRA's defaults, test, seeds 1-3"].startswith("0.560 +- ")
+    assert got["gap (AdamW - LoGRA)"] == f"{gap:+.3f}" == "+0.080" and got["target"] == "**short**"
+    assert got["LoGRA's defaults, validation, seed 0"] == "0.550 +- 0.020"
+    assert got["the paper's schedule, validation, seed 0"] == "0.450 +- 0.020"
+    assert got["updates at alpha's cap (seeds 1-3)"] == "2, 0, 40"
+    assert got["response tokens (LoGRA's defaults)"] == "20"
+    steps = by_loop["SmolLM2, steps"]  # no rows: nothing chosen, nothing reported
+    assert steps["AdamW's best lr (validation, seed 0)"] == "(sweep not done)" and steps["gap (AdamW - LoGRA)"] == "-"
+    assert steps["target"].startswith("waiting: 6 of")
+    assert phrases[0].endswith(": +0.080") and "not yet measured (6 runs to go)" in phrases[1]
