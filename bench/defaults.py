@@ -568,8 +568,8 @@ def smollm2_loops(results=None) -> tuple[list[list[str]], list[str]]:
         adam_seeds = [] if best is None else [s for s in real_model.REPORT if have(adam, best[0], s)]
         on_val = []  # the defaults and the paper's schedule at the selection seed: pass@1 +- its error
         for v in (logra.defaults, real_model.PAPER):
-            final = rows[real_model.run_key(logra, v, real_model.SELECT)]["final"] if have(logra, v, real_model.SELECT) \
-                else None
+            key = real_model.run_key(logra, v, real_model.SELECT)
+            final = rows[key]["final"] if key in rows else None
             on_val.append(f"{final['pass1']:.3f} +- {final['pass1_se']:.3f}" if final else "(not run yet)")
         tokens = [rows[real_model.run_key(logra, logra.defaults, s)]["response_tokens_mean"]
                   for s in logra_seeds + [real_model.SELECT] if have(logra, logra.defaults, s)]

@@ -213,6 +213,7 @@ def record_cost(name: str, seconds: float | None = None) -> None:
     the machine. A script that reads back runs it kept passes their summed wall time: reading
     them is not what the block cost."""
     costs = json.load(open(COSTS)) if os.path.exists(COSTS) else {}
-    costs[name] = {"seconds": round(time.time() - STARTED if seconds is None else seconds), "command": command(), "machine": machine(),
+    spent = time.time() - STARTED if seconds is None else seconds
+    costs[name] = {"seconds": round(spent), "command": command(), "machine": machine(),
                    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
     checkpoint.write_atomic(COSTS, (json.dumps(costs, indent=1, sort_keys=True) + "\n").encode())

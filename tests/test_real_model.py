@@ -438,7 +438,8 @@ def test_bench_defaults_reads_its_smollm2_loops_from_these_rows(tmp_path):
     for s, p in zip((1, 2, 3), (0.60, 0.64, 0.68)):
         rows[real_model.run_key(adam, 1e-5, s)] = row(adam, 1e-5, s, p)
     for s, p, capped in zip((0, 1, 2, 3), (0.55, 0.50, 0.58, 0.60), (0, 2, 0, 40)):
-        rows[real_model.run_key(logra, 1.0, s)] = dict(row(logra, 1.0, s, p), alphas=[3.0] * capped + [0.5] * (40 - capped))
+        alphas = [3.0] * capped + [0.5] * (40 - capped)
+        rows[real_model.run_key(logra, 1.0, s)] = dict(row(logra, 1.0, s, p), alphas=alphas)
     rows[real_model.run_key(logra, real_model.PAPER, 0)] = row(logra, real_model.PAPER, 0, 0.45)
     for key, r in rows.items():
         (words / f"{key}.json").write_text(json.dumps(r))
