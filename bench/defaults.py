@@ -554,10 +554,11 @@ def smollm2_loops(results=None) -> tuple[list[list[str]], list[str]]:
     the defaults on validation at seed 0 (the long responses' question: item 2 of the issue
     that added this). A loop whose runs are not all done says how many are."""
     import real_model  # bench/real_model.py: its rows, methods and protocol
+    import train  # its runs' preset: alpha's cap
 
     results = results or real_model.RESULTS
     logra, adam = real_model.LOGRA, real_model.ADAMW
-    alpha_max = 3.0  # the smollm2-cpu preset's cap (train.py)
+    alpha_max = train.PRESETS[real_model.PRESET].alpha_max
     table, phrases = [], []
     for key, task in real_model.TASKS.items():
         rows = real_model.read_rows(os.path.join(results, key))
@@ -571,10 +572,10 @@ def smollm2_loops(results=None) -> tuple[list[list[str]], list[str]]:
             key = real_model.run_key(logra, v, real_model.SELECT)
             final = rows[key]["final"] if key in rows else None
             on_val.append(f"{final['pass1']:.3f} +- {final['pass1_se']:.3f}" if final else "(not run yet)")
-        tokens = [rows[real_model.run_key(logra, logra.defaults, s)]["response_tokens_mean"]
-                  for s in logra_seeds + [real_model.SELECT] if have(logra, logra.defaults, s)]
-        capped = [sum(a >= alpha_max for a in rows[real_model.run_key(logra, logra.defaults, s)].get("alphas") or [])
-                  for s in logra_seeds]
+        mine = {s: rows[real_model.run_key(logra, logra.defaults, s)]  # LoGRA's defaults' rows, by seed
+                for s in (real_model.SELECT, *real_model.REPORT) if have(logra, logra.defaults, s)}
+        tokens = [r["response_tokens_mean"] for r in mine.values()]
+        capped = [sum(a >= alpha_max for a in mine[s].get("alphas") or []) for s in logra_seeds]
         done = len(logra_seeds) == len(adam_seeds) == len(real_model.REPORT)
         if done:
             a, g = [score(adam, best[0], s) for s in adam_seeds], [score(logra, logra.defaults, s) for s in logra_seeds]
