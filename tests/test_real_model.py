@@ -281,6 +281,25 @@ def test_a_sweep_extends_past_an_edge_until_its_best_is_inside():
     assert real_model.best_value(one, {real_model.run_key(one, 3e-5, 0): row(one, 3e-5, 0, 0.4)}) == (3e-5, False)
 
 
+def test_the_plan_runs_the_defaults_against_tuned_adamw_before_the_rest_of_the_sweeps():
+    """The order for a compute budget that cannot hold everything: LoGRA's defaults
+    and AdamW's sweep at the selection seed, then the defaults at the reporting seeds and
+    AdamW's best there once its sweep is done; LoGRA's other settings and LoRA after them."""
+    logra = method("logra", grid=(0.5, 1.0, 2.0), step=2.0, named=(real_model.PAPER,), defaults=1.0)
+    adam, lora = method("adam"), method("lora", grid=(1e-4, 3e-4, 1e-3))
+
+    def keys(rows):
+        return [(m.key, v, s) for m, v, s in real_model.pending([logra, adam, lora], rows)]
+
+    assert keys({}) == [("logra", 1.0, 0), ("adam", 1e-5, 0), ("adam", 3e-5, 0), ("adam", 1e-4, 0),
+                        ("logra", 1.0, 1), ("logra", 1.0, 2), ("logra", 1.0, 3), ("logra", 0.5, 0),
+                        ("logra", 2.0, 0), ("logra", "paper", 0), ("lora", 1e-4, 0), ("lora", 3e-4, 0),
+                        ("lora", 1e-3, 0)]
+    rows = {real_model.run_key(adam, v, 0): row(adam, v, 0, p) for v, p in ((1e-5, 0.3), (3e-5, 0.5), (1e-4, 0.4))}
+    assert keys(rows)[:8] == [("logra", 1.0, 0), ("logra", 1.0, 1), ("logra", 1.0, 2), ("logra", 1.0, 3),
+                              ("adam", 3e-5, 1), ("adam", 3e-5, 2), ("adam", 3e-5, 3), ("logra", 0.5, 0)]
+
+
 def test_a_named_setting_competes_with_the_grid_and_the_defaults_are_reported_beside_the_best():
     """LoGRA's paper schedule is tried beside its budget grid at the selection seed; when it is
     the best, the grid is not extended even with its own best at an edge, and the defaults run
@@ -293,7 +312,7 @@ def test_a_named_setting_competes_with_the_grid_and_the_defaults_are_reported_be
     assert real_model.best_value(logra, rows) == ("paper", False) and real_model.run_key(logra, "paper", 2) == \
         "logra-paper-seed2"
     assert [(v, s) for _, v, s in real_model.pending([logra], rows)] == \
-        [("paper", 1), ("paper", 2), ("paper", 3), (1.0, 1), (1.0, 2), (1.0, 3)]
+        [(1.0, 1), (1.0, 2), (1.0, 3), ("paper", 1), ("paper", 2), ("paper", 3)]  # the defaults first
     rows[real_model.run_key(logra, "paper", 0)] = row(logra, "paper", 0, 0.20)  # the grid's edge is best: extended
     assert real_model.sweep_values(logra, rows) == [0.5, 1.0, 2.0, 4.0, "paper"]
     flags = real_model.methods(18)[0].flags("paper")
@@ -326,7 +345,11 @@ def test_intervals_are_t_over_seeds_and_paired_with_adamw():
     assert "| ADAM, its best | lr 3e-05 | +0.140, +0.100, +0.120 | +0.120 [+0.070, +0.170] | - |" in markdown
     assert "| LOGRA, its defaults | lr 0.5 | +0.100, +0.150, +0.120 | +0.123 [" in markdown
     assert "LOGRA's defaults minus its best, paired by seed: -0.077 [-0.139, -0.014]" in markdown
-    assert "LOGRA +0.200 [+0.076, +0.324]; LOGRA's defaults +0.123; ADAM +0.120 [+0.070, +0.170]" in line
+    # the line: each best with its interval and its difference from AdamW paired by seed; the defaults with theirs,
+    # less their best and less AdamW (-0.04, 0.05, 0.00: mean 0.0033, sd 0.0451, +- 0.112)
+    assert ("LOGRA +0.200 [+0.076, +0.324] (minus ADAM +0.080 [-0.094, +0.254]); LOGRA's defaults +0.123 [+0.061, "
+            "+0.186] (minus its best -0.077 [-0.139, -0.014]; minus ADAM +0.003 [-0.109, +0.115]); ADAM +0.120 "
+            "[+0.070, +0.170]") in line
     assert "| LOGRA | lr 1 **best** | 0.450 +- 0.020 | +0.150 | 20 | 10.0 |" in markdown
     assert "| ADAM | 1.00 | 1.00 | 1.00 | 1.00 | 1.00 | 3.00 | 10.0 | 30% | 85.0 | 85.0 | 2.50 | 19.00 | 20 | 21 |" \
         in markdown
@@ -387,6 +410,7 @@ def test_runs_write_their_rows_resume_and_share_one_start(tmp_path, monkeypatch)
     assert len(calls) == 1 and "--no-eval-base" not in calls[0]
     assert rows["base-seed0"]["pass1"] == 0.3 and rows["base-seed0"]["start"] == "s0"
     assert rows["base-seed0"]["samples"] == texts and rows["base-seed0"]["reported_on"] == "validation"
+    assert rows["base-seed0"]["selected_on"] == "validation" and rows["base-seed0"]["task"] == "words"
     done = rows[real_model.run_key(m, 1e-5, 0)]
     assert done["final"]["pass1"] == 0.4 and done["samples"] == texts and done["task"] == "words"
     assert done["rollouts"] == 8 * updates - 1 and done["response_tokens_mean"] == 160 * updates / (8 * updates - 1)

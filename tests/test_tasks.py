@@ -46,6 +46,12 @@ def test_grader_on_math_answers(prediction, gold, right):
     ("\\boxed{56}, no wait: \\boxed{57}", "56", False),  # a later boxed answer that differs
     ("56", "56", False),  # no boxed answer
     ("\\boxed{56", "56", False),  # never closed
+    ("\\boxed{56}, then \\boxed{5", "56", False),  # the last box is cut off: no answer, not the earlier one
+    ("\\boxed{- 56}", "-56", False),  # a sign apart from its digits is not an integer as written
+    ("\\boxed{{56}}", "56", False),  # braces inside the box: not only digits
+    ("\\boxed{\\boxed{56}}", "56", True),  # a box in a box: the last box opened holds the integer
+    ("\\boxed{056}", "56", True),  # a leading zero: digits only, the same integer
+    ("\\boxed{\t56\n}", "56", True),  # tabs and newlines are trimmed as spaces are
 ])
 def test_the_number_grader_pays_only_for_the_integer(prediction, gold, right):
     """tasks.grade_number: right only when the last \\boxed{} holds exactly the integer answer;
