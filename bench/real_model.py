@@ -45,8 +45,9 @@ responses as text, the phases' medians, state and peak memory. A run with a row 
 again; an interrupted one continues from its last checkpoint. The first run of a seed
 evaluates the start (base-seed<S>.json, on that seed's split); the others skip it and must
 start from the same weights (their fingerprint digest). `tables` builds bench/README.md's
-tables and the README's line from the rows (refusing rows that do not share a start or a counted rollout budget);
-`plot` the curves of each method's best (bench/results/real_model-<task>.png).
+tables and the README's line from the rows (refusing rows that do not share a start or a
+counted rollout budget); `plot` the curves of each method's best
+(bench/results/real_model-<task>.png).
 
 Tests: tests/test_real_model.py (the conversion on a GGUF it writes itself; the task files
 through the math reader, their splits and golds; the common start; the sweep's extension, the
