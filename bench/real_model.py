@@ -715,12 +715,13 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
                         + (f" (minus {base_method.name} {against})" if against != "-" else ""))
         if m.defaults is not None and m.defaults != value and (own := _gains(rows, m, m.defaults, report)):
             mean_d, half_d = interval(list(own.values()))
+            less_best, less_adam = _paired(own, gains), _paired(own, adam)
             seed_rows.append([f"{m.name}, its defaults", m.setting(m.defaults),
                               ", ".join(f"{g:+.3f}" for g in own.values()), spread(mean_d, half_d, len(own)),
-                              _paired(own, adam)])
-            notes.append(f"{m.name}'s defaults minus its best, paired by seed: {_paired(own, gains)}")
-            versus = [f"minus its best {_paired(own, gains)}"] + ([f"minus {base_method.name} {_paired(own, adam)}"]
-                                                                  if m.key != BASELINE and adam else [])
+                              less_adam])
+            notes.append(f"{m.name}'s defaults minus its best, paired by seed: {less_best}")
+            versus = [f"minus its best {less_best}"] + ([f"minus {base_method.name} {less_adam}"]
+                                                        if m.key != BASELINE and adam else [])
             headline.append(f"{m.name}'s defaults {spread(mean_d, half_d, len(own))} ({'; '.join(versus)})")
         run = [rows[run_key(m, value, s)] for s in gains]
         cost_rows.append([m.name] + [f"{statistics.median([r['phases'][p] for r in run]):.2f}" for p in PHASES]
