@@ -732,7 +732,7 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
                             f"{statistics.mean([r['response_tokens_mean'] for r in run]):.0f}",
                             f"{statistics.mean([r['final']['eval_tokens_mean'] for r in run]):.0f}"])
         shown = run[0]
-        samples.append(f"{m.name}, {m.setting(value)}, seed {shown['seed']} ({shown['reported_on']}):")
+        samples += [""] * bool(samples) + [f"{m.name}, {m.setting(value)}, seed {shown['seed']} ({shown['reported_on']}):"]
         samples += [f"- {'right' if s['score'] else 'wrong'}: {s['question']} -> "
                     f"`{one_line(s['response'])[:SHOWN_CHARS]}`" for s in shown["samples"]]
     bases = [rows[f"base-seed{s}"] for s in (SELECT, *report) if f"base-seed{s}" in rows]
@@ -891,7 +891,7 @@ def main():
             if args.markdown and plot(done[key], TASKS[key], all_methods, figure):
                 markdown += f"\n\n![test pass@1 per method, {TASKS[key].name}](results/real_model-{key}.png)"
             parts.append(markdown)
-            lines.append(line)
+            lines.append(line[:1].upper() + line[1:])  # a sentence of the summary
     except (ConversionError, BenchError, subprocess.CalledProcessError) as e:
         sys.exit(f"real_model.py: {e}")
     if args.markdown:

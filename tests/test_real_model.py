@@ -354,6 +354,8 @@ def test_intervals_are_t_over_seeds_and_paired_with_adamw():
     assert "| ADAM | 1.00 | 1.00 | 1.00 | 1.00 | 1.00 | 3.00 | 10.0 | 30% | 85.0 | 85.0 | 2.50 | 19.00 | 20 | 21 |" \
         in markdown
     assert "- right: What is 6 plus 7? -> `6 plus 7 is 13, so \\boxed{13}.`" in markdown  # the first test responses
+    # each method's responses a list of its own: a blank line before the next method's heading (no lazy continuation)
+    assert "\n\nADAM, lr 3e-05, seed 1 (test):\n- right: " in markdown
 
 
 def test_rows_from_other_starts_or_budgets_make_no_table():
