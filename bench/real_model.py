@@ -732,7 +732,9 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
                             f"{statistics.mean([r['response_tokens_mean'] for r in run]):.0f}",
                             f"{statistics.mean([r['final']['eval_tokens_mean'] for r in run]):.0f}"])
         shown = run[0]
-        samples += [""] * bool(samples) + [f"{m.name}, {m.setting(value)}, seed {shown['seed']} ({shown['reported_on']}):"]
+        if samples:
+            samples.append("")  # a blank line: each method's responses a list of their own in markdown
+        samples.append(f"{m.name}, {m.setting(value)}, seed {shown['seed']} ({shown['reported_on']}):")
         samples += [f"- {'right' if s['score'] else 'wrong'}: {s['question']} -> "
                     f"`{one_line(s['response'])[:SHOWN_CHARS]}`" for s in shown["samples"]]
     bases = [rows[f"base-seed{s}"] for s in (SELECT, *report) if f"base-seed{s}" in rows]
