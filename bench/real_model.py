@@ -399,21 +399,26 @@ def row_of(metrics_rows: list[dict], task: Task, method: Method, value, seed: in
            wall_s: float) -> dict:
     """A finished run's row from its metrics.jsonl: its final and curve evaluations (on the split
     of its seed) with the final one's first responses as text (`samples`), the rollouts and
-    their tokens as the engine returned them, the per-update medians of its phases, its state
-    (counted from the tensors) against the dry run's, its peak RSS, the sync's bytes, LoGRA's
-    alpha of every update (`alphas`: bench/defaults.py counts those at the cap) and its start's
-    fingerprint digest (and its base evaluation, when it made it)."""
+    their tokens as the engine returned them and how many of them the grader paid, the
+    per-update medians of its phases, its state (counted from the tensors) against the dry
+    run's, its peak RSS, the sync's bytes, LoGRA's alpha of every update (`alphas`:
+    bench/defaults.py counts those at the cap) and its start's fingerprint digest (and its base
+    evaluation, when it made it)."""
     steps = list({r["update"]: r for r in metrics_rows if "time_s" in r}.values())  # a resumed update: its last row
     evals = [r for r in metrics_rows if "pass1" in r and r["update"] > 0]
     med = lambda key: statistics.median([r.get(key, 0.0) for r in steps])  # noqa: E731
     kl = [r["kl_real"] / r["kl_pred"] for r in steps if r.get("kl_real") is not None and r.get("kl_pred")]
     responses = sum(r["responses"] for r in steps)
+    accuracy = [r.get("accuracy") for r in steps]
     first = metrics_rows[0]
     return {
         "task": task.key, "method": method.key, "value": value, "seed": seed, "flags": method.flags(value),
         "selected_on": "validation", "reported_on": split_of(seed), "start": first["start"],
         "updates": steps[-1]["update"], "rollouts": responses,
         "response_tokens_mean": sum(r["tokens"] for r in steps) / responses,
+        # the rollouts the grader paid (reward 1): with none right in a batch, every advantage is 0 and nothing moves
+        "rollouts_right": None if None in accuracy else sum(round(a * r["responses"])
+                                                            for a, r in zip(accuracy, steps)),
         "final": {k: evals[-1][k] for k in EVAL_KEYS}, "samples": evals[-1]["eval_texts"],
         "curve": [[r["update"], r["pass1"], r["eval_problems"], r["eval_samples"]] for r in evals],
         "phases": {p: med("time_" + p) for p in PHASES},
@@ -570,8 +575,9 @@ def compute_line(rows: dict, left: int) -> str:
     walls = [r["wall_s"] for k, r in rows.items() if not k.startswith("base-")]
     median = statistics.median(walls) if walls else None
     left_s = f"~{left * median / 3600:.1f} h" if median else "unknown (no run finished yet)"
-    return (f"compute: {len(walls)} runs done in {sum(walls) / 3600:.1f} h; {left} left, {left_s} at the median "
-            f"run's {median / 60:.0f} min" if median else f"compute: 0 runs done; {left} left, {left_s}")
+    runs = f"{len(walls)} run{'s' * (len(walls) != 1)}"
+    return (f"compute: {runs} done in {sum(walls) / 3600:.1f} h; {left} left, {left_s} at the median run's "
+            f"{median / 60:.0f} min" if median else f"compute: 0 runs done; {left} left, {left_s}")
 
 
 def run_all(checkpoint: str, out: str, task: Task, folder: str, *, all_methods, report=REPORT, limit=None,
@@ -685,17 +691,22 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
     per method."""
     check_fair(rows)
     sweep, seed_rows, cost_rows, samples, notes, reported = [], [], [], [], [], {}
+    # rows from before the rollouts' grades were kept have none: the column only where some row has them
+    paid = any(r.get("rollouts_right") is not None for k, r in rows.items() if not k.startswith("base-"))
+    right = lambda r: ([] if not paid else  # noqa: E731
+                       ["-" if r.get("rollouts_right") is None else f"{r['rollouts_right']} of {r['rollouts']}"])
     for m in all_methods:
         best = best_value(m, rows)
         for v in sweep_values(m, rows):
             key = run_key(m, v, SELECT)
             if key not in rows:
-                sweep.append([m.name, m.setting(v), "(not run yet)", "", "", ""])
+                sweep.append([m.name, m.setting(v), "(not run yet)", "", "", ""] + [""] * paid)
                 continue
             r = rows[key]
             mark = " **best**" if best and v == best[0] else ""
             sweep.append([m.name, m.setting(v) + mark, f"{r['final']['pass1']:.3f} +- {r['final']['pass1_se']:.3f}",
-                          f"{gain(rows, key):+.3f}", f"{r['response_tokens_mean']:.0f}", f"{r['update_s']:.1f}"])
+                          f"{gain(rows, key):+.3f}", f"{r['response_tokens_mean']:.0f}", f"{r['update_s']:.1f}",
+                          *right(r)])
         if best is None:
             notes.append(f"{m.name}: sweep not finished")
             continue
@@ -747,8 +758,10 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
         f"problems) after {budget or '(no run yet)'}; a gain is over its seed's base evaluation on the same split: "
         f"{base_text or '(none yet)'}.", "",
         f"The sweep (seed {SELECT}, validation; tokens: the rollouts' mean response; update s: the median update "
-        f"without evaluations):", "",
-        report_table(["method", "setting", "pass@1", "gain", "tokens", "update s"], sweep), "",
+        f"without evaluations" + ("; right rollouts: those the grader paid, of all the run's rollouts" if paid else "")
+        + "):", "",
+        report_table(["method", "setting", "pass@1", "gain", "tokens", "update s"] + ["right rollouts"] * paid, sweep),
+        "",
         f"Each method's best, chosen above, at seeds {', '.join(map(str, report))} on test (the mean gain and its "
         f"95% interval, t over seeds; the difference from AdamW's gain paired by seed, with its interval):", "",
         report_table(["method", "setting", "gain per seed", "mean gain [95%]", "minus AdamW [95%]"], seed_rows)
@@ -884,8 +897,8 @@ def main():
             todo = pending(all_methods, done[key])
             if todo:
                 runs = sum(not k.startswith("base-") for k in done[key])
-                markdown = (f"**In progress:** {runs} runs done, {len(todo)} planned runs left (the sweeps' extensions "
-                            f"and the reporting runs are planned as the rows come in); "
+                markdown = (f"**In progress:** {runs} run{'s' * (runs != 1)} done, {len(todo)} planned runs left "
+                            f"(the sweeps' extensions and the reporting runs are planned as the rows come in); "
                             f"{compute_line(done[key], len(todo))}.\n\n{markdown}")
                 line = f"In progress ({len(todo)} planned runs left): {line}"
             print(markdown), print(), [print(x) for x in printed]

@@ -75,6 +75,10 @@ TABLES = (
     Table("strict_prompts", ("strict_prompts",), ("strict_prompts.py", "--checkpoint", CHECKPOINT), "SmolLM2",
           "about 35 min: 9 wordings x 200 samples, 2 ranges x 80 long samples", "the base SmolLM2 under the strict "
           "integer grader and math-verify, prompt by prompt: the exploration that chose real_model.py's tasks"),
+    Table("strict_prompts_rollouts", ("strict_prompts_rollouts",),
+          ("strict_prompts.py", "--checkpoint", CHECKPOINT, "--rollouts"), "SmolLM2",
+          "about 50 min: 2 tasks x 2 samplings x 200 samples", "the chosen prompts sampled as the evaluation does and "
+          "as the rollouts are: whether the rollouts find right answers to learn from"),
     Table("defaults_smollm2", ("defaults_smollm2",), ("defaults.py", "--smollm2", CHECKPOINT, "--seeds", "0", "1", "2"),
           "SmolLM2", "about 15 min: 3 runs of 30 updates", "the defaults on SmolLM2-135M-Instruct"),
     Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--batch", "32", "128", "512"), "CPU", "about 3 min",

@@ -5,6 +5,7 @@ never a grader change) so that the base policy is neither hopeless nor done, 0.0
 
     python bench/strict_prompts.py --checkpoint /tmp/models/smollm2            # about 25 minutes
     python bench/strict_prompts.py --checkpoint /tmp/models/smollm2 --markdown # and bench/README.md
+    python bench/strict_prompts.py --checkpoint /tmp/models/smollm2 --rollouts # the rollouts' sampling
 
 The words task (one-step arithmetic in words): each wording is the question with an instruction
 added to it (or not), or the question after two worked examples as earlier chat turns
@@ -16,7 +17,10 @@ problem, at most 64 new tokens (words) or 256 (steps). The problems are the firs
 validation split (never its test split). Reported per prompt: pass@1 under `grade_number` and
 under math-verify (`tasks.grade`, which also pays for an expression equal to the answer), the
 share of responses with a `\\boxed{}`, the generated tokens per response, and the first 3
-responses with their strict grades. The checkpoint: `python bench/real_model.py --checkpoint DIR
+responses with their strict grades. `--rollouts`: the two chosen prompts only, sampled both as
+the evaluation does and as train.py's rollouts are (temperature 1, top-p 1), on the first 50
+validation problems of each task: whether the rollouts, not only the evaluation, find right
+answers to learn from. The checkpoint: `python bench/real_model.py --checkpoint DIR
 --convert-only`.
 """
 
@@ -60,7 +64,7 @@ SAMPLES, TEMPERATURE, TOP_P = 4, 0.7, 0.7
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompts, seed, new_tokens):
+def sample(model, tokenizer, prompts, seed, new_tokens, temperature=TEMPERATURE, top_p=TOP_P):
     """`SAMPLES` responses to each prompt (token id lists), as text, and their lengths in tokens."""
     torch.manual_seed(seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -68,7 +72,7 @@ def sample(model, tokenizer, prompts, seed, new_tokens):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left-padded (B, P)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(input_ids=ids.repeat_interleave(SAMPLES, 0), attention_mask=attention.repeat_interleave(
-        SAMPLES, 0), do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, max_new_tokens=new_tokens,
+        SAMPLES, 0), do_sample=True, temperature=temperature, top_p=top_p, max_new_tokens=new_tokens,
         pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)[:, width:]  # (B S, <= new_tokens)
     texts, lengths = [], []
     for row in out.tolist():
@@ -78,10 +82,11 @@ def sample(model, tokenizer, prompts, seed, new_tokens):
     return texts, lengths
 
 
-def score(model, tokenizer, problems, shots, task_key, seed, name):
-    """One prompt's table row and its first 3 responses, `problems` as (question, gold) pairs."""
+def score(model, tokenizer, problems, shots, task_key, seed, name, **sampling):
+    """One prompt's table row and its first 3 responses, `problems` as (question, gold) pairs
+    (`sampling`: the temperature and top-p, else the evaluation's)."""
     task = tasks.MathTask(tokenizer, [], problems, seed=0, grader="number", shots=shots)
-    texts, lengths = sample(model, tokenizer, task.prompt_ids(problems), seed, NEW_TOKENS[task_key])
+    texts, lengths = sample(model, tokenizer, task.prompt_ids(problems), seed, NEW_TOKENS[task_key], **sampling)
     golds = [gold for _, gold in problems for _ in range(SAMPLES)]
     right = [tasks.grade_number(t, g) for t, g in zip(texts, golds)]
     strict = statistics.mean(right)
@@ -94,11 +99,43 @@ def score(model, tokenizer, problems, shots, task_key, seed, name):
     return row, shown
 
 
+ROLLOUT_PROBLEMS = 50  # --rollouts: the first of each task's validation split
+
+
+def rollouts(model, tokenizer, seed) -> str:
+    """--rollouts: the two chosen prompts sampled as train.py's rollouts are (its preset's
+    temperature, top-p 1: the paper's sampling) beside the evaluation's sampling, on the same
+    validation problems. A batch of rollouts none of which the grader pays has every advantage
+    0: the evaluation's pass@1 says whether there is something to learn, this says whether the
+    rollouts can find it."""
+    import train
+
+    temperature = train.PRESETS[real_model.PRESET].temperature
+    rows, samples = [], []
+    for task, shots in ((WORDS, WORDS.shots), (STEPS, STEPS.shots)):
+        problems = [(q, str(answer)) for q, answer in real_model.task_split(task)[1][:ROLLOUT_PROBLEMS]]
+        for name, t, p in (("the evaluation's", TEMPERATURE, TOP_P), ("the rollouts'", temperature, 1.0)):
+            row, shown = score(model, tokenizer, problems, shots, task.key, seed, f"{task.key}, {name}",
+                               temperature=t, top_p=p)
+            rows.append([task.key, f"{name}: temperature {t:g}, top-p {p:g}", *row])
+            samples += shown
+            print(report.row(rows[-1]), flush=True)
+    tail = ["pass@1, grade_number", "pass@1, math-verify", "boxed", "tokens a response", "0.05 <= strict <= 0.6"]
+    return "\n".join([
+        f"SmolLM2-135M-Instruct, base weights, each task's chosen prompt (after its two worked examples) on the first "
+        f"{ROLLOUT_PROBLEMS} of its validation problems, {SAMPLES} samples a problem, sampled as train.py evaluates "
+        f"and as its `{real_model.PRESET}` preset's rollouts are; seed {seed}.", "",
+        report.table(["task", "sampling", *tail], rows), "", "The first responses of each:", "", *samples])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="real_model.py's checkpoint (its --convert-only makes it)")
     p.add_argument("--seed", type=int, default=0)
-    args = report.parse_args(p, "strict_prompts")
+    p.add_argument("--rollouts", action="store_true", help="only the chosen prompts, at the evaluation's and at "
+                   "the rollouts' sampling (about 50 minutes here)")
+    args = report.parse_args(p, "strict_prompts", "strict_prompts_rollouts",
+                             which=lambda a: ["strict_prompts_rollouts"] if a.rollouts else ["strict_prompts"])
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM
 
@@ -106,6 +143,12 @@ def main():
 
     tokenizer = task_data.load_tokenizer(args.checkpoint)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+    if args.rollouts:
+        out = rollouts(model, tokenizer, args.seed)
+        print("\n" + out)
+        if args.markdown:
+            report.publish("strict_prompts_rollouts", out)
+        return
     words, steps, samples = [], [], []
     validation = real_model.task_split(WORDS)[1][:PROBLEMS["words"]]  # (question, answer)
     for name, (wording, shots) in WORDINGS.items():

@@ -356,6 +356,13 @@ def test_intervals_are_t_over_seeds_and_paired_with_adamw():
     assert "- right: What is 6 plus 7? -> `6 plus 7 is 13, so \\boxed{13}.`" in markdown  # the first test responses
     # each method's responses a list of its own: a blank line before the next method's heading (no lazy continuation)
     assert "\n\nADAM, lr 3e-05, seed 1 (test):\n- right: " in markdown
+    assert "right rollouts" not in markdown  # no row holds the rollouts' grades: no column of dashes
+    # a row that holds them: the column, the others' cells "-"; a run none of whose rollouts was paid shows 0
+    rows[real_model.run_key(adam, 1e-5, 0)]["rollouts_right"] = 0
+    markdown = real_model.tables(rows, TASK, [logra, adam])[0]
+    assert "| method | setting | pass@1 | gain | tokens | update s | right rollouts |" in markdown
+    assert "| ADAM | lr 1e-05 | 0.380 +- 0.020 | +0.080 | 20 | 10.0 | 0 of 320 |" in markdown
+    assert "| LOGRA | lr 1 **best** | 0.450 +- 0.020 | +0.150 | 20 | 10.0 | - |" in markdown
 
 
 def test_rows_from_other_starts_or_budgets_make_no_table():
@@ -398,7 +405,7 @@ def test_runs_write_their_rows_resume_and_share_one_start(tmp_path, monkeypatch)
             f.write(json.dumps(first) + "\n")
             for u in range(1, updates + 1):
                 r = {"update": u, "time_s": 10.0, "state_mib": 85.0, "mem_gib": 2.5, "sync_bytes": 2**20,
-                     "responses": 8 - (u == 1), "tokens": 160}
+                     "responses": 8 - (u == 1), "tokens": 160, "accuracy": (3 / 7 if u == 1 else 0.25 * (u % 2))}
                 if u == updates:
                     r.update(pass1=0.4, passk=0.7, pass1_se=0.02, eval_problems=200, eval_samples=4,
                              eval_tokens_mean=22.0, eval_texts=texts)
@@ -416,6 +423,7 @@ def test_runs_write_their_rows_resume_and_share_one_start(tmp_path, monkeypatch)
     done = rows[real_model.run_key(m, 1e-5, 0)]
     assert done["final"]["pass1"] == 0.4 and done["samples"] == texts and done["task"] == "words"
     assert done["rollouts"] == 8 * updates - 1 and done["response_tokens_mean"] == 160 * updates / (8 * updates - 1)
+    assert done["rollouts_right"] == 3 + 2 * (updates // 2 - 1)  # 3 of 7 at update 1, 2 of 8 at the other odd ones
     assert (done["selected_on"], done["reported_on"]) == ("validation", "validation")
     assert sorted(os.listdir(folder)) == ["adam-1e-05-seed0.json", "base-seed0.json"]
     real_model.run_all("/nowhere/ckpt", str(tmp_path), TASK, folder, all_methods=[m], report=())
