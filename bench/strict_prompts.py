@@ -105,9 +105,9 @@ ROLLOUT_PROBLEMS = 50  # --rollouts: the first of each task's validation split
 def rollouts(model, tokenizer, seed) -> str:
     """--rollouts: the two chosen prompts sampled as train.py's rollouts are (its preset's
     temperature, top-p 1: the paper's sampling) beside the evaluation's sampling, on the same
-    validation problems. A batch of rollouts none of which the grader pays has every advantage
-    0: the evaluation's pass@1 says whether there is something to learn, this says whether the
-    rollouts can find it."""
+    validation problems. Until a rollout is paid, every reward is the same and so is the running
+    baseline, so every advantage is 0: the evaluation's pass@1 says whether there is something
+    to learn, this says whether the rollouts can find it."""
     import train
 
     temperature = train.PRESETS[real_model.PRESET].temperature
