@@ -416,7 +416,8 @@ def row_of(metrics_rows: list[dict], task: Task, method: Method, value, seed: in
         "selected_on": "validation", "reported_on": split_of(seed), "start": first["start"],
         "updates": steps[-1]["update"], "rollouts": responses,
         "response_tokens_mean": sum(r["tokens"] for r in steps) / responses,
-        # the rollouts the grader paid (reward 1): with none right in a batch, every advantage is 0 and nothing moves
+        # the rollouts the grader paid (reward 1): until one is, every reward equals the running baseline, so every
+        # advantage is 0 and nothing moves
         "rollouts_right": None if None in accuracy else sum(round(a * r["responses"])
                                                             for a, r in zip(accuracy, steps)),
         "final": {k: evals[-1][k] for k in EVAL_KEYS}, "samples": evals[-1]["eval_texts"],
@@ -570,14 +571,17 @@ def matched_rank(checkpoint: str, data: dict, lora_rank: int) -> int:
     return max(1, round(lora_rank * logra / lora))
 
 
+def n_runs(n: int) -> str:
+    return f"{n} run" + "s" * (n != 1)
+
+
 def compute_line(rows: dict, left: int) -> str:
     """The compute done (the rows' wall time) and left (the pending runs at the median run's)."""
     walls = [r["wall_s"] for k, r in rows.items() if not k.startswith("base-")]
     median = statistics.median(walls) if walls else None
     left_s = f"~{left * median / 3600:.1f} h" if median else "unknown (no run finished yet)"
-    runs = f"{len(walls)} run{'s' * (len(walls) != 1)}"
-    return (f"compute: {runs} done in {sum(walls) / 3600:.1f} h; {left} left, {left_s} at the median run's "
-            f"{median / 60:.0f} min" if median else f"compute: 0 runs done; {left} left, {left_s}")
+    return (f"compute: {n_runs(len(walls))} done in {sum(walls) / 3600:.1f} h; {left} left, {left_s} at the median "
+            f"run's {median / 60:.0f} min" if median else f"compute: 0 runs done; {left} left, {left_s}")
 
 
 def run_all(checkpoint: str, out: str, task: Task, folder: str, *, all_methods, report=REPORT, limit=None,
@@ -897,7 +901,7 @@ def main():
             todo = pending(all_methods, done[key])
             if todo:
                 runs = sum(not k.startswith("base-") for k in done[key])
-                markdown = (f"**In progress:** {runs} run{'s' * (runs != 1)} done, {len(todo)} planned runs left "
+                markdown = (f"**In progress:** {n_runs(runs)} done, {len(todo)} planned runs left "
                             f"(the sweeps' extensions and the reporting runs are planned as the rows come in); "
                             f"{compute_line(done[key], len(todo))}.\n\n{markdown}")
                 line = f"In progress ({len(todo)} planned runs left): {line}"

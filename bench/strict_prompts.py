@@ -61,6 +61,7 @@ RANGES = {  # name: the steps task's problems at that range of numbers
 PROBLEMS = {"words": 50, "steps": 20}  # the first of the validation split
 NEW_TOKENS = {"words": 64, "steps": 256}
 SAMPLES, TEMPERATURE, TOP_P = 4, 0.7, 0.7
+SCORED = ("pass@1, grade_number", "pass@1, math-verify", "boxed", "tokens a response", "0.05 <= strict <= 0.6")
 
 
 @torch.no_grad()
@@ -112,20 +113,19 @@ def rollouts(model, tokenizer, seed) -> str:
 
     temperature = train.PRESETS[real_model.PRESET].temperature
     rows, samples = [], []
-    for task, shots in ((WORDS, WORDS.shots), (STEPS, STEPS.shots)):
+    for task in (WORDS, STEPS):
         problems = [(q, str(answer)) for q, answer in real_model.task_split(task)[1][:ROLLOUT_PROBLEMS]]
         for name, t, p in (("the evaluation's", TEMPERATURE, TOP_P), ("the rollouts'", temperature, 1.0)):
-            row, shown = score(model, tokenizer, problems, shots, task.key, seed, f"{task.key}, {name}",
+            row, shown = score(model, tokenizer, problems, task.shots, task.key, seed, f"{task.key}, {name}",
                                temperature=t, top_p=p)
             rows.append([task.key, f"{name}: temperature {t:g}, top-p {p:g}", *row])
             samples += shown
             print(report.row(rows[-1]), flush=True)
-    tail = ["pass@1, grade_number", "pass@1, math-verify", "boxed", "tokens a response", "0.05 <= strict <= 0.6"]
     return "\n".join([
         f"SmolLM2-135M-Instruct, base weights, each task's chosen prompt (after its two worked examples) on the first "
         f"{ROLLOUT_PROBLEMS} of its validation problems, {SAMPLES} samples a problem, sampled as train.py evaluates "
         f"and as its `{real_model.PRESET}` preset's rollouts are; seed {seed}.", "",
-        report.table(["task", "sampling", *tail], rows), "", "The first responses of each:", "", *samples])
+        report.table(["task", "sampling", *SCORED], rows), "", "The first responses of each:", "", *samples])
 
 
 def main():
@@ -165,15 +165,14 @@ def main():
         steps.append([name, f"`{problems[0][0]}`", *row])
         samples += shown
         print(report.row(steps[-1]), flush=True)
-    tail = ["pass@1, grade_number", "pass@1, math-verify", "boxed", "tokens a response", "0.05 <= strict <= 0.6"]
     out = "\n".join([
         f"SmolLM2-135M-Instruct ({args.checkpoint}), base weights, {SAMPLES} samples a problem at temperature "
         f"{TEMPERATURE}, top-p {TOP_P}, the paper's system prompt in the chat template; seed {args.seed}.", "",
         f"The words task, the first {PROBLEMS['words']} of its validation problems, at most {NEW_TOKENS['words']} "
-        f"new tokens:", "", report.table(["wording", "the question, as asked", *tail], words), "",
+        f"new tokens:", "", report.table(["wording", "the question, as asked", *SCORED], words), "",
         f"The steps task after its two worked examples, the first {PROBLEMS['steps']} validation problems of each "
         f"range, at most {NEW_TOKENS['steps']} new tokens:", "",
-        report.table(["numbers", "the first problem", *tail], steps), "",
+        report.table(["numbers", "the first problem", *SCORED], steps), "",
         "The first responses of each prompt:", "", *samples])
     print("\n" + out)
     if args.markdown:
