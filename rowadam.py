@@ -79,11 +79,11 @@ beta2 = 0.95, eps = 1e-8 and factor dtype bf16, the paper's; update_ratio = 1e-2
   alpha_max * update_ratio and the budget does nothing. So update_ratio is the largest step
   an update may take, as a share of the weights: the default allows 3% of ||W|| (alpha_max 3
   x 1e-2), so that the KL budget, which is what knows how far the policy may move, sets the
-  step. Measured with the default budget (bench/README.md, `defaults.py`: nine small loops,
-  seeds 5-9), alpha sat at its cap in none of the one-token loops' updates at std 0.2, in up to
-  12% of a run's updates on the toy and 30% on the 64-token loop, and in all of the std-0.02
-  loop's. The
-  paper's 6e-5 with its budget of 2e-4 per token leaves alpha at its cap and
+  step. Measured with the default budget and kl_control.LoGRAOptimizer's calibration
+  (bench/README.md, `defaults.py`: nine small loops, seeds 5-9), alpha sat at its cap in at
+  most 1 update of a run on the one-token loops at std 0.2, in 25-47% of the toy's
+  updates, in up to 51% on the 64-token loop, and in all of the std-0.02 loop's. The paper's
+  6e-5 with its budget of 2e-4 per token leaves alpha at its cap and
   examples/minimal_loop.py's toy at chance: a policy that must move far needs steps the cap
   forbids. Where the paper's pair binds (its 7B run; not measured here), 1e-2 gives the same
   steps: it only raises a bound the budget sits under. If
