@@ -777,6 +777,7 @@ def why(args):
                                                             for s in CHOOSE)) for m, st in cells])
     grids = "; ".join(f"{loop} {kind}: {', '.join(f'{r:g}' for r in ratios[loop][kind])}"
                       for loop in loops for kind in FIXED if ratios[loop][kind] != list(WHY_RATIOS))
+    seconds = sum(r["seconds"] for k, r in runs.rows.items() if k[1].startswith("why") and k[0] in loops)
     note = ("Seeds 0-4 of three loops where the defaults fall short (held-out, mean +- sd; in brackets the setting). "
             "Without the sketch: RowAdam's row-scaled direction of the full gradient (A = I), one fixed step a "
             "share of ||W|| each update, no KL control. With the sketch: LoGRA's own sketch and RowAdam at the same "
@@ -785,14 +786,13 @@ def why(args):
             "layer's step is in proportion to its sketch's norm). The step sizes tried (||step|| / ||W||): "
             f"{', '.join(f'{r:g}' for r in WHY_RATIOS)}" + (f", widened at an edge for {grids}" if grids else "") +
             ". Compute: "
-            f"{sum(r['seconds'] for k, r in runs.rows.items() if k[1].startswith('why') and k[0] in loops) / 60:.0f} "
-            "min of runs, one thread each.")
+            f"{seconds / 60:.0f} min of runs, one thread each.")
     kl_note = ("The KL of one update (exact, per token, on its own batch, before against after), the median over "
                "a run's updates and over seeds 0-4, and its share of the policy's entropy H there:")
     text = note + "\n\n" + report.table(header, rows) + "\n\n" + kl_note + "\n\n" + report.table(kl_header, kl_rows)
     print("\n" + text)
     if args.markdown:
-        report.publish("defaults_why", text)
+        report.publish("defaults_why", text, seconds / max(args.jobs, 1))  # its runs' cost, at --jobs at once
 
 
 def adamw_best(runs, loop):
@@ -832,7 +832,7 @@ def tune(args):
             f"Compute: {compute(runs, loops) / 60:.0f} min of runs of these loops (the family's included).")
     print("\n" + note + "\n\n" + table)
     if args.markdown:
-        report.publish("defaults_tuning", note + "\n\n" + table)
+        report.publish("defaults_tuning", note + "\n\n" + table, compute(runs, loops) / max(args.jobs, 1))
 
 
 def main():

@@ -75,7 +75,7 @@ TABLES = (
     Table("defaults_why", ("defaults_why",),
           ("defaults.py", "--why", "--jobs", "2", "--out", "/tmp/defaults/runs.jsonl"), "CPU",
           "about 10 min after `defaults`", "where the defaults' gap comes from: RowAdam's step with and without "
-          "the sketch at fixed sizes, and the KL an update spends"),
+          "the sketch, at one scale for all layers and per layer, at fixed sizes, and the KL an update spends"),
     Table("strict_prompts", ("strict_prompts",), ("strict_prompts.py", "--checkpoint", CHECKPOINT), "SmolLM2",
           "about 35 min: 9 wordings x 200 samples, 2 ranges x 80 long samples", "the base SmolLM2 under the strict "
           "integer grader and math-verify, prompt by prompt: the exploration that chose real_model.py's tasks"),

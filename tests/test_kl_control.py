@@ -749,8 +749,9 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     binds (weights at std 0.2) is bit for bit the update written out by hand
     (`calibrated_by_hand`): weights, alpha, and the scale, which moved away from 1 (so the
     comparison covers it). Its state saved after two updates and loaded into a fresh optimizer
-    on a copy gives the last two updates' bits; a state saved without calibration (or before it
-    existed) is refused by a calibrating optimizer, or starts rho at 1 when it has no entry."""
+    on a copy gives the last two updates' bits. A state saved with calibration is refused by an
+    optimizer without it and the other way round, before anything is loaded; a state from
+    before calibration existed (no entry) starts rho at 1."""
     batches = [policy_batch(seed) for seed in (41, 42, 43, 44)]
     one = tiny_qwen2(seed=9, initializer_range=0.2)
     opt = kl_control.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=6)))
@@ -775,6 +776,9 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     plain = kl_control.LoGRAOptimizer(again, resumed.rowadam, calibrate=False)
     with pytest.raises(ValueError, match="saved with calibrate=True"):
         plain.load_state_dict(state)
+    assert plain.update == resumed.update == 4  # refused before anything was loaded (the state is at 2)
+    with pytest.raises(ValueError, match="saved with calibrate=False"):
+        resumed.load_state_dict(plain.state_dict())
     older = {k: v for k, v in state.items() if k != "calibration"}
     resumed.load_state_dict(older)
     assert resumed.calibration.scale == 1.0
@@ -807,15 +811,7 @@ def test_calibration_spends_the_budget_in_realised_kl():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the short-response warning
                 for _ in range(30):
-                    prompts = torch.randint(0, vocab, (64, prompt), generator=gen)
-                    with torch.no_grad():
-                        probs = torch.softmax(model(input_ids=prompts).logits[:, -1], dim=-1)  # (B, V)
-                    ids = torch.cat([prompts, torch.multinomial(probs, 1, generator=gen)], dim=1)  # (B, 5)
-                    reward = (ids[:, prompt] == perm[ids[:, 0]]).float()
-                    mask = torch.zeros_like(ids, dtype=torch.bool)
-                    mask[:, prompt] = True
-                    reinforce_loss(model, ids, mask, reward - reward.mean()).backward()
-                    opt.step(ids, mask)
+                    lookback_step(model, opt, gen, perm)
                     if opt.last["alpha"] < opt.alpha_max:
                         miss.append(math.log(opt.last["kl_realised"] / opt.last["budget"]))
             misses[calibrate] = float(np.median(miss[-15:]))  # log(realised / budget), the median
@@ -987,6 +983,21 @@ def test_alpha_at_its_cap_is_warned_about_once():
     assert not [w for w in caught if "its cap" in str(w.message)]
 
 
+def lookback_step(model, opt, gen, perm, vocab=16, prompt=4):
+    """One update of bench/README.md's `defaults` base loop in miniature: 64 one-token answers
+    sampled after `prompt` uniform tokens, right when the answer is perm(the first prompt
+    token); REINFORCE with the batch's mean reward as the baseline; then `opt.step`."""
+    prompts = torch.randint(0, vocab, (64, prompt), generator=gen)
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=prompts).logits[:, -1], dim=-1)  # (B, V)
+    ids = torch.cat([prompts, torch.multinomial(probs, 1, generator=gen)], dim=1)  # (B, prompt + 1)
+    reward = (ids[:, prompt] == perm[ids[:, 0]]).float()
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, prompt] = True
+    reinforce_loss(model, ids, mask, reward - reward.mean()).backward()
+    opt.step(ids, mask)
+
+
 def lookback_accuracy(seed, update_ratio, updates=40):
     """The case of bench/README.md's `defaults` loop "init 0.02" in miniature: a random 2-layer
     Llama at transformers' std 0.02 (vocabulary 16) answers 4-token prompts with one token,
@@ -1008,15 +1019,7 @@ def lookback_accuracy(seed, update_ratio, updates=40):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(updates):
-            prompts = torch.randint(0, vocab, (64, prompt), generator=gen)
-            with torch.no_grad():
-                probs = torch.softmax(model(input_ids=prompts).logits[:, -1], dim=-1)  # (B, V)
-            ids = torch.cat([prompts, torch.multinomial(probs, 1, generator=gen)], dim=1)  # (B, 5)
-            reward = (ids[:, prompt] == perm[ids[:, 0]]).float()
-            mask = torch.zeros_like(ids, dtype=torch.bool)
-            mask[:, prompt] = True
-            reinforce_loss(model, ids, mask, reward - reward.mean()).backward()
-            opt.step(ids, mask)
+            lookback_step(model, opt, gen, perm, vocab, prompt)
     with torch.no_grad():
         right = model(input_ids=held).logits[:, -1].argmax(-1) == perm[held[:, 0]]
     return right.float().mean().item(), opt.capped, [str(w.message) for w in caught if "its cap" in str(w.message)]
