@@ -13,7 +13,8 @@ overrides two methods of `GRPOTrainer`:
   (sketch.py: every weight frozen, the attention/MLP projections sketched, fp32 master
   weights) and returns kl_control.py's `LoGRAOptimizer`, a `torch.optim.Optimizer` whose
   `step()` is one LoGRA update: RowAdam's directions (rowadam.py), the KL probe on the last
-  micro-batch's tokens and completion mask, alpha for the update's KL budget (kl_control.py),
+  micro-batch's tokens and completion mask, alpha for the update's KL budget (kl_control.py;
+  its prediction calibrated by the realised KL of earlier updates, that file's departure 5),
   the merge `W -= bf16(alpha U) A`, and the realised KL. `zero_grad()` does nothing (no weight has a
   gradient; the merge zeroes the sketches); its one param group has an `lr` that nothing reads,
   so that TRL's scheduler and logger find one (it logs learning_rate 0 and grad_norm 0).
@@ -21,8 +22,9 @@ overrides two methods of `GRPOTrainer`:
   that probe, then returns TRL's own loss.
 `max_grad_norm` must be 0 (there is no gradient to clip; the trainer refuses anything else), and
 the model must be fp32 (RowAdam refuses bf16 master weights); `bf16=True` autocast is fine.
-A Trainer checkpoint holds RowAdam's moments and update counter (`LoGRAOptimizer.state_dict`),
-and a run resumed from one ends on the same weights, bit for bit (tests/test_trl_example.py).
+A Trainer checkpoint holds RowAdam's moments and update counter and the calibration
+(`LoGRAOptimizer.state_dict`), and a run resumed from one ends on the same weights, bit for bit
+(tests/test_trl_example.py).
 `--optimizer adamw` runs the same script with a plain `GRPOTrainer` and TRL's own AdamW
 (TRL's defaults: fused AdamW, betas (0.9, 0.999), a linear decay, clipping at 1; a toy-sized lr)
 on the same trainable weights, the attention/MLP projections, from the same initial weights,

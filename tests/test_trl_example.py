@@ -117,13 +117,14 @@ def test_both_optimizers_raise_the_reward(runs):
 def test_a_trainer_checkpoint_resumes_logra_bit_for_bit(tmp_path):
     """4 steps in one run that saves a Trainer checkpoint at step 2, against a run resumed from
     it: the same RowAdam counter and moments, and the same weights, bit for bit (the checkpoint
-    holds RowAdam's state: LoGRAOptimizer.state_dict)."""
+    holds RowAdam's state and the calibration's rho: LoGRAOptimizer.state_dict)."""
     whole = trl_grpo.make_trainer("logra", steps=4, seed=0, output_dir=str(tmp_path), save_strategy="steps",
                                   save_steps=2)
     whole.train()
     resumed = trl_grpo.make_trainer("logra", steps=4, seed=0, output_dir=str(tmp_path))
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert resumed.logra.rowadam.update == whole.logra.rowadam.update == 4
+    assert resumed.logra.calibration.log_scale == whole.logra.calibration.log_scale  # rho, checkpointed too
     for a, b in zip(whole.logra.rowadam.moments, resumed.logra.rowadam.moments):
         assert torch.equal(a, b)
     for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
