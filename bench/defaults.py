@@ -530,7 +530,8 @@ def family(args):
     met, short = [lp for lp in loops if gaps[lp] <= 0.03], [lp for lp in loops if gaps[lp] > 0.05]
     named = [lp for lp in loops if 0.03 < gaps[lp] <= 0.05]
     claim = (f"Untuned, against AdamW at its best learning rate on {len(loops)} small loops of bench/defaults.py "
-             f"(held-out greedy scores on seeds 5-9, AdamW's rate chosen on seeds 0-4), the defaults come within "
+             f"(held-out greedy scores on seeds 5-9, AdamW's rate chosen on seeds 0-4), the defaults of the one-call "
+             f"form (LoGRAOptimizer, which calibrates its KL prediction) come within "
              f"0.03 on {len(met)} ({', '.join(met)})")
     if named:
         claim += ", within 0.05 on " + ", ".join(f"{lp} ({gaps[lp]:.3f})" for lp in named)
@@ -538,7 +539,8 @@ def family(args):
         lows = sorted(gaps[lp] for lp in short)
         claim += (f" and fall short by {lows[0]:.2f}-{lows[-1]:.2f} on {len(short)} ({', '.join(short)}). "
                   "LoGRA's other settings on those loops: bench/README.md, `defaults_tuning`; where the gap comes "
-                  "from: `defaults_why`.")
+                  "from (RowAdam's one step scale for all layers, the paper's, and the budget; not the sketch): "
+                  "`defaults_why`.")
     else:
         claim += "."
     smol_rows, smol_gaps = smollm2_loops()
