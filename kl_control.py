@@ -168,7 +168,7 @@ every loop but the 64-token one. Where the gaps come from (`defaults.py --why`):
 sketch, which at fixed step sizes does as well as the full gradient through the same RowAdam
 on two of three loops; rather RowAdam's one scale for all layers (the paper's: each layer
 moves in proportion to its sketch's norm; scaled per layer, the sketched step at its best
-fixed size comes within 0.02 of AdamW or beats it on all three) and a budget that must also
+fixed size comes within 0.03 of AdamW or beats it on all three) and a budget that must also
 serve the tiny base policy, whose best steps are small. On SmolLM2-135M-Instruct
 (`defaults.py --smollm2`, 3 seeds, 30 updates of 16, uncalibrated) held-out pass@1 went from
 0.170 to 0.71-0.82, with alpha below 0.01: there the budget binds at steps under 1e-4 of
