@@ -50,7 +50,10 @@ horizon is the run's length). With a separate rollout engine, also subtract the 
 mismatch.adjust(budget)` (a `Mismatch`, kept and checkpointed with the optimizer). Every
 trainer process makes the same calls (FSDP all-gathers inside). `LoGRAOptimizer` (at the end
 of this file) is the same update as one `torch.optim` step: `opt.step(ids, mask)`, and by
-default it also calibrates the prediction with the realised KL ("Calibration" below).
+default it also calibrates the prediction with the realised KL ("Calibration" below). The
+same in the calls above: `cal = kl_control.Calibration()` kept beside the optimizer, `alpha =
+kl_control.solve_alpha(cal.adjust(probe.kl1), budget=budget)`, and after the merge, when alpha
+is under its cap, `cal.observe(kl_real, alpha**2 * probe.kl1)`.
 
 The math
 --------
