@@ -175,7 +175,10 @@ fixed size comes within 0.03 of AdamW or beats it on all three) and a budget tha
 serve the tiny base policy, whose best steps are small. On SmolLM2-135M-Instruct
 (`defaults.py --smollm2`, 3 seeds, 30 updates of 16, uncalibrated) held-out pass@1 went from
 0.170 to 0.71-0.82, with alpha below 0.01: there the budget binds at steps under 1e-4 of
-||W||, the paper's scale, found rather than set.
+||W||, the paper's scale, found rather than set. Calibrated (`--calibrate`), rho stayed at
+0.88-0.96 there, and seeds 0-2 reached 0.060, 0.800 and 0.460: one run of three did not learn,
+where today's uncalibrated seed 0 reached 0.575; four runs do not settle whether that is
+calibration or the runs' spread (bench/README.md, `defaults_smollm2_calibrated`).
 
 The budget and alpha. RowAdam (rowadam.py) scales U so that ||U A|| = update_ratio ||W||,
 and KL1 is quadratic in U, so with K the KL1 of the same direction scaled to ||U A|| = ||W||
@@ -246,7 +249,9 @@ Departures from the paper
    where the budget binds (the base loop 0.427 to 0.575, batches of 16 0.449 to 0.560, 6-token
    answers 0.340 to 0.355, the tiny base policy 0.908 to 0.938), fell inside the spread on the
    64-token loop (0.659 to 0.612, sd 0.35-0.44) and did not move where alpha sits at its cap
-   (std 0.02) or at 1.000 (the toy). It costs the realised KL's
+   (std 0.02) or at 1.000 (the toy). On SmolLM2-135M-Instruct, the one pretrained model
+   tried, rho stayed at 0.88-0.96 and one calibrated run of three did not learn ("Defaults":
+   not settled). It costs the realised KL's
    forward over the probed responses and 256 kept positions of logits (256 V values: 78 MB
    at a vocabulary of 152k in bf16). train.py does not calibrate: its presets are the
    paper's recipe, and its measured runs (bench/README.md, real_model) were made without.

@@ -357,8 +357,10 @@ class Sums:
         return right / total
 
 
-def sums_run(env, *, seed, updates, batch):
-    """The README's loop with every LoGRA default on SmolLM2: held-out pass@1 before and after."""
+def sums_run(env, *, seed, updates, batch, calibrate=False):
+    """The README's loop with every LoGRA default on SmolLM2: held-out pass@1 before and after.
+    `calibrate`: the same with kl_control.Calibration, as LoGRAOptimizer's one-call form has it
+    (kl_control.py's Use paragraph: KL1 times rho, rho learnt from the realised KL)."""
     model = env.load()
     base = env.evaluate(model)
     layers = sketch.attach(model, seed=seed)
@@ -366,7 +368,8 @@ def sums_run(env, *, seed, updates, batch):
     baseline, gen = ppo.RunningBaseline(weight=0.1), torch.Generator().manual_seed(seed)
     lengths = sorted(env.buckets["train"])
     weights = torch.tensor([len(env.buckets["train"][n]) for n in lengths], dtype=torch.float)
-    rewards, alphas, budgets = [], [], []
+    rewards, alphas, budgets, scales = [], [], [], []
+    cal = kl_control.Calibration() if calibrate else None
     for _ in range(updates):
         pool = env.buckets["train"][lengths[torch.multinomial(weights, 1, generator=gen).item()]]
         items = [pool[i] for i in torch.randint(0, len(pool), (batch,), generator=gen).tolist()]
@@ -376,17 +379,23 @@ def sums_run(env, *, seed, updates, batch):
         loss.backward()
         try:
             opt.prepare()
-            probe = kl_control.probe(model, layers, opt.directions, ids, mask)
+            probe = kl_control.probe(model, layers, opt.directions, ids, mask,
+                                     keep_positions=kl_control.CALIBRATION_POSITIONS if cal else 0)
             budget = kl_control.budget_for(probe)
-            alpha = kl_control.solve_alpha(probe.kl1, budget=budget)
+            alpha = kl_control.solve_alpha(cal.adjust(probe.kl1) if cal else probe.kl1, budget=budget)
         except Exception:
             opt.discard()
             raise
         opt.merge(alpha)
+        if cal:
+            scales.append(cal.scale)
+            if alpha < 3.0:  # solve_alpha's cap: the budget set this step
+                cal.observe(kl_control.realised_kl(probe, model, ids, mask), alpha**2 * probe.kl1)
         rewards.append(reward.mean().item())
         alphas.append(alpha)
         budgets.append(budget)
-    return {"base": base, "final": env.evaluate(model), "rewards": rewards, "alphas": alphas, "budgets": budgets}
+    return {"base": base, "final": env.evaluate(model), "rewards": rewards, "alphas": alphas, "budgets": budgets,
+            "scales": scales}
 
 
 def smollm2(args):
@@ -394,22 +403,27 @@ def smollm2(args):
     env = Sums(args.smollm2)
     rows, t0 = [], time.perf_counter()
     header = ["seed", "held-out pass@1 before", "after", "gain", "train reward, first 5", "last 5",
-              "alpha (median)", "budget per token (median)", "alpha at its cap"]
+              "alpha (median)", "budget per token (median)", "alpha at its cap"] + (["rho (median)"] if args.calibrate
+                                                                                    else [])
     for seed in args.seeds:
-        out = sums_run(env, seed=seed, updates=args.smollm2_updates, batch=16)
+        out = sums_run(env, seed=seed, updates=args.smollm2_updates, batch=16, calibrate=args.calibrate)
         rows.append([seed, f"{out['base']:.3f}", f"{out['final']:.3f}", f"{out['final'] - out['base']:+.3f}",
                      f"{statistics.mean(out['rewards'][:5]):.3f}", f"{statistics.mean(out['rewards'][-5:]):.3f}",
                      f"{statistics.median(out['alphas']):.2g}", f"{statistics.median(out['budgets']):.2e}",
-                     f"{100 * sum(a >= 3.0 for a in out['alphas']) / len(out['alphas']):.0f}%"])
+                     f"{100 * sum(a >= 3.0 for a in out['alphas']) / len(out['alphas']):.0f}%"] +
+                    ([f"{statistics.median(out['scales']):.2f}"] if args.calibrate else []))
         print(report.row(rows[-1]), flush=True)
     note = (f"SmolLM2-135M-Instruct ({args.smollm2}: bench/real_model.py's checkpoint), its 200 training sums, "
             f"{args.smollm2_updates} updates of 16 prompts sampled at temperature 1 (up to 64 new tokens), "
-            f"the README's loop with every LoGRA default (rank {sketch.PAPER_RANK}, update_ratio, probe, budget_for); held-out: the "
+            f"the README's loop with every LoGRA default (rank {sketch.PAPER_RANK}, update_ratio, probe, budget_for"
+            + ("; and calibrated as LoGRAOptimizer is, rho the scale of KL1 its alpha used" if args.calibrate else "")
+            + "); held-out: the "
             f"200 other sums, greedy, right when the answer's last number is the sum (one evaluation's binomial "
             f"error about 0.03). {(time.perf_counter() - t0) / 60:.0f} min, one thread.")
     print("\n" + note)
     if args.markdown:
-        report.publish("defaults_smollm2", note + "\n\n" + report.table(header, rows))
+        report.publish("defaults_smollm2_calibrated" if args.calibrate else "defaults_smollm2",
+                       note + "\n\n" + report.table(header, rows))
 
 
 def ms(values) -> str:
@@ -848,8 +862,11 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="with --smollm2")
     p.add_argument("--smollm2", metavar="DIR", help="instead: LoGRA's defaults on bench/real_model.py's checkpoint")
     p.add_argument("--smollm2-updates", type=int, default=30)
-    args = report.parse_args(p, "defaults", "defaults_claim", "defaults_smollm2", "defaults_tuning", "defaults_why",
-                             which=lambda a: ["defaults_smollm2"] if a.smollm2 else ["defaults_tuning"] if a.tune
+    p.add_argument("--calibrate", action="store_true", help="with --smollm2: the loop calibrated as LoGRAOptimizer is")
+    args = report.parse_args(p, "defaults", "defaults_claim", "defaults_smollm2", "defaults_smollm2_calibrated",
+                             "defaults_tuning", "defaults_why",
+                             which=lambda a: (["defaults_smollm2_calibrated"] if a.calibrate else ["defaults_smollm2"])
+                             if a.smollm2 else ["defaults_tuning"] if a.tune
                              else ["defaults_why"] if a.why else ["defaults", "defaults_claim"])
     torch.set_num_threads(1)
     if args.smollm2:
