@@ -69,6 +69,7 @@ import kl_control  # noqa: E402
 import minimal_loop  # noqa: E402
 import ppo  # noqa: E402
 import sketch  # noqa: E402
+import rowadam  # noqa: E402
 from rowadam import RowAdam  # noqa: E402
 
 LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)  # AdamW's sweep, widened while its best is at an edge
@@ -223,6 +224,17 @@ LOOPS = {  # name: (environment, role)
 }
 
 
+def backward_batch(env, model, gen, baseline):
+    """One batch of `env`'s loop: sampled, its advantages (the batch's mean reward or the running
+    `baseline` as the baseline, as `env` says), and the policy loss's backward, into the sketches
+    (LoGRA) or the weights' .grad (AdamW). Returns (ids, mask, reward)."""
+    ids, mask, reward = env.sample(model, gen)
+    advantages = reward - reward.mean() if env.baseline == "mean" else baseline.advantages(reward)
+    logp = ppo.response_logprobs(model(input_ids=ids).logits, ids)  # (B, T)
+    ppo.policy_loss(logp, advantages, mask, num_tokens=int(mask.sum()))[0].backward()
+    return ids, mask, reward
+
+
 def run(env, method, seed, lr=None, budget=None, schedule=None, rank=None, calibrate=True, **logra):
     """One run of the loop: LoGRA with every default (`logra`: RowAdam's settings to change,
     e.g. update_ratio; `budget`: budget_for's, e.g. entropy_share, for `--tune`; `schedule`:
@@ -247,11 +259,7 @@ def run(env, method, seed, lr=None, budget=None, schedule=None, rank=None, calib
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(env.updates):
-            ids, mask, reward = env.sample(model, gen)
-            advantages = reward - reward.mean() if env.baseline == "mean" else baseline.advantages(reward)
-            logp = ppo.response_logprobs(model(input_ids=ids).logits, ids)  # (B, T)
-            loss, _ = ppo.policy_loss(logp, advantages, mask, num_tokens=int(mask.sum()))
-            loss.backward()
+            ids, mask, reward = backward_batch(env, model, gen, baseline)
             if method == "logra":
                 opt.step(ids, mask)
                 alphas.append(opt.last["alpha"])
@@ -359,17 +367,16 @@ class Sums:
 
 def sums_run(env, *, seed, updates, batch, calibrate=False):
     """The README's loop with every LoGRA default on SmolLM2: held-out pass@1 before and after.
-    `calibrate`: the same with kl_control.Calibration, as LoGRAOptimizer's one-call form has it
-    (kl_control.py's Use paragraph: KL1 times rho, rho learnt from the realised KL)."""
+    LoGRAOptimizer's step, with `calibrate=False` bit for bit the README's three calls
+    (tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise); with
+    `calibrate`, the one-call form's default (KL1 times rho, rho learnt from the realised KL)."""
     model = env.load()
     base = env.evaluate(model)
-    layers = sketch.attach(model, seed=seed)
-    opt = RowAdam(layers)
+    opt = kl_control.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=seed)), calibrate=calibrate)
     baseline, gen = ppo.RunningBaseline(weight=0.1), torch.Generator().manual_seed(seed)
     lengths = sorted(env.buckets["train"])
     weights = torch.tensor([len(env.buckets["train"][n]) for n in lengths], dtype=torch.float)
-    rewards, alphas, budgets, scales = [], [], [], []
-    cal = kl_control.Calibration() if calibrate else None
+    rewards, last = [], []
     for _ in range(updates):
         pool = env.buckets["train"][lengths[torch.multinomial(weights, 1, generator=gen).item()]]
         items = [pool[i] for i in torch.randint(0, len(pool), (batch,), generator=gen).tolist()]
@@ -377,25 +384,11 @@ def sums_run(env, *, seed, updates, batch, calibrate=False):
         logp = ppo.response_logprobs(model(input_ids=ids).logits, ids)  # (B, T)
         loss, _ = ppo.policy_loss(logp, baseline.advantages(reward), mask, num_tokens=int(mask.sum()))
         loss.backward()
-        try:
-            opt.prepare()
-            probe = kl_control.probe(model, layers, opt.directions, ids, mask,
-                                     keep_positions=kl_control.CALIBRATION_POSITIONS if cal else 0)
-            budget = kl_control.budget_for(probe)
-            alpha = kl_control.solve_alpha(cal.adjust(probe.kl1) if cal else probe.kl1, budget=budget)
-        except Exception:
-            opt.discard()
-            raise
-        opt.merge(alpha)
-        if cal:
-            scales.append(cal.scale)
-            if alpha < 3.0:  # solve_alpha's cap: the budget set this step
-                cal.observe(kl_control.realised_kl(probe, model, ids, mask), alpha**2 * probe.kl1)
+        opt.step(ids, mask)
         rewards.append(reward.mean().item())
-        alphas.append(alpha)
-        budgets.append(budget)
-    return {"base": base, "final": env.evaluate(model), "rewards": rewards, "alphas": alphas, "budgets": budgets,
-            "scales": scales}
+        last.append(opt.last)
+    return {"base": base, "final": env.evaluate(model), "rewards": rewards, "alphas": [r["alpha"] for r in last],
+            "budgets": [r["budget"] for r in last], "scales": [r["kl_scale"] for r in last]}
 
 
 def smollm2(args):
@@ -667,8 +660,6 @@ def why_run(env, kind, seed, value=None):
     scale for all layers, so a layer's step is proportional to its sketch's norm). Returns the
     held-out score, the median KL per token of an update and its median share of the policy's
     entropy."""
-    import rowadam
-
     model = env.model(seed)
     weights = [m.weight for m in sketch.target_modules(model, env.targets).values()]
     kind, per_layer = kind.removesuffix(" per layer"), kind.endswith(" per layer")
@@ -686,12 +677,9 @@ def why_run(env, kind, seed, value=None):
     gen, baseline = torch.Generator().manual_seed(1000 + seed), ppo.RunningBaseline(weight=0.1)
     kls, shares = [], []
     for t in range(env.updates):
-        ids, mask, reward = env.sample(model, gen)
-        advantages = reward - reward.mean() if env.baseline == "mean" else baseline.advantages(reward)
-        with torch.no_grad():
+        ids, mask, _ = backward_batch(env, model, gen, baseline)
+        with torch.no_grad():  # the weights as the backward saw them: the update's "before"
             before = model(input_ids=ids).logits[:, :-1].double().log_softmax(-1)[mask[:, 1:]]  # (N, V)
-        logp = ppo.response_logprobs(model(input_ids=ids).logits, ids)  # (B, T)
-        ppo.policy_loss(logp, advantages, mask, num_tokens=int(mask.sum()))[0].backward()
         if kind == "logra":
             opt.step(ids, mask)
         elif kind == "sketch":
@@ -741,7 +729,7 @@ def why(args):
     with it, each at its best fixed size, beside AdamW's best and LoGRA's defaults (with and
     without calibration), and how much KL an update of each spends."""
     runs = Runs(args.out, args.jobs, worker=why_work)
-    loops = [loop for loop in (args.loops or WHY_LOOPS)]
+    loops = list(args.loops or WHY_LOOPS)
     best = {}
     for loop in loops:
         adam = adamw_best(runs, loop)
