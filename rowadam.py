@@ -56,7 +56,9 @@ correction's step is t + 1, the number of sketches v has averaged, this one incl
     c = update_ratio * sqrt( sum_layers ||W||_F^2 / sum_layers ||D A||_F^2 )
     U = c * D                                   so ||U A|| = update_ratio * ||W||
 
-(`RowAdam.prepare`), and the merge, for the step multiplier alpha chosen by kl_control.py:
+(`RowAdam.prepare`; `prepare(per_layer=True)` instead scales each layer to its own weights,
+c_l = update_ratio ||W_l|| / ||D_l A_l||: departure 3), and the merge, for the step
+multiplier alpha chosen by kl_control.py:
 
     F = bf16(alpha * U)                         what the rollout engines receive
     W <- W - F @ A_t                            fp32 master weights, in row chunks
@@ -79,10 +81,11 @@ beta2 = 0.95, eps = 1e-8 and factor dtype bf16, the paper's; update_ratio = 1e-2
   alpha_max * update_ratio and the budget does nothing. So update_ratio is the largest step
   an update may take, as a share of the weights: the default allows 3% of ||W|| (alpha_max 3
   x 1e-2), so that the KL budget, which is what knows how far the policy may move, sets the
-  step. Measured with the default budget and kl_control.LoGRAOptimizer's calibration
-  (bench/README.md, `defaults.py`: nine small loops, seeds 5-9), alpha sat at its cap in at
-  most 1 update of a run on the one-token loops at std 0.2, in 25-47% of the toy's
-  updates, in up to 51% on the 64-token loop, and in all of the std-0.02 loop's. The paper's
+  step. Measured with the three calls' budget and calibration (bench/README.md, `defaults.py`:
+  nine small loops, seeds 5-9, the earlier defaults of kl_control.LoGRAOptimizer), alpha sat
+  at its cap in at most 1 update of a run on the one-token loops at std 0.2, in 25-47% of
+  the toy's updates, in up to 51% on the 64-token loop, and in all of the std-0.02 loop's
+  (LoGRAOptimizer's own defaults scale the step per layer and cap it at 9x, departure 3). The paper's
   6e-5 with its budget of 2e-4 per token leaves alpha at its cap and
   examples/minimal_loop.py's toy at chance: a policy that must move far needs steps the cap
   forbids. Where the paper's pair binds (its 7B run; not measured here), 1e-2 gives the same
@@ -128,6 +131,17 @@ Departures from the paper
    Tests: tests/test_rowadam.py::test_merge_moves_bf16_ties_one_ulp_toward_zero,
    tests/test_rowadam.py::test_merge_of_alpha_zero_changes_no_weight_here_or_on_the_engine,
    tests/test_sync.py::test_compact_state_is_the_masters_bits_over_1000_updates.
+3. One scale per layer, on request. `prepare(per_layer=True)` scales each layer's D to
+   ||U_l A_l|| = update_ratio ||W_l|| (c_l = update_ratio ||W_l|| / ||D_l A_l||, 0 where
+   D_l A_l = 0), where the paper takes one c for all layers, under which a layer moves in
+   proportion to its sketch's norm (on the tests' tiny Qwen2 after one backward, 0.02% to 2.8%
+   of each layer's ||W|| for a total step of 1% of ||W||). The total step is the same,
+   update_ratio ||W||; D and v are the same. `prepare()` is the paper's, and so are the
+   Use block and train.py; kl_control.LoGRAOptimizer asks for it by default (kl_control.py's
+   departure 6 gives the measurement). The two norms of each layer are float64 sums over this
+   process's rows, reduced in one all_reduce with a group (departure 1). Tests:
+   tests/test_rowadam.py::test_per_layer_scale_gives_each_layer_its_share_of_its_weights,
+   tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.
 
 Implementation notes
 --------------------
@@ -469,11 +483,12 @@ class RowAdam:
     # -- prepare: directions, global scale --------------------------------------------
 
     @torch.no_grad()
-    def prepare(self, group=None) -> float:
+    def prepare(self, group=None, *, per_layer=False) -> float:
         """Compute every layer's U = c D (this process's rows) into `directions`; return ||S||
         over all layers. Weights, moments and the update counter are not touched (`merge`
         commits, `discard` abandons). Refused without a backward since the last merge or
-        discard, and when called twice (the class docstring).
+        discard, and when called twice (the class docstring). `per_layer`: one c per layer,
+        c_l = update_ratio ||W_l|| / ||D_l A_l|| (departure 3), instead of the paper's one c.
 
         The sketches were already summed over processes: in backward (row-sharded layers) or, for
         whole sketches held by several processes, here with one all_reduce each over `group`.
@@ -504,9 +519,19 @@ class RowAdam:
                                      step=t, beta2=self.beta2, eps=self.eps, group=self.group,
                                      out=[U for _, _, _, U, _ in self._groups])  # (L, n, r) each, in the U buffers
 
-        # c = update_ratio sqrt( sum ||W||^2 / sum ||D A||^2 ), both summed over this process's
-        # rows (||D A||^2 = sum((D A A^T) * D): implementation notes)
-        totals = torch.zeros(2, dtype=torch.float64, device=stacks[0].device)  # (sum ||W||^2, sum ||D A||^2)
+        if per_layer:
+            self._scale_per_layer(D)  # U = c_l D per layer (departure 3)
+        else:
+            self._scale_all_layers(D)  # U = c D, the paper's one scale
+        self.directions = list(self._u)  # (n, r) each: views of the groups' U
+        self._pending_moments = moments
+        return math.sqrt(S_sq.sum().item())
+
+    def _scale_all_layers(self, D):
+        """U = c D in place for every layer, c = update_ratio sqrt( sum ||W||^2 / sum ||D A||^2 ),
+        both summed over this process's rows (||D A||^2 = sum((D A A^T) * D): implementation
+        notes); c = 0 where every D A is zero."""
+        totals = torch.zeros(2, dtype=torch.float64, device=D[0].device)  # (sum ||W||^2, sum ||D A||^2)
         for layer in self.layers:
             totals[0] += _sum_squares(local_rows(layer.module.weight)[0])
         for (members, *_), D_g in zip(self._groups, D):
@@ -517,9 +542,23 @@ class RowAdam:
         c = self.update_ratio * math.sqrt(W_sq / DA_sq) if DA_sq > 0 else 0.0
         for D_g in D:
             D_g.mul_(c)  # U = c D, in place
-        self.directions = list(self._u)  # (n, r) each: views of the groups' U
-        self._pending_moments = moments
-        return math.sqrt(S_sq.sum().item())
+
+    def _scale_per_layer(self, D):
+        """U_l = c_l D_l in place, c_l = update_ratio ||W_l|| / ||D_l A_l|| (0 where D_l A_l = 0),
+        the two norms of each layer summed over this process's rows and reduced in one collective."""
+        device = D[0].device
+        totals = torch.zeros(2, len(self.layers), dtype=torch.float64, device=device)  # (||W_l||^2, ||D_l A_l||^2)
+        totals[0] = torch.stack([_sum_squares(local_rows(layer.module.weight)[0]) for layer in self.layers])
+        for (members, *_), D_g in zip(self._groups, D):
+            index = torch.tensor(members, device=device)
+            totals[1].index_copy_(0, index, _da_squared([self.layers[i] for i in members], D_g, per_layer=True))
+        if self.group is not None:
+            dist.all_reduce(totals, group=self.group)  # this process's rows -> all rows (departure 1)
+        W_sq, DA_sq = totals
+        c = torch.where(DA_sq > 0, self.update_ratio * (W_sq / DA_sq.clamp(min=torch.finfo(torch.float64).tiny)).sqrt(),
+                        0.0)  # (L,) float64
+        for (members, *_), D_g in zip(self._groups, D):
+            D_g.mul_(c[torch.tensor(members, device=device)].to(D_g.dtype)[:, None, None])  # U = c_l D, in place
 
     def _check_dtypes(self):
         """Refuse weights whose dtype changed since the constructor (a cast of the model)."""
@@ -662,13 +701,14 @@ def _check_master_dtype(layer, dtype, update_ratio):
                         f"would be rounded away): keep the weights fp32 (nothing was changed)")
 
 
-def _da_squared(layers, D) -> torch.Tensor:
+def _da_squared(layers, D, per_layer=False) -> torch.Tensor:
     """sum over `layers` (one shape) of ||D A||^2 = sum((D (A A^T)) * D) in float64, D (L, n, r)
-    their directions: the Gram matrices of as many layers as GRAM_ELEMENTS holds at once."""
+    their directions (`per_layer`: each layer's, (L,)): the Gram matrices of as many layers as
+    GRAM_ELEMENTS holds at once."""
     r, k = layers[0].signs.shape
     magnitude_sq = entry_magnitude(r, layers[0].sketch.dtype) ** 2  # 1/r, with A's own rounding
     per = max(1, GRAM_ELEMENTS // (r * k))
-    total = torch.zeros((), dtype=torch.float64, device=D.device)
+    total = torch.zeros(len(layers) if per_layer else (), dtype=torch.float64, device=D.device)
     for first in range(0, len(layers), per):
         part = slice(first, first + per)
         signs = torch.stack([l.signs for l in layers[part]]).to(torch.float32)  # (L, r, k)
@@ -676,7 +716,10 @@ def _da_squared(layers, D) -> torch.Tensor:
         gram = (signs @ signs.transpose(1, 2)).to(torch.float64) * magnitude_sq  # (L, r, r)
         del signs
         D64 = D[part].to(torch.float64)  # (L, n, r)
-        total += ((D64 @ gram) * D64).sum()
+        if per_layer:
+            total[part] = ((D64 @ gram) * D64).sum(dim=(1, 2))
+        else:
+            total += ((D64 @ gram) * D64).sum()
         del gram, D64  # before the next batch: one batch's float64 work at a time
     return total
 

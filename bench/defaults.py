@@ -6,7 +6,8 @@ small loops that vary one factor at a time, judged on problems no update saw.
     python bench/defaults.py --why --jobs 2   # where the gap comes from (after the family's AdamW sweep)
     python bench/defaults.py --loops base     # some loops only (names below)
     python bench/defaults.py --markdown       # and write bench:defaults into bench/README.md
-    python bench/defaults.py --smollm2 DIR    # instead: the defaults on SmolLM2-135M-Instruct
+    python bench/defaults.py --smollm2 DIR    # instead: the one-call defaults on SmolLM2-135M-Instruct
+    python bench/defaults.py --smollm2 DIR --three-calls   # the same loop through the README's three calls
 
 The family (designed before anything was tuned on it). The base loop is a user's first loop:
 a random 2-layer, width-64 Qwen2 (weights at std 0.2, vocabulary 16, its head frozen, as
@@ -34,10 +35,11 @@ problems), the share of right answer tokens (the additions: of right answers). A
 0.9, 0.95, no weight decay, on the weights LoGRA trains) runs at 1e-4 ... 3e-2 on seeds 0-4,
 the sweep widened by a factor of 3 while its best is at an edge; its best rate (the highest
 mean on seeds 0-4) is then reported on seeds 5-9. LoGRA runs with every default, the README's
-one-call form (`LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=s)))`, which calibrates
-its KL prediction by the realised KL: kl_control.py's departure 5), on seeds 0-9, reported on
-5-9; `--tune`'s "uncalibrated" is the same without calibration. The gap is AdamW's mean minus
-LoGRA's on seeds 5-9; the target: at most 0.03.
+one-call form (`LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=s)))`, which scales
+RowAdam's step per layer and calibrates its KL prediction by the realised KL: kl_control.py's
+departures 6 and 5), on seeds 0-9, reported on 5-9; `--tune` shows how those defaults were
+chosen (SEARCH) and each knob around them (TUNE), "the three calls" among them (THREE_CALLS).
+The gap is AdamW's mean minus LoGRA's on seeds 5-9; the target: at most 0.03.
 Each run is one line of `--out` (default bench/results/defaults/runs.jsonl, committed), read
 back instead of rerun, so the sweep resumes where it stopped.
 
@@ -77,6 +79,9 @@ CHOOSE, REPORT = (0, 1, 2, 3, 4), (5, 6, 7, 8, 9)  # seeds that choose AdamW's r
 BASE_POLICY = os.path.join(ROOT, "tests", "data", "base-tiny-seed0.pt")
 HELDOUT = 256  # held-out prompts of every loop
 OUT = os.path.join(ROOT, "bench", "results", "defaults", "runs.jsonl")
+# --smollm2's runs, one JSON line each (form, seed, held-out before and after), which the family's
+# claim reads: the one-call defaults beside the three calls on the one pretrained model
+SMOLLM2_RUNS = os.path.join(ROOT, "bench", "results", "defaults", "smollm2.jsonl")
 
 
 # -----------------------------------------------------------------------------
@@ -235,12 +240,12 @@ def backward_batch(env, model, gen, baseline):
     return ids, mask, reward
 
 
-def run(env, method, seed, lr=None, budget=None, schedule=None, rank=None, calibrate=True, **logra):
+def run(env, method, seed, lr=None, opt=None, schedule=None, rank=None, **logra):
     """One run of the loop: LoGRA with every default (`logra`: RowAdam's settings to change,
-    e.g. update_ratio; `budget`: budget_for's, e.g. entropy_share, for `--tune`; `schedule`:
-    (start, end), the paper's cosine budget over the run's updates instead of budget_for;
-    `rank`: attach's, instead of sketch.default_rank's; `calibrate`: LoGRAOptimizer's) or AdamW
-    at `lr`, from the same start weights; its held-out score."""
+    e.g. update_ratio; `opt`: LoGRAOptimizer's, e.g. entropy_share or per_layer, for `--tune`;
+    `schedule`: (start, end), the paper's cosine budget over the run's updates instead of
+    budget_for; `rank`: attach's, instead of sketch.default_rank's) or AdamW at `lr`, from the
+    same start weights; its held-out score."""
 
     model = env.model(seed)
     if method == "logra":
@@ -248,7 +253,7 @@ def run(env, method, seed, lr=None, budget=None, schedule=None, rank=None, calib
         layers = sketch.attach(model, rank=rank, seed=seed, targets=env.targets)
         opt = kl_control.LoGRAOptimizer(model, RowAdam(layers, **logra),
                                         kl_start=start, kl_end=end, horizon=env.updates if schedule else None,
-                                        calibrate=calibrate, **(budget or {}))
+                                        **(opt or {}))
     else:
         weights = [m.weight for m in sketch.target_modules(model, env.targets).values()]
         for p in model.parameters():
@@ -268,7 +273,7 @@ def run(env, method, seed, lr=None, budget=None, schedule=None, rank=None, calib
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             rewards.append(reward.mean().item())
-    warned = [str(w.message) for w in caught if "its cap" in str(w.message)]  # the cap's (the short-response one aside)
+    warned = [str(w.message) for w in caught if "its cap" in str(w.message)]  # the cap's
     capped = [a >= opt.alpha_max for a in alphas] if method == "logra" else []
     return {"heldout": env.heldout(model), "reward_last5": statistics.mean(rewards[-5:]),
             "capped": sum(capped), "longest_capped": longest(capped), "warned": bool(warned),
@@ -365,14 +370,15 @@ class Sums:
         return right / total
 
 
-def sums_run(env, *, seed, updates, batch, calibrate=False):
+def sums_run(env, *, seed, updates, batch, three_calls=False):
     """The README's loop with every LoGRA default on SmolLM2: held-out pass@1 before and after.
-    LoGRAOptimizer's step, with `calibrate=False` bit for bit the README's three calls
-    (tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise); with
-    `calibrate`, the one-call form's default (KL1 times rho, rho learnt from the realised KL)."""
+    LoGRAOptimizer's step with its defaults, the one-call form; with `three_calls`, with
+    THREE_CALLS, bit for bit the README's three calls
+    (tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise)."""
     model = env.load()
     base = env.evaluate(model)
-    opt = kl_control.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=seed)), calibrate=calibrate)
+    opt = kl_control.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=seed)),
+                                    **(THREE_CALLS if three_calls else {}))
     baseline, gen = ppo.RunningBaseline(weight=0.1), torch.Generator().manual_seed(seed)
     lengths = sorted(env.buckets["train"])
     weights = torch.tensor([len(env.buckets["train"][n]) for n in lengths], dtype=torch.float)
@@ -391,31 +397,44 @@ def sums_run(env, *, seed, updates, batch, calibrate=False):
             "budgets": [r["budget"] for r in last], "scales": [r["kl_scale"] for r in last]}
 
 
+# LoGRAOptimizer's settings that make it the README's three calls (the paper's controller, with
+# budget_for's default budget), bit for bit: kl_control.py's departure 5 and 6 left out.
+THREE_CALLS = {"calibrate": False, "per_layer": False, "alpha_max": 3.0, "entropy_share": kl_control.ENTROPY_SHARE}
+
+
 def smollm2(args):
     """--smollm2 DIR: LoGRA's defaults on SmolLM2-135M-Instruct, held-out pass@1 before and after."""
     env = Sums(args.smollm2)
     rows, t0 = [], time.perf_counter()
     header = ["seed", "held-out pass@1 before", "after", "gain", "train reward, first 5", "last 5",
-              "alpha (median)", "budget per token (median)", "alpha at its cap"] + (["rho (median)"] if args.calibrate
-                                                                                    else [])
+              "alpha (median)", "budget per token (median)", "alpha at its cap"] + ([] if args.three_calls
+                                                                                    else ["rho (median)"])
     for seed in args.seeds:
-        out = sums_run(env, seed=seed, updates=args.smollm2_updates, batch=16, calibrate=args.calibrate)
+        out = sums_run(env, seed=seed, updates=args.smollm2_updates, batch=16, three_calls=args.three_calls)
+        cap = THREE_CALLS["alpha_max"] if args.three_calls else kl_control.OPTIMIZER_ALPHA_MAX
         rows.append([seed, f"{out['base']:.3f}", f"{out['final']:.3f}", f"{out['final'] - out['base']:+.3f}",
                      f"{statistics.mean(out['rewards'][:5]):.3f}", f"{statistics.mean(out['rewards'][-5:]):.3f}",
                      f"{statistics.median(out['alphas']):.2g}", f"{statistics.median(out['budgets']):.2e}",
-                     f"{100 * sum(a >= 3.0 for a in out['alphas']) / len(out['alphas']):.0f}%"] +
-                    ([f"{statistics.median(out['scales']):.2f}"] if args.calibrate else []))
+                     f"{100 * sum(a >= cap for a in out['alphas']) / len(out['alphas']):.0f}%"] +
+                    ([] if args.three_calls else [f"{statistics.median(out['scales']):.2f}"]))
         print(report.row(rows[-1]), flush=True)
+        if args.markdown:  # a published run: the family's claim reads it back
+            with open(SMOLLM2_RUNS, "a") as f:
+                f.write(json.dumps({"form": "three calls" if args.three_calls else "one-call", "seed": seed,
+                                    "updates": args.smollm2_updates, "base": out["base"], "final": out["final"]})
+                        + "\n")
     note = (f"SmolLM2-135M-Instruct ({args.smollm2}: bench/real_model.py's checkpoint), its 200 training sums, "
             f"{args.smollm2_updates} updates of 16 prompts sampled at temperature 1 (up to 64 new tokens), "
-            f"the README's loop with every LoGRA default (rank {sketch.PAPER_RANK}, update_ratio, probe, budget_for"
-            + ("; and calibrated as LoGRAOptimizer is, rho the scale of KL1 its alpha used" if args.calibrate else "")
-            + "); held-out: the "
+            + ("the README's three calls (RowAdam's and budget_for's defaults, rank "
+               f"{sketch.PAPER_RANK}; the paper's controller)" if args.three_calls else
+               f"the README's one-call form with every default (rank {sketch.PAPER_RANK}; LoGRAOptimizer: RowAdam "
+               "scaled per layer, calibrated, its cap and budget share; rho the scale of KL1 its alpha used)")
+            + "; held-out: the "
             f"200 other sums, greedy, right when the answer's last number is the sum (one evaluation's binomial "
             f"error about 0.03). {(time.perf_counter() - t0) / 60:.0f} min, one thread.")
     print("\n" + note)
     if args.markdown:
-        report.publish("defaults_smollm2_calibrated" if args.calibrate else "defaults_smollm2",
+        report.publish("defaults_smollm2_three_calls" if args.three_calls else "defaults_smollm2",
                        note + "\n\n" + report.table(header, rows))
 
 
@@ -526,10 +545,11 @@ def family(args):
     table = report.table(header, rows)
     sweep_table = report.table(["loop", "AdamW lr", "held-out, seeds 0-4", ""], sweep)
     note = ("Held-out score (greedy, 256 prompts no update drew), mean +- sd over the seeds named. LoGRA: every "
-            f"default (rank by sketch.default_rank, update_ratio {RowAdam.__init__.__kwdefaults__['update_ratio']:g}, "
-            f"the probe's share, budget_for(entropy_share={kl_control.ENTROPY_SHARE:g}, "
-            f"per_response={kl_control.PER_RESPONSE:g}), the prediction calibrated by the realised KL), the one-call "
-            "form. AdamW: betas (0.9, 0.95), no weight "
+            "default of the one-call form (rank by sketch.default_rank, update_ratio "
+            f"{RowAdam.__init__.__kwdefaults__['update_ratio']:g}, RowAdam's step scaled per layer, alpha_max "
+            f"{kl_control.OPTIMIZER_ALPHA_MAX:g}, the probe's share, budget_for(entropy_share="
+            f"{kl_control.OPTIMIZER_ENTROPY_SHARE:g}, per_response={kl_control.PER_RESPONSE:g}), the prediction "
+            "calibrated by the realised KL). AdamW: betas (0.9, 0.95), no weight "
             "decay, the same weights; its rate chosen on seeds 0-4. Roles: family (the base loop and its "
             "variations), check (never looked at while a default was set), earlier (the two loops of the earlier "
             "table). The alpha column: updates at the cap in each of seeds 5-9's runs. "
@@ -538,16 +558,20 @@ def family(args):
     named = [lp for lp in loops if 0.03 < gaps[lp] <= 0.05]
     claim = (f"Untuned, against AdamW at its best learning rate on {len(loops)} small loops of bench/defaults.py "
              f"(held-out greedy scores on seeds 5-9, AdamW's rate chosen on seeds 0-4), the defaults of the one-call "
-             f"form (LoGRAOptimizer, which calibrates its KL prediction) come within "
+             f"form (LoGRAOptimizer: RowAdam's step scaled per layer, the KL prediction calibrated) come within "
              f"0.03 on {len(met)} ({', '.join(met)})")
     if named:
         claim += ", within 0.05 on " + ", ".join(f"{lp} ({gaps[lp]:.3f})" for lp in named)
     if short:
         lows = sorted(gaps[lp] for lp in short)
-        claim += (f" and fall short by {lows[0]:.2f}-{lows[-1]:.2f} on {len(short)} ({', '.join(short)}). "
-                  "LoGRA's other settings on those loops: bench/README.md, `defaults_tuning`; where the gap comes "
-                  "from (RowAdam's one step scale for all layers, the paper's, and the budget; not the sketch): "
-                  "`defaults_why`.")
+        spread = "; ".join(f"{lp}: sd {statistics.stdev(runs.scores(lp, 'adamw', lr_name(best[lp]), REPORT)):.2f} "
+                           f"AdamW, {statistics.stdev(runs.scores(lp, 'logra', 'default', REPORT)):.2f} LoGRA"
+                           for lp in short)
+        claim += (f" and fall short by {lows[0]:.2f}" + (f"-{lows[-1]:.2f}" if len(short) > 1 else "") +
+                  f" on {len(short)} ({', '.join(short)}; over seeds 5-9, {spread}). "
+                  "LoGRA's other settings on those loops: bench/README.md, `defaults_tuning`; where the earlier "
+                  "defaults' gap came from (RowAdam's one step scale for all layers, the paper's, and the budget; "
+                  "not the sketch): `defaults_why`.")
     else:
         claim += "."
     smol_rows, smol_gaps = smollm2_loops()
@@ -556,10 +580,13 @@ def family(args):
             "AdamW's rate is chosen at one seed on the validation split and both methods are reported at seeds 1-3 on "
             "the test split (held-out sampled pass@1, mean +- sd; the seed-0 columns: pass@1 +- its binomial "
             "error). LoGRA's defaults here are the budget rule's and RowAdam's (x1 in real_model.py's sweep), through "
-            "train.py, which does not calibrate.\n\n"
+            "train.py, which runs the three calls (RowAdam's one scale, no calibration, budget_for's entropy_share "
+            f"{kl_control.ENTROPY_SHARE:g}, alpha_max 3), not the one-call form measured above; the one-call form on "
+            "SmolLM2: `defaults_smollm2`.\n\n"
             + report.table(SMOLLM2_HEADER, smol_rows))
-    claim += (" On SmolLM2-135M-Instruct (bench/real_model.py's tasks, AdamW minus the defaults on test): "
-              + "; ".join(smol_gaps) + ".")
+    claim += (" On SmolLM2-135M-Instruct (bench/real_model.py's tasks through train.py's three calls, AdamW minus "
+              "their defaults on test): "
+              + "; ".join(smol_gaps) + "." + smollm2_forms())
     print("\n" + note + "\n\n" + table + "\n\n" + sweep_table + "\n\n" + smol + "\n\n" + claim)
     if args.markdown:
         # what the block cost: its runs' seconds at --jobs at once (read back, they cost nothing now)
@@ -568,6 +595,28 @@ def family(args):
                        seconds)
         if loops == list(LOOPS):  # the README's sentence, from the whole family only
             report.publish("defaults_claim", claim, seconds)
+
+
+def smollm2_forms() -> str:
+    """The claim's sentence on `--smollm2`'s runs (SMOLLM2_RUNS, the latest run of each form and
+    seed): the one-call defaults beside the three calls, seed by seed; "" when none was run."""
+    if not os.path.exists(SMOLLM2_RUNS):
+        return ""
+    latest = {}
+    for line in open(SMOLLM2_RUNS):
+        r = json.loads(line)
+        latest[(r["form"], r["seed"])] = r
+    seeds = sorted({seed for form, seed in latest if (("one-call", seed) in latest and ("three calls", seed) in latest)})
+    if not seeds:
+        return ""
+    base = latest[("one-call", seeds[0])]["base"]
+    scores = {form: ", ".join(f"{latest[(form, s)]['final']:.3f}" for s in seeds) for form in ("one-call", "three calls")}
+    means = {form: statistics.mean(latest[(form, s)]["final"] for s in seeds) for form in ("one-call", "three calls")}
+    return (f" On its one-step sums (`defaults.py --smollm2`, the one pretrained model tried, seeds "
+            f"{', '.join(map(str, seeds))}, held-out pass@1 from {base:.3f}), the one-call form's defaults reached "
+            f"{scores['one-call']} (mean {means['one-call']:.3f}) and the README's three calls {scores['three calls']} "
+            f"(mean {means['three calls']:.3f})" + (": there the one-call defaults did worse." if
+                                                     means["one-call"] < means["three calls"] - 0.03 else "."))
 
 
 def smollm2_loops(results=None) -> tuple[list[list[str]], list[str]]:
@@ -627,17 +676,34 @@ SMOLLM2_HEADER = ["loop", "response tokens (LoGRA's defaults)", "AdamW's best lr
                   "updates at alpha's cap (seeds 1-3)", "target"]
 
 
-TUNE = [  # LoGRA's settings tried on the choosing seeds of the loops that are not the check
+TUNE = [  # LoGRA's settings tried on the choosing seeds of the loops that are not the check, one knob at a time
     ("default", {}),
-    ("uncalibrated", {"calibrate": False}),  # the controller as the paper has it: alpha from the prediction alone
-    ("update_ratio 0.001", {"update_ratio": 0.001}),
-    ("update_ratio 0.003", {"update_ratio": 0.003}),
-    ("update_ratio 0.03", {"update_ratio": 0.03}),
-    ("update_ratio 0.1", {"update_ratio": 0.1}),
-    ("entropy_share 0.8", {"budget": {"entropy_share": 0.8}}),
-    ("update_ratio 0.1, entropy_share 0.8", {"update_ratio": 0.1, "budget": {"entropy_share": 0.8}}),
+    ("uncalibrated", {"opt": {"calibrate": False}}),  # alpha from the prediction alone, as the paper has it
+    ("one scale", {"opt": {"per_layer": False}}),  # RowAdam's one c for all layers, the paper's
+    ("alpha_max 3", {"opt": {"alpha_max": 3.0}}),  # the three calls' cap: 3% of ||W|| a step
+    ("alpha_max 27", {"opt": {"alpha_max": 27.0}}),
+    ("entropy_share 0.2", {"opt": {"entropy_share": 0.2}}),  # budget_for's default, the three calls'
+    ("entropy_share 0.8", {"opt": {"entropy_share": 0.8}}),
     ("the paper's schedule", {"schedule": (2e-4, 2e-5)}),  # its budget, 2e-4 -> 2e-5 per token, over the run
     ("rank 64", {"rank": 64}),  # the models' width: A A^T's noise at its least (the default rank is 32 here)
+    ("the three calls", {"opt": THREE_CALLS}),  # the paper's controller with budget_for's rule
+]
+# The search that chose LoGRAOptimizer's defaults (bench/README.md, `defaults_tuning`), every setting
+# spelt out: it started from the earlier defaults (calibrated, one scale, alpha_max 3, entropy_share
+# 0.2), which are its first row, and tried RowAdam's step scaled per layer (departure 6 of
+# kl_control.py) with the cap (update_ratio, the same as alpha_max here) and the budget's share.
+EARLIER = {"per_layer": False, "alpha_max": 3.0, "entropy_share": 0.2}
+SEARCH = [
+    ("earlier defaults", {"opt": EARLIER}),
+    ("per layer", {"opt": {**EARLIER, "per_layer": True}}),
+    ("per layer, update_ratio 0.03", {"opt": {**EARLIER, "per_layer": True}, "update_ratio": 0.03}),
+    ("per layer, update_ratio 0.1", {"opt": {**EARLIER, "per_layer": True}, "update_ratio": 0.1}),
+    ("per layer, entropy_share 0.1", {"opt": {**EARLIER, "per_layer": True, "entropy_share": 0.1}}),
+    ("per layer, entropy_share 0.4", {"opt": {**EARLIER, "per_layer": True, "entropy_share": 0.4}}),
+    ("per layer, update_ratio 0.03, entropy_share 0.1", {"opt": {**EARLIER, "per_layer": True, "entropy_share": 0.1},
+                                                         "update_ratio": 0.03}),
+    ("per layer, update_ratio 0.03, entropy_share 0.4", {"opt": {**EARLIER, "per_layer": True, "entropy_share": 0.4},
+                                                         "update_ratio": 0.03}),
 ]
 
 
@@ -652,7 +718,7 @@ FIXED = ("dense", "sketch", "dense per layer", "sketch per layer")  # why_run's 
 def why_run(env, kind, seed, value=None):
     """One run of `env` by `kind`, with the exact KL of every update measured on its batch (all
     response positions, before against after): "adamw" at lr `value`; "logra" with every default
-    (`value` False: calibrate=False); "dense", RowAdam's direction (`rowadam.row_adam_direction`)
+    (`value` False: THREE_CALLS, the README's three calls); "dense", RowAdam's direction (`rowadam.row_adam_direction`)
     of the full gradient, A = I, scaled to ||step|| = `value` ||W|| with alpha 1, no KL control;
     "sketch", LoGRA's own sketch and RowAdam (`update_ratio=value`) at alpha 1, no KL control.
     "dense" and "sketch" differ only by the projection. "dense per layer" and "sketch per layer":
@@ -666,7 +732,7 @@ def why_run(env, kind, seed, value=None):
     if kind in ("logra", "sketch"):
         layers = sketch.attach(model, seed=seed, targets=env.targets)
         ra = RowAdam(layers, **({"update_ratio": value} if kind == "sketch" else {}))
-        opt = kl_control.LoGRAOptimizer(model, ra, calibrate=value is not False) if kind == "logra" else None
+        opt = kl_control.LoGRAOptimizer(model, ra, **({} if value else THREE_CALLS)) if kind == "logra" else None
     elif kind in ("adamw", "dense"):
         for p in model.parameters():
             p.requires_grad_(any(p is w for w in weights))
@@ -740,7 +806,7 @@ def why(args):
 
     def jobs(loop):
         out = [(loop, "why adamw", lr_name(best[loop]), s, best[loop]) for s in CHOOSE]
-        out += [(loop, "why logra", name, s, cal) for name, cal in (("default", True), ("uncalibrated", False))
+        out += [(loop, "why logra", name, s, one) for name, one in (("default", True), ("the three calls", False))
                 for s in CHOOSE]
         out += [(loop, f"why {kind}", f"ratio {r:g}", s, r) for kind in FIXED for r in ratios[loop][kind]
                 for s in CHOOSE]
@@ -762,9 +828,9 @@ def why(args):
         runs.ensure([j for loop in loops for j in jobs(loop)])
     header = ["loop", "AdamW, its best lr", "RowAdam's step without the sketch (A = I)", "with LoGRA's sketch",
               "without the sketch, per layer", "with the sketch, per layer", "LoGRA's defaults",
-              "LoGRA's defaults, uncalibrated"]
+              "the three calls (the paper's controller)"]
     kl_header = ["loop", "AdamW, its best lr", "without the sketch", "with the sketch", "without, per layer",
-                 "with, per layer", "LoGRA's defaults", "uncalibrated"]
+                 "with, per layer", "LoGRA's defaults", "the three calls"]
     rows, kl_rows = [], []
     for loop in loops:
         cells = [("why adamw", lr_name(best[loop]))]
@@ -772,7 +838,7 @@ def why(args):
             top = max(ratios[loop][kind], key=lambda r: statistics.mean(runs.scores(loop, f"why {kind}",
                                                                                      f"ratio {r:g}", CHOOSE)))
             cells.append((f"why {kind}", f"ratio {top:g}"))
-        cells += [("why logra", "default"), ("why logra", "uncalibrated")]
+        cells += [("why logra", "default"), ("why logra", "the three calls")]
         rows.append([loop] + [f"{ms(runs.scores(loop, m, st, CHOOSE))} ({st.replace('ratio ', '')})"
                               if m != "why logra" else ms(runs.scores(loop, m, st, CHOOSE)) for m, st in cells])
         kl_rows.append([loop] + [
@@ -808,12 +874,34 @@ def adamw_best(runs, loop):
 
 
 def tune(args):
-    """--tune: LoGRA's settings (TUNE) on seeds 0-4 of every loop but the check, beside AdamW's
-    best there: how the defaults were chosen, never looking at the check loops."""
+    """--tune: on seeds 0-4 of every loop but the check, beside AdamW's best there, the search that
+    chose LoGRAOptimizer's defaults (SEARCH) and LoGRA's settings around them (TUNE): how the
+    defaults were chosen, never looking at the check loops."""
     runs = Runs(args.out, args.jobs)
     loops = [loop for loop in (args.loops or list(LOOPS)) if LOOPS[loop][1] != "check"]
-    settings = TUNE if not args.settings else [t for t in TUNE if t[0] in args.settings]
-    runs.ensure([(loop, "logra", name, s, kw) for loop in loops for name, kw in settings for s in CHOOSE])
+    tables = []
+    for title, table_settings, reference in (("search", SEARCH, "earlier defaults"), ("tune", TUNE, "default")):
+        settings = [t for t in table_settings if not args.settings or t[0] in args.settings]
+        runs.ensure([(loop, "logra", name, s, kw) for loop in loops for name, kw in settings for s in CHOOSE])
+        tables.append(settings_table(runs, loops, settings, reference))
+    note = ("LoGRA's settings on the choosing seeds 0-4 (held-out, mean +- sd; in brackets the updates at alpha's "
+            "cap over the 5 runs); the check loops are left out. First the search that chose LoGRAOptimizer's "
+            "defaults, from the earlier ones (calibrated, RowAdam's one scale, alpha_max 3 x update_ratio 0.01 = 3% "
+            "of ||W||, budget_for's entropy_share 0.2); per layer: RowAdam's step scaled per layer (kl_control.py's "
+            "departure 6); update_ratio 0.03 there is the same cap as today's alpha_max 9. Then today's defaults "
+            "(per layer, alpha_max 9, entropy_share 0.4, calibrated) with one knob changed at a time; the three "
+            "calls: the paper's controller with budget_for's default budget. The paper's schedule: kl_budget from "
+            "2e-4 to 2e-5 per token over the run's updates. "
+            f"Compute: {compute(runs, loops) / 60:.0f} min of runs of these loops (the family's included).")
+    text = note + "\n\nThe search:\n\n" + tables[0] + "\n\nAround the defaults chosen:\n\n" + tables[1]
+    print("\n" + text)
+    if args.markdown:
+        report.publish("defaults_tuning", text, compute(runs, loops) / max(args.jobs, 1))
+
+
+def settings_table(runs, loops, settings, reference) -> str:
+    """The table of `settings` on `loops`' seeds 0-4 and, per loop, AdamW's best minus the
+    `reference` setting and minus the best of them."""
     header = ["loop", "AdamW's best, seeds 0-4"] + [name for name, _ in settings]
     rows, lines = [], []
     for loop in loops:
@@ -825,18 +913,11 @@ def tune(args):
         if adam is None:
             continue
         top = max(means, key=means.get)
-        gap, default_gap = adam[0] - means[top], adam[0] - means.get("default", float("nan"))
-        lines.append(f"- {loop}: AdamW's best {adam[0]:.3f}; the defaults {means.get('default', float('nan')):.3f} "
-                     f"({default_gap:+.3f}); LoGRA's best setting here, {top}, {means[top]:.3f} ({gap:+.3f}: "
+        gap, ref = adam[0] - means[top], means.get(reference, float("nan"))
+        lines.append(f"- {loop}: AdamW's best {adam[0]:.3f}; {reference} {ref:.3f} ({adam[0] - ref:+.3f}); "
+                     f"LoGRA's best setting here, {top}, {means[top]:.3f} ({gap:+.3f}: "
                      + ("within 0.03" if gap <= 0.03 else "short") + ")")
-    table = report.table(header, rows) + "\n\nAdamW's best minus LoGRA's, seeds 0-4:\n\n" + "\n".join(lines)
-    note = ("LoGRA's settings on the choosing seeds 0-4 (held-out, mean +- sd; in brackets the updates at alpha's "
-            "cap over the 5 runs), every other knob at its default; the check loops are left out. The paper's "
-            "schedule: kl_budget from 2e-4 to 2e-5 per token over the run's updates, with the default update_ratio. "
-            f"Compute: {compute(runs, loops) / 60:.0f} min of runs of these loops (the family's included).")
-    print("\n" + note + "\n\n" + table)
-    if args.markdown:
-        report.publish("defaults_tuning", note + "\n\n" + table, compute(runs, loops) / max(args.jobs, 1))
+    return report.table(header, rows) + "\n\nAdamW's best minus LoGRA's, seeds 0-4:\n\n" + "\n".join(lines)
 
 
 def main():
@@ -850,10 +931,10 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="with --smollm2")
     p.add_argument("--smollm2", metavar="DIR", help="instead: LoGRA's defaults on bench/real_model.py's checkpoint")
     p.add_argument("--smollm2-updates", type=int, default=30)
-    p.add_argument("--calibrate", action="store_true", help="with --smollm2: the loop calibrated as LoGRAOptimizer is")
-    args = report.parse_args(p, "defaults", "defaults_claim", "defaults_smollm2", "defaults_smollm2_calibrated",
+    p.add_argument("--three-calls", action="store_true", help="with --smollm2: the README's three calls instead")
+    args = report.parse_args(p, "defaults", "defaults_claim", "defaults_smollm2", "defaults_smollm2_three_calls",
                              "defaults_tuning", "defaults_why",
-                             which=lambda a: (["defaults_smollm2_calibrated"] if a.calibrate else ["defaults_smollm2"])
+                             which=lambda a: (["defaults_smollm2_three_calls"] if a.three_calls else ["defaults_smollm2"])
                              if a.smollm2 else ["defaults_tuning"] if a.tune
                              else ["defaults_why"] if a.why else ["defaults", "defaults_claim"])
     torch.set_num_threads(1)

@@ -12,9 +12,10 @@ overrides two methods of `GRPOTrainer`:
 - `create_optimizer`, which TRL's Trainer calls once the model is placed, attaches the sketches
   (sketch.py: every weight frozen, the attention/MLP projections sketched, fp32 master
   weights) and returns kl_control.py's `LoGRAOptimizer`, a `torch.optim.Optimizer` whose
-  `step()` is one LoGRA update: RowAdam's directions (rowadam.py), the KL probe on the last
-  micro-batch's tokens and completion mask, alpha for the update's KL budget (kl_control.py;
-  its prediction calibrated by the realised KL of earlier updates, that file's departure 5),
+  `step()` is one LoGRA update with that optimizer's defaults: RowAdam's directions (rowadam.py;
+  each layer's step scaled to its own weights, kl_control.py's departure 6), the KL probe on the
+  last micro-batch's tokens and completion mask, alpha for the update's KL budget (its
+  prediction calibrated by the realised KL of earlier updates, departure 5),
   the merge `W -= bf16(alpha U) A`, and the realised KL. `zero_grad()` does nothing (no weight has a
   gradient; the merge zeroes the sketches); its one param group has an `lr` that nothing reads,
   so that TRL's scheduler and logger find one (it logs learning_rate 0 and grad_norm 0).

@@ -191,6 +191,36 @@ def test_merge_realises_update_ratio(dtype):
             torch.testing.assert_close(a, b - delta.to(dtype), rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_per_layer_scale_gives_each_layer_its_share_of_its_weights(dtype):
+    """Departure 3: prepare(per_layer=True) scales each layer's direction to ||U_l A_l|| =
+    update_ratio ||W_l||, measured with the dense float64 product U_l A_l; its direction is the
+    one-scale direction's, layer by layer (the same D, another scale); a layer whose sketch is
+    zero keeps U = 0; the moments are the one-scale path's, bit for bit."""
+    runs = {}
+    for per_layer in (False, True):
+        model, layers, opt = setup(dtype, update_ratio=2e-3)
+        lm_loss(model, tiny_batch()).backward()
+        layers[3].sketch.zero_()  # a layer that the batch did not reach
+        opt.prepare(per_layer=per_layer)
+        runs[per_layer] = layers, [u.clone() for u in opt.directions], [v.clone() for v in opt._pending_moments]
+    (_, one_scale, v1), (layers, per, v2) = runs[False], runs[True]
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for i, (layer, u, u1) in enumerate(zip(layers, per, one_scale)):
+        w = layer.module.weight.detach().to(F64)
+        step = (u.to(F64) @ layer.projection.to(F64)).norm().item()  # (d, k), dense, only in the test
+        if i == 3:
+            assert not u.any() and not u1.any()
+            continue
+        assert step == pytest.approx(2e-3 * w.norm().item(), rel=tol), layer.name
+        ratio = (u.to(F64).norm() / u1.to(F64).norm()).item()
+        torch.testing.assert_close(u.to(F64), u1.to(F64) * ratio, rtol=tol, atol=0)
+    spread = [(u.to(F64) @ l.projection.to(F64)).norm().item() / l.module.weight.detach().to(F64).norm().item()
+              for l, u in zip(layers, one_scale) if u.any()]
+    assert max(spread) > 3 * min(spread)  # the one scale does not give every layer its share: the test can fail
+    assert all(torch.equal(a, b) for a, b in zip(v1, v2))
+
+
 def test_sharded_merge_equals_unsharded():
     g = torch.Generator().manual_seed(0)
     d, k, r = 37, 20, 6
@@ -509,9 +539,10 @@ def _directions_across_ranks(group):
     return [D_l[0] for D_l in D], [v_l[0] for v_l in new_v]
 
 
-def _fsdp_updates(rank):
+def _fsdp_updates(rank, per_layer=False):
     """Two updates of the FSDP2-sharded tiny Qwen2, each rank on its own batches: the full
-    weights, directions and moments at the end (every rank takes part in gathering them)."""
+    weights, directions and moments at the end (every rank takes part in gathering them).
+    `per_layer`: RowAdam's scale per layer (departure 3)."""
     from torch.distributed.fsdp import fully_shard
 
     model = tiny_qwen2()  # fp32
@@ -522,7 +553,7 @@ def _fsdp_updates(rank):
     opt = rowadam.RowAdam(layers, seed=3, update_ratio=1e-3)
     for step in range(2):
         lm_loss(model, tiny_batch(seed=10 + 2 * step + rank)).backward()  # each rank its own data
-        opt.prepare()
+        opt.prepare(per_layer=per_layer)
         # Each rank holds its rows only: ceil(d / 2) for rank 0.
         assert all(u.shape[0] == -(-l.rows // 2) or rank == 1 for u, l in zip(opt.directions, layers))
         dirs = [l.all_rows(u).clone() for l, u in zip(layers, opt.directions)]
@@ -571,7 +602,8 @@ def _two_ranks(rank, world, out_dir):
     alone = [torch.distributed.new_group([r]) for r in range(world)]  # every rank creates every group
     result = {"directions": _directions_across_ranks(torch.distributed.group.WORLD),
               "alone": _directions_across_ranks(alone[rank]),  # the same path with world size 1
-              "fsdp": _fsdp_updates(rank), "whole": _whole_sketches(rank)}
+              "fsdp": _fsdp_updates(rank), "fsdp per layer": _fsdp_updates(rank, per_layer=True),
+              "whole": _whole_sketches(rank)}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -598,10 +630,12 @@ def test_directions_across_ranks_equal_the_plain_formulas(two_ranks):
 
 
 @pytest.mark.slow
-def test_row_sharded_state_equals_one_process_bitwise(two_ranks):
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_row_sharded_state_equals_one_process_bitwise(two_ranks, per_layer):
     """Departure 1: 2 gloo ranks, each holding its rows of S, U, v and W, end with bitwise the
-    weights, directions and moments of one process whose sketch holds both ranks' batches."""
-    got = two_ranks[0]["fsdp"]
+    weights, directions and moments of one process whose sketch holds both ranks' batches; with
+    RowAdam's one scale and with the scale per layer (departure 3)."""
+    got = two_ranks[0]["fsdp per layer" if per_layer else "fsdp"]
     model = tiny_qwen2()
     layers = sketch.attach(model, rank=8, seed=3)
     opt = rowadam.RowAdam(layers, seed=3, update_ratio=1e-3)
@@ -609,7 +643,7 @@ def test_row_sharded_state_equals_one_process_bitwise(two_ranks):
         for step in range(2):
             for r in range(2):
                 lm_loss(model, tiny_batch(seed=10 + 2 * step + r)).backward()
-            opt.prepare()
+            opt.prepare(per_layer=per_layer)
             dirs = [u.clone() for u in opt.directions]
             opt.merge(0.7)
     for (name, m), w in zip(sketch.target_modules(model).items(), got["weights"].values()):
