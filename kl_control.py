@@ -186,11 +186,12 @@ come within 0.03 of AdamW's best on seven of the nine loops (the base loop, 6-to
 batches of 16, std 0.02, both check loops, the toy), within 0.037 on the tiny base policy,
 and 0.19 short on 64-token answers, where each run either learns the rule or does not (sd
 0.38 AdamW, 0.28 LoGRA over the 5 seeds: the gap is under one standard error). The earlier
-defaults fell short by 0.08-0.24 on five loops. The foreign check does not agree. On
+defaults fell short by 0.08-0.24 on six loops. The foreign check does not agree. On
 SmolLM2-135M-Instruct, the one pretrained model tried (`defaults.py --smollm2`: 30 updates of
 16 one-step sums, held-out pass@1 from 0.170, seeds 0-2, the same code), these defaults reached
 0.375, 0.865 and 0.205, where the three calls reached 0.575, 0.790 and 0.770, and the earlier
-defaults (the three calls calibrated, nothing else changed) 0.060, 0.800 and 0.460: both
+defaults (the three calls calibrated, nothing else changed; run a day before, with the same
+projection) 0.060, 0.800 and 0.460: both
 calibrated forms left two runs of three far below the paper's controller, whose runs all
 learnt. Three seeds a form do not say which part costs there (calibration is the one both
 share); until more runs do, on a pretrained model the three calls, or `LoGRAOptimizer(...,
