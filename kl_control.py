@@ -50,13 +50,14 @@ horizon is the run's length). With a separate rollout engine, also subtract the 
 mismatch.adjust(budget)` (a `Mismatch`, kept and checkpointed with the optimizer). Every
 trainer process makes the same calls (FSDP all-gathers inside). `LoGRAOptimizer` (at the end
 of this file) is the same update as one `torch.optim` step: `opt.step(ids, mask)`, with
-defaults of its own ("The one-call form's defaults" below): RowAdam's step scaled per layer,
-a larger cap and budget share, and the prediction calibrated with the realised KL
-("Calibration" below). The same in the calls above: `opt.prepare(per_layer=True)`,
-`budget_for(probe, entropy_share=0.4)`, `cal = kl_control.Calibration()` kept beside the
-optimizer, `alpha = kl_control.solve_alpha(cal.adjust(probe.kl1), budget=budget,
-alpha_max=9.0)`, and after the merge, when alpha is under its cap, `cal.observe(kl_real,
-alpha**2 * probe.kl1)`.
+defaults that depend on where the model's weights start ("The one-call form's defaults"
+below): for trained weights (a model loaded with `from_pretrained`) the calls above, bit for
+bit; for random weights RowAdam's step scaled per layer, a larger cap and budget share, the
+same as the calls above with `opt.prepare(per_layer=True)`, `budget_for(probe,
+entropy_share=0.4)` and `solve_alpha(..., alpha_max=9.0)`. Its `calibrate=True` adds the
+prediction's calibration ("Calibration" below): `cal = kl_control.Calibration()` kept beside
+the optimizer, `alpha = kl_control.solve_alpha(cal.adjust(probe.kl1), ...)`, and after the
+merge, when alpha is under its cap, `cal.observe(kl_real, alpha**2 * probe.kl1)`.
 
 The math
 --------
@@ -110,7 +111,7 @@ ended with EOS (or of every sample: departure 4),
 so the update only gets what the existing mismatch leaves of the budget. `m` is optimizer
 state and is checkpointed.
 
-Calibration (`Calibration`, LoGRAOptimizer's default; not the paper's, departure 5): the
+Calibration (`Calibration`, LoGRAOptimizer's `calibrate=True`; not the paper's, departure 5): the
 prediction alpha^2 KL1 is second order, and where a step moves the logits by a nat or more
 the realised KL falls below it. After each merge whose alpha the budget set (alpha <
 alpha_max), the realised KL at the probe's kept positions is compared with the prediction,
@@ -129,10 +130,11 @@ width, M scored positions, c positions of one output-head chunk.
 
 Defaults, and how to choose them
 --------------------------------
-alpha_max = 3 and the 4096-token cut, the paper's (LoGRAOptimizer's cap is 9: "The one-call
-form's defaults" below); `temperature` is the sampling one; the probe scores the paper's share
-of each process's responses, an eighth, and at least 128 tokens (departure 3). The budget,
-where none is given, is `budget_for`'s (LoGRAOptimizer's share is 0.4):
+alpha_max = 3 and the 4096-token cut, the paper's (LoGRAOptimizer's cap for random weights
+is 9: "The one-call form's defaults" below); `temperature` is the sampling one; the probe
+scores the paper's share of each process's responses, an eighth, and at least 128 tokens
+(departure 3). The budget, where none is given, is `budget_for`'s (LoGRAOptimizer's share
+for random weights is 0.4):
 
     budget = min(0.2 * H_tok, 2 / L)        nats per token; H_tok entropy per token, L tokens per response
 
@@ -160,10 +162,14 @@ properties of the batch carry that:
   throughout; at the paper's lengths the cap does: about 2e-3
   per token over ~1000-token responses, ten times the paper's 2e-4 (its 7B run; not measured
   here, and its preset keeps 2e-4).
-The one-call form's defaults. `LoGRAOptimizer` departs from the three calls in four places,
-each chosen on bench/README.md's `defaults.py` family (nine small loops, held-out greedy
-scores; `--tune`: the choosing seeds 0-4, the two check loops never looked at) and reported on
-seeds 5-9 against AdamW at its best rate:
+The one-call form's defaults. `LoGRAOptimizer` takes its defaults from where the model's
+weights start (`start`; STARTS). Trained weights (`start="pretrained"`, what `start="auto"`
+takes for a transformers model loaded with `from_pretrained`) get the three calls above, bit
+for bit: the paper's controller. Random weights (`start="scratch"`, a model built from a
+config; a model with no transformers config too, with a warning) get four departures, each
+chosen on bench/README.md's `defaults.py` family (nine small loops from random weights,
+held-out greedy scores; `--tune`: the choosing seeds 0-4, the two check loops never looked
+at) and reported on seeds 5-9 against AdamW at its best rate:
 - RowAdam's step scaled per layer (`per_layer=True`, departure 6): each layer moves by
   update_ratio x alpha of its own ||W||. With the paper's one scale, a layer moves in
   proportion to its sketch's norm (on the tests' tiny Qwen2, one backward: 0.02% to 2.8% of
@@ -177,27 +183,31 @@ The search, from the earlier defaults (one scale, alpha_max 3, share 0.2, calibr
 held-out means on seeds 0-4 (`defaults_tuning`): per layer alone raised the base loop from
 0.575 to 0.615, batches of 16 from 0.560 to 0.606 and the std-0.02 loop from 0.769 to 0.838;
 with a 9% cap and share 0.4 (update_ratio 0.03 with alpha_max 3, the same step) to 0.622,
-0.709 and 0.937. The tiny base policy of train.py (the one loop that starts trained) is the
-exception: 0.938 with the earlier defaults, 0.854-0.935 with the chosen ones on seeds 0-4,
-a spread that two settings differing only in rounding (update_ratio 0.03 with alpha_max 3
-against 0.01 with 9) already show: a loop's mean over 5 seeds moves by up to 0.08 from
-rounding alone, so differences under that are not resolved here. On seeds 5-9 the defaults
-come within 0.03 of AdamW's best on seven of the nine loops (the base loop, 6-token answers,
-batches of 16, std 0.02, both check loops, the toy), within 0.037 on the tiny base policy,
-and 0.19 short on 64-token answers, where each run either learns the rule or does not (sd
-0.38 AdamW, 0.28 LoGRA over the 5 seeds: the gap is under one standard error). The earlier
-defaults fell short by 0.08-0.24 on six loops. The foreign check does not agree. On
-SmolLM2-135M-Instruct, the one pretrained model tried (`defaults.py --smollm2`: 30 updates of
-16 one-step sums, held-out pass@1 from 0.170, seeds 0-2, the same code), these defaults reached
-0.375, 0.865 and 0.205, where the three calls reached 0.575, 0.790 and 0.770, and the earlier
-defaults (the three calls calibrated, nothing else changed; run a day before, with the same
-projection) 0.060, 0.800 and 0.460: both
-calibrated forms left two runs of three far below the paper's controller, whose runs all
-learnt. Three seeds a form do not say which part costs there (calibration is the one both
-share); until more runs do, on a pretrained model the three calls, or `LoGRAOptimizer(...,
-per_layer=False, calibrate=False, alpha_max=3.0, entropy_share=0.2)`, are what was measured to
-learn. The three calls and train.py keep the paper's controller with budget_for's rule (their
-measured rows were made so).
+0.709 and 0.937. Two settings that differ only in rounding (update_ratio 0.03 with alpha_max 3
+against 0.01 with 9) differ by up to 0.08 in a loop's mean over 5 seeds, so differences under
+that are not resolved here. On seeds 5-9 these settings come within 0.03 of AdamW's best on
+seven of the nine loops (the base loop, 6-token answers, batches of 16, std 0.02, both check
+loops, the toy), within 0.037 on the tiny base policy, and 0.19 short on 64-token answers,
+where each run either learns the rule or does not (sd 0.38 AdamW, 0.28 LoGRA over the 5
+seeds: the gap is under one standard error). The earlier defaults fell short by 0.08-0.24 on
+six loops.
+Why trained weights get the paper's controller instead. On SmolLM2-135M-Instruct, the one
+pretrained model tried (bench/README.md, `defaults_smollm2`: 30 updates of 16 one-step sums,
+held-out pass@1 from 0.170, seeds 0-2), the paper's controller reached 0.575, 0.790 and 0.770;
+the settings for random weights 0.375, 0.865 and 0.205, and without calibration 0.695, 0.830
+and 0.060 (seed 2 failed under both, and learnt under the paper's one scale). The failed runs
+drifted to answers at the 64-token limit. A reading, not measured: scaled per layer, a layer
+whose sketch is small (little of the reward's signal) still moves its full share of its
+weights, which on random weights evens out what the init made uneven and on trained ones may
+spend the budget on noise. The
+one small loop that starts trained, train.py's tiny base policy, points the same way (per layer
+alone: 0.938 to 0.895 on seeds 0-4). Three runs a form do not settle it, and this rule was set
+after seeing them (they are its reason, not its check); the paper's controller is also the one
+measured, through train.py, within 0.021 of AdamW on SmolLM2's word problems. `start="auto"`
+reads how the model was made (`model_start`), not its weights: pass `start` for a random model
+built with `from_config` from a loaded config, or for trained weights put in with
+`load_state_dict` (as the family's tiny base policy is: it ran with the settings for random
+weights). train.py keeps the paper's controller with its presets' budgets.
 
 The budget and alpha. RowAdam (rowadam.py) scales U so that ||U A|| = update_ratio ||W||,
 and KL1 is quadratic in U, so with K the KL1 of the same direction scaled to ||U A|| = ||W||
@@ -259,37 +269,43 @@ Departures from the paper
    counts only responses that ended with EOS (pass their flags for it); fixed-length
    responses never do, and under that rule the mismatch would never be observed nor
    subtracted. Test: tests/test_kl_control.py::test_mismatch_without_eos_flags.
-5. `LoGRAOptimizer` calibrates the prediction by default ("Calibration" above): its alpha is
-   sqrt(budget / (rho KL1)), with rho learnt from the realised KL of earlier updates; the
-   paper's alpha is sqrt(budget / KL1) (`calibrate=False`, and the three calls of the Use
-   block). Reason: on the small loops of bench/README.md a budget-bound step realised about
-   half of its predicted KL (`defaults_why`: 8.8% and 10.3% of the entropy per update on the
-   base loop and at batches of 16 with the three calls, where the budget is 20%). With RowAdam's
-   one scale, calibration raised the held-out scores on seeds 0-4 where the budget binds (the
-   base loop 0.427 to 0.575, batches of 16 0.449 to 0.560, the tiny base policy 0.908 to
-   0.938); with today's defaults (per layer, alpha_max 9, share 0.4) the evidence is mixed
-   (`defaults_tuning`, "uncalibrated": the base loop 0.587 to 0.620, batches of 16 0.605 to
-   0.676, but 6-token answers 0.373 to 0.322 and the tiny base policy 0.891 to 0.854, moves
-   within the 0.08 that rounding alone makes; "The one-call form's defaults"). On
-   SmolLM2-135M-Instruct with the earlier defaults, rho stayed at 0.88-0.96. It costs the realised KL's
+5. `LoGRAOptimizer` calibrates the prediction for random weights (`start="scratch"`;
+   "Calibration" above): its alpha is sqrt(budget / (rho KL1)), with rho learnt from the
+   realised KL of earlier updates; the paper's alpha is sqrt(budget / KL1) (`calibrate=False`,
+   `start="pretrained"`, and the three calls of the Use block). Reason: on the small loops of
+   bench/README.md a budget-bound step realised about half of its predicted KL (`defaults_why`:
+   8.8% and 10.3% of the entropy per update on the base loop and at batches of 16 with the three
+   calls, where the budget is 20%). With RowAdam's one scale, calibration raised the held-out
+   scores on seeds 0-4 where the budget binds (the base loop 0.427 to 0.575, batches of 16 0.449
+   to 0.560, the tiny base policy 0.908 to 0.938); with the other settings for random weights
+   (per layer, alpha_max 9, share 0.4) seeds 0-4 did not tell (`defaults_tuning`,
+   "uncalibrated": the base loop 0.587 to 0.620, batches of 16 0.605 to 0.676, but 6-token
+   answers 0.373 to 0.322 and the tiny base policy 0.891 to 0.854). Without calibration on
+   seeds 5-9 (run when it was briefly dropped, so for this one knob seeds 5-9 were seen before
+   it was kept): the base loop 0.578 against 0.684 with it, batches of 16 0.630 against 0.687,
+   the check loops 0.563 and 0.587 against 0.704 and 0.755, the tiny base policy 0.892 against
+   0.932; 64-token answers 0.760 against 0.572 and 6-token answers 0.345 against 0.324 the
+   other way. On SmolLM2-135M-Instruct it did not help (above). It costs the realised KL's
    forward over the probed responses and 256 kept positions of logits (256 V values: 78 MB
    at a vocabulary of 152k in bf16). train.py does not calibrate: its presets are the
    paper's recipe, and its measured runs (bench/README.md, real_model) were made without.
    Tests: tests/test_kl_control.py::test_the_calibration_rule,
    test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes,
    test_calibration_spends_the_budget_in_realised_kl.
-6. `LoGRAOptimizer` scales RowAdam's step per layer by default (`per_layer=True`, rowadam.py's
-   departure 3): each layer's U is scaled to ||U_l A_l|| = update_ratio ||W_l||, where the
-   paper has one scale c for all layers, which moves each layer in proportion to its sketch's
-   norm. Reason (bench/README.md, `defaults_why`, seeds 0-4 at fixed step sizes with no KL
+6. `LoGRAOptimizer` scales RowAdam's step per layer for random weights (`start="scratch"`:
+   `per_layer=True`, rowadam.py's departure 3): each layer's U is scaled to ||U_l A_l|| =
+   update_ratio ||W_l||, where the paper has one scale c for all layers, which moves each
+   layer in proportion to its sketch's norm. Reason (bench/README.md, `defaults_why`, seeds 0-4 at fixed step sizes with no KL
    control): with one scale, the sketched step reached 0.670, 0.614 and 0.759 on the base
    loop, batches of 16 and the std-0.02 loop, against AdamW's best 0.619, 0.749 and 0.962;
    scaled per layer, 0.704, 0.728 and 0.960. The sketch was not what fell short: the same
    step without it (A = I) reached 0.666, 0.700 and 0.762 with one scale. With it come the
    one-call form's own alpha_max (9) and entropy_share (0.4), chosen with it ("The one-call
-   form's defaults"). The three calls and train.py keep the paper's one scale. Tests:
+   form's defaults"). On trained weights it did worse (SmolLM2, same section), and there
+   `start="auto"` keeps the paper's one scale, as the three calls and train.py do. Tests:
    tests/test_rowadam.py::test_per_layer_scale_gives_each_layer_its_share_of_its_weights,
-   tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise.
+   tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise,
+   tests/test_kl_control.py::test_start_reads_how_the_model_was_made.
 
 Implementation notes
 --------------------
@@ -376,10 +392,15 @@ MAX_TOKENS = 4096
 # many nats per response (the module docstring's "Defaults").
 ENTROPY_SHARE = 0.2
 PER_RESPONSE = 2.0
-# LoGRAOptimizer's own defaults, where they differ from the three calls' (the module docstring's
-# "The one-call form's defaults"): RowAdam's scale per layer, a larger cap and a larger budget share.
+# LoGRAOptimizer's defaults for a model that starts from random weights, where they differ from
+# the three calls' (the module docstring's "The one-call form's defaults"): RowAdam's scale per
+# layer, a larger cap and budget share, the prediction calibrated. A model loaded with trained
+# weights takes the three calls' (the paper's controller). STARTS: each start's settings.
 OPTIMIZER_ALPHA_MAX = 9.0
 OPTIMIZER_ENTROPY_SHARE = 0.4
+STARTS = {"pretrained": {"per_layer": False, "alpha_max": 3.0, "entropy_share": ENTROPY_SHARE, "calibrate": False},
+          "scratch": {"per_layer": True, "alpha_max": OPTIMIZER_ALPHA_MAX, "entropy_share": OPTIMIZER_ENTROPY_SHARE,
+                      "calibrate": True}}
 # Scored positions whose logits LoGRAOptimizer keeps for the realised KL when it calibrates (`Calibration`).
 CALIBRATION_POSITIONS = 256
 # Updates in a row with alpha at its cap before LoGRAOptimizer (and train.py) warn.
@@ -1239,16 +1260,31 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     `rowadam`: a RowAdam (rowadam.py) over the sketched layers of `model`; this file imports
     neither, so that it copies alone. `step(ids, mask, attention_mask=None)`, after the batch's
-    backward (or its micro-batches'): `RowAdam.prepare(per_layer=per_layer)`, the probe on (ids, mask), the budget
-    (`budget_for(probe)` by default, or the paper's `kl_budget` schedule when `kl_start`,
-    `kl_end` and `horizon` are given; less `mismatch`'s estimate when its `observe` saw a batch),
-    `solve_alpha` on KL1 times the calibration's rho, `RowAdam.merge`, then the realised KL,
-    which teaches rho (`calibrate=True`, the default: the module docstring's "Calibration";
-    departure 5). With `calibrate=False, per_layer=False, alpha_max=3.0, entropy_share=0.2`,
-    bit for bit the README's three calls
-    (tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise); with
-    calibration, the first update is the same calls' and the later ones differ only by rho. A
-    trainer that calls `step()` without arguments (TRL's) sets `opt.batch = (ids,
+    backward (or its micro-batches'): `RowAdam.prepare(per_layer=per_layer)`, the probe on
+    (ids, mask), the budget (`budget_for(probe)` by default, or the paper's `kl_budget` schedule
+    when `kl_start`, `kl_end` and `horizon` are given; less `mismatch`'s estimate when its
+    `observe` saw a batch), `solve_alpha`, `RowAdam.merge`. With calibration, alpha is solved on
+    KL1 times the calibration's rho and the realised KL after the merge teaches rho (the module
+    docstring's "Calibration"; departure 5).
+
+    `start` picks the defaults of `per_layer`, `alpha_max`, `entropy_share` and `calibrate`
+    (each one given wins over its start's; STARTS; the module docstring's "The one-call form's
+    defaults"):
+    - "pretrained": the paper's controller, bit for bit the README's three calls (RowAdam's
+      one scale, alpha_max 3, budget_for's entropy_share 0.2, no calibration;
+      tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise).
+    - "scratch": for random weights: RowAdam's step scaled per layer (departure 6), alpha_max
+      OPTIMIZER_ALPHA_MAX (9), entropy_share OPTIMIZER_ENTROPY_SHARE (0.4), calibrated
+      (departure 5): its first update is the same calls' with those settings, and the later
+      ones differ only by rho.
+    - "auto" (the default): `model_start(model)`: "pretrained" for a transformers model loaded
+      with `from_pretrained` (its config names where from), "scratch" for one built from a
+      config; a model without a transformers config takes "scratch" and one UserWarning, at the
+      caller's line, names `start`. It reads how the model was made: a random model built with
+      `from_config` from a loaded config, or trained weights put in with `load_state_dict`,
+      need `start` given. `opt.start` says which was taken.
+
+    A trainer that calls `step()` without arguments (TRL's) sets `opt.batch = (ids,
     attention_mask, mask)` before it. `mask` (B, T): True on the generated tokens, never on a
     row's first position (no log-prob there).
     Refusals: a batch the probe cannot score (ids and mask of different shapes, a mask on a
@@ -1265,11 +1301,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     (rows stacked, padded to one length, with its `attention_mask`), whose first eighth the probe
     scores (at least 128 tokens). Given one micro-batch instead, it scores that one's eighth.
 
-    `entropy_share` and `per_response`: `budget_for`'s, for the default budget; `entropy_share`
-    defaults to OPTIMIZER_ENTROPY_SHARE (0.4), and `alpha_max` to OPTIMIZER_ALPHA_MAX (9), where
-    the three calls take budget_for's 0.2 and solve_alpha's 3. `per_layer` (True): RowAdam's
-    step scaled per layer, `RowAdam.prepare(per_layer=True)`; False: the paper's one scale for
-    all layers (departure 6 and "The one-call form's defaults" in the module docstring).
+    `entropy_share` and `per_response`: `budget_for`'s, for the default budget. `per_layer`
+    True: RowAdam's step scaled per layer, `RowAdam.prepare(per_layer=True)`; False: the
+    paper's one scale for all layers.
 
     `last` holds the step's `alpha`, `budget`, `kl_predicted` (alpha^2 KL1, without rho),
     `entropy` (the probe's, nats per token), `kl_scale` (the rho its alpha used; 1.0 without
@@ -1280,7 +1314,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     not bind and names the knob (RowAdam's `update_ratio`). `state_dict()` holds RowAdam's
     (moments, update counter, settings), the mismatch estimate, the calibration's rho and that
     count (a state saved with the other `calibrate` or `per_layer` is refused, before anything
-    is loaded; one saved before calibration existed starts rho at 1, and one saved before
+    is loaded, the refusal naming `start`; one saved before calibration existed starts rho at 1, and one saved before
     `per_layer` existed was saved with one scale); on a resume its
     update counter, not `attach(update=)`, picks the projection (`RowAdam.load_state_dict`).
 
@@ -1289,9 +1323,19 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     one; `group`: processes whose whole sketches are summed in prepare (the paper's all_reduce).
     """
 
-    def __init__(self, model, rowadam, *, temperature=1.0, alpha_max=OPTIMIZER_ALPHA_MAX, kl_start=None, kl_end=None,
-                 horizon=None, entropy_share=OPTIMIZER_ENTROPY_SHARE, per_response=PER_RESPONSE, calibrate=True,
-                 per_layer=True, keep_positions=None, max_responses=None, group=None, log=None):
+    def __init__(self, model, rowadam, *, start="auto", temperature=1.0, alpha_max=None, kl_start=None, kl_end=None,
+                 horizon=None, entropy_share=None, per_response=PER_RESPONSE, calibrate=None, per_layer=None,
+                 keep_positions=None, max_responses=None, group=None, log=None):
+        if start not in ("auto", *STARTS):
+            raise ValueError(f"start must be 'auto', 'pretrained' or 'scratch', got {start!r}")
+        if start == "auto":
+            start = model_start(model)
+            if start is None:  # no transformers config to read: say which settings, once, at the caller's line
+                start = "scratch"
+                warnings.warn(UNKNOWN_START, stacklevel=_caller_stacklevel())
+        given = {"per_layer": per_layer, "alpha_max": alpha_max, "entropy_share": entropy_share, "calibrate": calibrate}
+        settings = {k: STARTS[start][k] if v is None else v for k, v in given.items()}  # a given value wins
+        per_layer, alpha_max, entropy_share, calibrate = (settings[k] for k in given)
         schedule = (kl_start, kl_end, horizon)
         if any(v is not None for v in schedule) and any(v is None for v in schedule):
             raise ValueError("the paper's budget schedule needs kl_start, kl_end and horizon (the run's updates) "
@@ -1312,7 +1356,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                             f"sketched layers, got {type(rowadam).__name__}")
         layers = rowadam.layers
         super().__init__([layer.module.weight for layer in layers], {"lr": 0.0})
-        self.model, self.rowadam, self.layers, self.group = model, rowadam, layers, group
+        self.model, self.rowadam, self.layers, self.group, self.start = model, rowadam, layers, group, start
         self.temperature, self.alpha_max, self.schedule = float(temperature), float(alpha_max), schedule
         self.keep_positions, self.max_responses = keep_positions, max_responses
         self.mismatch = Mismatch()  # observe(...) it before step when another engine sampled the batch
@@ -1401,7 +1445,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError(f"this state was saved with per_layer={per_layer}" +
                              (" (saved before the option existed, with RowAdam's one scale for all layers)"
                               if "per_layer" not in state else "") +
-                             f", and this optimizer has per_layer={self.per_layer}: make them the same to resume")
+                             f", and this optimizer has per_layer={self.per_layer} (start={self.start!r}): make them "
+                             f"the same to resume (start='scratch' scales per layer, 'pretrained' does not)")
         self.rowadam.load_state_dict(state["rowadam"])
         self.mismatch.load_state_dict(state["mismatch"])
         self.cap.capped, self.cap.said = int(state["capped"]), bool(state["warned"])
@@ -1409,6 +1454,28 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self.calibration.load_state_dict(saved)
         elif self.calibration is not None:  # a state from before calibration existed: rho starts at 1
             self.calibration.log_scale = 0.0
+
+
+def model_start(model) -> str | None:
+    """Where `model`'s weights start, as LoGRAOptimizer's `start="auto"` reads it: "pretrained"
+    when its transformers config names where they were loaded from (`from_pretrained` records
+    it in `config.name_or_path`), "scratch" when its config names nothing (a model built from a
+    config), None without such a config (a wrapper's `.module` is looked through). It reads
+    how the model was made, not its weights: `from_config` keeps the name of a config that
+    was itself loaded, and weights loaded with `load_state_dict` leave the name empty."""
+    for m in (model, getattr(model, "module", None)):
+        name = getattr(getattr(m, "config", None), "name_or_path", None)
+        if isinstance(name, str):
+            return "pretrained" if name else "scratch"
+    return None
+
+
+UNKNOWN_START = ("LoGRAOptimizer: this model has no transformers config to tell whether its weights were trained, "
+                 "so it takes the settings for random weights (start='scratch': RowAdam's step scaled per layer, "
+                 "alpha_max 9, entropy_share 0.4, calibrated). For trained weights pass start='pretrained' (the "
+                 "paper's controller, the README's three calls: on the one pretrained model measured, SmolLM2-135M-Instruct, "
+                 "it took held-out pass@1 from 0.17 to 0.58-0.79 in 3 runs of 3, these settings to 0.21-0.87, above "
+                 "0.5 in 1 of 3; bench/README.md, defaults_smollm2). Pass start='scratch' to silence this.")
 
 
 def _caller_stacklevel() -> int:

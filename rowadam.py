@@ -85,7 +85,8 @@ beta2 = 0.95, eps = 1e-8 and factor dtype bf16, the paper's; update_ratio = 1e-2
   nine small loops, seeds 5-9, the earlier defaults of kl_control.LoGRAOptimizer), alpha sat
   at its cap in at most 1 update of a run on the one-token loops at std 0.2, in 25-47% of
   the toy's updates, in up to 51% on the 64-token loop, and in all of the std-0.02 loop's
-  (LoGRAOptimizer's own defaults scale the step per layer and cap it at 9x, departure 3). The paper's
+  (LoGRAOptimizer's defaults for random weights, its start='scratch', scale the step per layer
+  and cap it at 9x, departure 3). The paper's
   6e-5 with its budget of 2e-4 per token leaves alpha at its cap and
   examples/minimal_loop.py's toy at chance: a policy that must move far needs steps the cap
   forbids. Where the paper's pair binds (its 7B run; not measured here), 1e-2 gives the same
@@ -137,8 +138,8 @@ Departures from the paper
    proportion to its sketch's norm (on the tests' tiny Qwen2 after one backward, 0.02% to 2.8%
    of each layer's ||W|| for a total step of 1% of ||W||). The total step is the same,
    update_ratio ||W||; D and v are the same. `prepare()` is the paper's, and so are the
-   Use block and train.py; kl_control.LoGRAOptimizer asks for it by default (kl_control.py's
-   departure 6 gives the measurement). The two norms of each layer are float64 sums over this
+   Use block and train.py; kl_control.LoGRAOptimizer asks for it for a model that starts from
+   random weights (its start='scratch'; kl_control.py's departure 6 gives the measurement). The two norms of each layer are float64 sums over this
    process's rows, reduced in one all_reduce with a group (departure 1). Tests:
    tests/test_rowadam.py::test_per_layer_scale_gives_each_layer_its_share_of_its_weights,
    tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.

@@ -7,7 +7,7 @@ small loops that vary one factor at a time, judged on problems no update saw.
     python bench/defaults.py --loops base     # some loops only (names below)
     python bench/defaults.py --markdown       # and write bench:defaults into bench/README.md
     python bench/defaults.py --smollm2 DIR    # instead: the one-call defaults on SmolLM2-135M-Instruct
-    python bench/defaults.py --smollm2 DIR --three-calls   # the same loop through the README's three calls
+    python bench/defaults.py --smollm2 DIR --start scratch [--uncalibrated]  # the settings for random weights
 
 The family (designed before anything was tuned on it). The base loop is a user's first loop:
 a random 2-layer, width-64 Qwen2 (weights at std 0.2, vocabulary 16, its head frozen, as
@@ -35,10 +35,12 @@ problems), the share of right answer tokens (the additions: of right answers). A
 0.9, 0.95, no weight decay, on the weights LoGRA trains) runs at 1e-4 ... 3e-2 on seeds 0-4,
 the sweep widened by a factor of 3 while its best is at an edge; its best rate (the highest
 mean on seeds 0-4) is then reported on seeds 5-9. LoGRA runs with every default, the README's
-one-call form (`LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=s)))`, which scales
-RowAdam's step per layer and calibrates its KL prediction by the realised KL: kl_control.py's
-departures 6 and 5), on seeds 0-9, reported on 5-9; `--tune` shows how those defaults were
-chosen (SEARCH) and each knob around them (TUNE), "the three calls" among them (THREE_CALLS).
+one-call form (`LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=s)))`, whose
+start="auto" takes "scratch" for these models, all built from a config: RowAdam's step scaled
+per layer and the KL prediction calibrated by the realised KL, kl_control.py's departures 6 and
+5; a model loaded with from_pretrained gets the paper's controller instead), on seeds 0-9,
+reported on 5-9; `--tune` shows how those defaults were chosen (SEARCH) and each knob around
+them (TUNE), "the three calls" among them (THREE_CALLS).
 The gap is AdamW's mean minus LoGRA's on seeds 5-9; the target: at most 0.03.
 Each run is one line of `--out` (default bench/results/defaults/runs.jsonl, committed), read
 back instead of rerun, so the sweep resumes where it stopped.
@@ -47,7 +49,7 @@ back instead of rerun, so the sweep resumes where it stopped.
 RowAdam's row-scaled direction of the full gradient (A = I) and the same with LoGRA's sketch,
 each at fixed step sizes (a share of ||W||, no KL control; the grid widened while its best is at
 an edge), with RowAdam's one scale for all layers and with each layer scaled to its own ||W||,
-beside AdamW's best rate and LoGRA's defaults with and without calibration, and
+beside AdamW's best rate, LoGRA's defaults and the README's three calls, and
 measures the exact KL of every update: whether the gap is the projection's or the step size's.
 """
 
@@ -370,15 +372,15 @@ class Sums:
         return right / total
 
 
-def sums_run(env, *, seed, updates, batch, three_calls=False):
-    """The README's loop with every LoGRA default on SmolLM2: held-out pass@1 before and after.
-    LoGRAOptimizer's step with its defaults, the one-call form; with `three_calls`, with
-    THREE_CALLS, bit for bit the README's three calls
-    (tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise)."""
+def sums_run(env, *, seed, updates, batch, form="defaults"):
+    """The README's loop on SmolLM2: held-out pass@1 before and after. LoGRAOptimizer's step
+    with the settings of SMOLLM2_FORMS[form]: "defaults" every default (start="auto", which
+    takes "pretrained" for this model, loaded with from_pretrained: bit for bit the README's
+    three calls, tests/test_kl_control.py::test_the_one_call_optimizer_is_the_three_calls_bitwise);
+    "scratch" the settings for random weights; "scratch, uncalibrated" those with calibrate=False."""
     model = env.load()
     base = env.evaluate(model)
-    opt = kl_control.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=seed)),
-                                    **(THREE_CALLS if three_calls else {}))
+    opt = kl_control.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=seed)), **SMOLLM2_FORMS[form])
     baseline, gen = ppo.RunningBaseline(weight=0.1), torch.Generator().manual_seed(seed)
     lengths = sorted(env.buckets["train"])
     weights = torch.tensor([len(env.buckets["train"][n]) for n in lengths], dtype=torch.float)
@@ -397,45 +399,70 @@ def sums_run(env, *, seed, updates, batch, three_calls=False):
             "budgets": [r["budget"] for r in last], "scales": [r["kl_scale"] for r in last]}
 
 
+def sums_work(job):
+    """One --smollm2 run in a worker process (one thread): (seed, result)."""
+    checkpoint, seed, updates, form = job
+    torch.set_num_threads(1)
+    return seed, sums_run(Sums(checkpoint), seed=seed, updates=updates, batch=16, form=form)
+
+
 # LoGRAOptimizer's settings that make it the README's three calls (the paper's controller, with
 # budget_for's default budget), bit for bit: kl_control.py's departure 5 and 6 left out.
 THREE_CALLS = {"calibrate": False, "per_layer": False, "alpha_max": 3.0, "entropy_share": kl_control.ENTROPY_SHARE}
+# --smollm2's forms: LoGRAOptimizer's settings of each, and the block each publishes.
+SMOLLM2_FORMS = {"defaults": {}, "scratch": {"start": "scratch"},
+                 "scratch, uncalibrated": {"start": "scratch", "calibrate": False}}
+SMOLLM2_BLOCKS = {"defaults": "defaults_smollm2", "scratch": "defaults_smollm2_scratch",
+                  "scratch, uncalibrated": "defaults_smollm2_scratch_uncalibrated"}
+
+
+def smollm2_form(args) -> str:
+    return ("scratch, uncalibrated" if args.uncalibrated else "scratch") if args.start == "scratch" else "defaults"
 
 
 def smollm2(args):
-    """--smollm2 DIR: LoGRA's defaults on SmolLM2-135M-Instruct, held-out pass@1 before and after."""
-    env = Sums(args.smollm2)
+    """--smollm2 DIR: one form of LoGRA (SMOLLM2_FORMS) on SmolLM2-135M-Instruct, held-out pass@1
+    before and after, seed by seed (`--jobs` seeds at once, one thread each: the same bits)."""
+    form = smollm2_form(args)
+    settings = SMOLLM2_FORMS[form]
+    start = kl_control.STARTS[settings.get("start", "pretrained")]  # "auto" takes "pretrained" for this model
+    calibrated, cap = settings.get("calibrate", start["calibrate"]), start["alpha_max"]
     rows, t0 = [], time.perf_counter()
     header = ["seed", "held-out pass@1 before", "after", "gain", "train reward, first 5", "last 5",
-              "alpha (median)", "budget per token (median)", "alpha at its cap"] + ([] if args.three_calls
-                                                                                    else ["rho (median)"])
+              "alpha (median)", "budget per token (median)", "alpha at its cap"] + (["rho (median)"] if calibrated
+                                                                                    else [])
+    jobs = [(args.smollm2, seed, args.smollm2_updates, form) for seed in args.seeds]
+    pool = multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else None
+    outs = dict(pool.imap_unordered(sums_work, jobs) if pool else map(sums_work, jobs))
     for seed in args.seeds:
-        out = sums_run(env, seed=seed, updates=args.smollm2_updates, batch=16, three_calls=args.three_calls)
-        cap = THREE_CALLS["alpha_max"] if args.three_calls else kl_control.OPTIMIZER_ALPHA_MAX
+        out = outs[seed]
         rows.append([seed, f"{out['base']:.3f}", f"{out['final']:.3f}", f"{out['final'] - out['base']:+.3f}",
                      f"{statistics.mean(out['rewards'][:5]):.3f}", f"{statistics.mean(out['rewards'][-5:]):.3f}",
                      f"{statistics.median(out['alphas']):.2g}", f"{statistics.median(out['budgets']):.2e}",
                      f"{100 * sum(a >= cap for a in out['alphas']) / len(out['alphas']):.0f}%"] +
-                    ([] if args.three_calls else [f"{statistics.median(out['scales']):.2f}"]))
+                    ([f"{statistics.median(out['scales']):.2f}"] if calibrated else []))
         print(report.row(rows[-1]), flush=True)
         if args.markdown:  # a published run: the family's claim reads it back
             with open(SMOLLM2_RUNS, "a") as f:
-                f.write(json.dumps({"form": "three calls" if args.three_calls else "one-call", "seed": seed,
-                                    "updates": args.smollm2_updates, "base": out["base"], "final": out["final"]})
-                        + "\n")
+                f.write(json.dumps({"form": form, "seed": seed, "updates": args.smollm2_updates,
+                                    "base": out["base"], "final": out["final"]}) + "\n")
+    what = {"defaults": f"the README's one-call form with every default (rank {sketch.PAPER_RANK}; start='auto', "
+                        "which takes 'pretrained' for a model loaded with from_pretrained: the paper's controller, bit "
+                        "for bit the README's three calls)",
+            "scratch": f"the README's one-call form with start='scratch', the settings for random weights (rank "
+                       f"{sketch.PAPER_RANK}; RowAdam scaled per layer, alpha_max 9, entropy_share 0.4, the "
+                       "prediction calibrated; rho the scale of KL1 its alpha used)",
+            "scratch, uncalibrated": f"the README's one-call form with start='scratch' and calibrate=False (rank "
+                                     f"{sketch.PAPER_RANK}; RowAdam scaled per layer, alpha_max 9, entropy_share "
+                                     "0.4, alpha from the predicted KL alone)"}[form]
     note = (f"SmolLM2-135M-Instruct ({args.smollm2}: bench/real_model.py's checkpoint), its 200 training sums, "
-            f"{args.smollm2_updates} updates of 16 prompts sampled at temperature 1 (up to 64 new tokens), "
-            + ("the README's three calls (RowAdam's and budget_for's defaults, rank "
-               f"{sketch.PAPER_RANK}; the paper's controller)" if args.three_calls else
-               f"the README's one-call form with every default (rank {sketch.PAPER_RANK}; LoGRAOptimizer: RowAdam "
-               "scaled per layer, calibrated, its cap and budget share; rho the scale of KL1 its alpha used)")
-            + "; held-out: the "
-            f"200 other sums, greedy, right when the answer's last number is the sum (one evaluation's binomial "
-            f"error about 0.03). {(time.perf_counter() - t0) / 60:.0f} min, one thread.")
+            f"{args.smollm2_updates} updates of 16 prompts sampled at temperature 1 (up to 64 new tokens), {what}; "
+            "held-out: the 200 other sums, greedy, right when the answer's last number is the sum (one evaluation's "
+            f"binomial error about 0.03). {(time.perf_counter() - t0) / 60:.0f} min, {args.jobs} "
+            f"run{'s' if args.jobs > 1 else ''} at once, one thread each.")
     print("\n" + note)
     if args.markdown:
-        report.publish("defaults_smollm2_three_calls" if args.three_calls else "defaults_smollm2",
-                       note + "\n\n" + report.table(header, rows))
+        report.publish(SMOLLM2_BLOCKS[form], note + "\n\n" + report.table(header, rows))
 
 
 def ms(values) -> str:
@@ -549,7 +576,8 @@ def family(args):
             f"{RowAdam.__init__.__kwdefaults__['update_ratio']:g}, RowAdam's step scaled per layer, alpha_max "
             f"{kl_control.OPTIMIZER_ALPHA_MAX:g}, the probe's share, budget_for(entropy_share="
             f"{kl_control.OPTIMIZER_ENTROPY_SHARE:g}, per_response={kl_control.PER_RESPONSE:g}), the prediction "
-            "calibrated by the realised KL). AdamW: betas (0.9, 0.95), no weight "
+            "calibrated by the realised KL: start='scratch', which start='auto' takes for these models, all built "
+            "from a config). AdamW: betas (0.9, 0.95), no weight "
             "decay, the same weights; its rate chosen on seeds 0-4. Roles: family (the base loop and its "
             "variations), check (never looked at while a default was set), earlier (the two loops of the earlier "
             "table). The alpha column: updates at the cap in each of seeds 5-9's runs. "
@@ -558,7 +586,8 @@ def family(args):
     named = [lp for lp in loops if 0.03 < gaps[lp] <= 0.05]
     claim = (f"Untuned, against AdamW at its best learning rate on {len(loops)} small loops of bench/defaults.py "
              f"(held-out greedy scores on seeds 5-9, AdamW's rate chosen on seeds 0-4), the defaults of the one-call "
-             f"form (LoGRAOptimizer: RowAdam's step scaled per layer, the KL prediction calibrated) come within "
+             f"form for random weights (LoGRAOptimizer's start='scratch': RowAdam's step scaled per layer, the KL "
+             f"prediction calibrated) come within "
              f"0.03 on {len(met)} ({', '.join(met)})")
     if named:
         claim += ", within 0.05 on " + ", ".join(f"{lp} ({gaps[lp]:.3f})" for lp in named)
@@ -581,8 +610,9 @@ def family(args):
             "the test split (held-out sampled pass@1, mean +- sd; the seed-0 columns: pass@1 +- its binomial "
             "error). LoGRA's defaults here are the budget rule's and RowAdam's (x1 in real_model.py's sweep), through "
             "train.py, which runs the three calls (RowAdam's one scale, no calibration, budget_for's entropy_share "
-            f"{kl_control.ENTROPY_SHARE:g}, alpha_max 3), not the one-call form measured above; the one-call form on "
-            "SmolLM2: `defaults_smollm2`.\n\n"
+            f"{kl_control.ENTROPY_SHARE:g}, alpha_max 3): the controller the one-call form gives a model loaded "
+            "with from_pretrained (start='pretrained'), not its settings for random weights measured above; the "
+            "one-call form on SmolLM2: `defaults_smollm2`.\n\n"
             + report.table(SMOLLM2_HEADER, smol_rows))
     claim += (" On SmolLM2-135M-Instruct (bench/real_model.py's tasks through train.py's three calls, AdamW minus "
               "their defaults on test): "
@@ -599,24 +629,28 @@ def family(args):
 
 def smollm2_forms() -> str:
     """The claim's sentence on `--smollm2`'s runs (SMOLLM2_RUNS, the latest run of each form and
-    seed): the one-call defaults beside the three calls, seed by seed; "" when none was run."""
+    seed): the defaults (the paper's controller there) beside the settings for random weights,
+    seed by seed, at the seeds every form ran; "" when none was run."""
     if not os.path.exists(SMOLLM2_RUNS):
         return ""
     latest = {}
     for line in open(SMOLLM2_RUNS):
         r = json.loads(line)
         latest[(r["form"], r["seed"])] = r
-    seeds = sorted({seed for form, seed in latest if (("one-call", seed) in latest and ("three calls", seed) in latest)})
-    if not seeds:
+    forms = [f for f in SMOLLM2_FORMS if any(form == f for form, _ in latest)]
+    seeds = sorted({seed for _, seed in latest if all((f, seed) in latest for f in forms)})
+    if "defaults" not in forms or not seeds:
         return ""
-    base = latest[("one-call", seeds[0])]["base"]
-    scores = {form: ", ".join(f"{latest[(form, s)]['final']:.3f}" for s in seeds) for form in ("one-call", "three calls")}
-    means = {form: statistics.mean(latest[(form, s)]["final"] for s in seeds) for form in ("one-call", "three calls")}
+    said = {"defaults": "the defaults (start='auto' takes 'pretrained' there: the paper's controller)",
+            "scratch": "the settings for random weights (start='scratch')",
+            "scratch, uncalibrated": "those without calibration"}
+    finals = {f: [latest[(f, s)]["final"] for s in seeds] for f in forms}
+    parts = [f"{said[f]}{' reached' if i == 0 else ''} {', '.join(f'{x:.3f}' for x in finals[f])} (mean "
+             f"{statistics.mean(finals[f]):.3f})" for i, f in enumerate(forms)]
     return (f" On its one-step sums (`defaults.py --smollm2`, the one pretrained model tried, seeds "
-            f"{', '.join(map(str, seeds))}, held-out pass@1 from {base:.3f}), the one-call form's defaults reached "
-            f"{scores['one-call']} (mean {means['one-call']:.3f}) and the README's three calls {scores['three calls']} "
-            f"(mean {means['three calls']:.3f})" + (": there the one-call defaults did worse." if
-                                                     means["one-call"] < means["three calls"] - 0.03 else "."))
+            f"{', '.join(map(str, seeds))}, held-out pass@1 from {latest[('defaults', seeds[0])]['base']:.3f}), "
+            + "; ".join(parts) + " (the rule that gives a loaded model the paper's controller was set after these "
+            "runs: they are its reason, not its check).")
 
 
 def smollm2_loops(results=None) -> tuple[list[list[str]], list[str]]:
@@ -677,7 +711,7 @@ SMOLLM2_HEADER = ["loop", "response tokens (LoGRA's defaults)", "AdamW's best lr
 
 
 TUNE = [  # LoGRA's settings tried on the choosing seeds of the loops that are not the check, one knob at a time
-    ("default", {}),
+    ("default", {}),  # start="scratch" here: every loop's model is built from a config
     ("uncalibrated", {"opt": {"calibrate": False}}),  # alpha from the prediction alone, as the paper has it
     ("one scale", {"opt": {"per_layer": False}}),  # RowAdam's one c for all layers, the paper's
     ("alpha_max 3", {"opt": {"alpha_max": 3.0}}),  # the three calls' cap: 3% of ||W|| a step
@@ -688,11 +722,12 @@ TUNE = [  # LoGRA's settings tried on the choosing seeds of the loops that are n
     ("rank 64", {"rank": 64}),  # the models' width: A A^T's noise at its least (the default rank is 32 here)
     ("the three calls", {"opt": THREE_CALLS}),  # the paper's controller with budget_for's rule
 ]
-# The search that chose LoGRAOptimizer's defaults (bench/README.md, `defaults_tuning`), every setting
-# spelt out: it started from the earlier defaults (calibrated, one scale, alpha_max 3, entropy_share
-# 0.2), which are its first row, and tried RowAdam's step scaled per layer (departure 6 of
-# kl_control.py) with the cap (update_ratio, the same as alpha_max here) and the budget's share.
-EARLIER = {"per_layer": False, "alpha_max": 3.0, "entropy_share": 0.2}
+# The search that chose LoGRAOptimizer's defaults for random weights (bench/README.md,
+# `defaults_tuning`), every setting spelt out: it started from the earlier defaults (calibrated, one
+# scale, alpha_max 3, entropy_share 0.2), which are its first row, and tried RowAdam's step scaled per
+# layer (departure 6 of kl_control.py) with the cap (update_ratio, the same as alpha_max here) and the
+# budget's share.
+EARLIER = {"per_layer": False, "alpha_max": 3.0, "entropy_share": 0.2, "calibrate": True}
 SEARCH = [
     ("earlier defaults", {"opt": EARLIER}),
     ("per layer", {"opt": {**EARLIER, "per_layer": True}}),
@@ -792,8 +827,8 @@ def why_work(job):
 
 def why(args):
     """--why: on WHY_LOOPS' choosing seeds 0-4, the same row-scaled step without the sketch and
-    with it, each at its best fixed size, beside AdamW's best and LoGRA's defaults (with and
-    without calibration), and how much KL an update of each spends."""
+    with it, each at its best fixed size, beside AdamW's best, LoGRA's defaults and the three
+    calls, and how much KL an update of each spends."""
     runs = Runs(args.out, args.jobs, worker=why_work)
     loops = list(args.loops or WHY_LOOPS)
     best = {}
@@ -931,10 +966,11 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="with --smollm2")
     p.add_argument("--smollm2", metavar="DIR", help="instead: LoGRA's defaults on bench/real_model.py's checkpoint")
     p.add_argument("--smollm2-updates", type=int, default=30)
-    p.add_argument("--three-calls", action="store_true", help="with --smollm2: the README's three calls instead")
-    args = report.parse_args(p, "defaults", "defaults_claim", "defaults_smollm2", "defaults_smollm2_three_calls",
-                             "defaults_tuning", "defaults_why",
-                             which=lambda a: (["defaults_smollm2_three_calls"] if a.three_calls else ["defaults_smollm2"])
+    p.add_argument("--start", choices=["scratch"], help="with --smollm2: LoGRAOptimizer's start (default: auto)")
+    p.add_argument("--uncalibrated", action="store_true", help="with --smollm2 --start scratch: calibrate=False")
+    args = report.parse_args(p, "defaults", "defaults_claim", *SMOLLM2_BLOCKS.values(), "defaults_tuning",
+                             "defaults_why",
+                             which=lambda a: [SMOLLM2_BLOCKS[smollm2_form(a)]]
                              if a.smollm2 else ["defaults_tuning"] if a.tune
                              else ["defaults_why"] if a.why else ["defaults", "defaults_claim"])
     torch.set_num_threads(1)

@@ -83,11 +83,18 @@ TABLES = (
           ("strict_prompts.py", "--checkpoint", CHECKPOINT, "--rollouts"), "SmolLM2",
           "about 50 min: 2 tasks x 2 samplings x 200 samples", "the chosen prompts sampled as the evaluation does and "
           "as the rollouts are: whether the rollouts find right answers to learn from"),
-    Table("defaults_smollm2", ("defaults_smollm2",), ("defaults.py", "--smollm2", CHECKPOINT, "--seeds", "0", "1", "2"),
-          "SmolLM2", "about 45 min: 3 runs of 30 updates", "the one-call form's defaults on SmolLM2-135M-Instruct"),
-    Table("defaults_smollm2_three_calls", ("defaults_smollm2_three_calls",),
-          ("defaults.py", "--smollm2", CHECKPOINT, "--seeds", "0", "1", "2", "--three-calls"), "SmolLM2",
-          "about 45 min: 3 runs of 30 updates", "the same loop through the README's three calls (the paper's controller)"),
+    Table("defaults_smollm2", ("defaults_smollm2",),
+          ("defaults.py", "--smollm2", CHECKPOINT, "--seeds", "0", "1", "2", "--jobs", "2"), "SmolLM2",
+          "about 30 min: 3 runs of 30 updates, 2 at once", "the one-call form's defaults on SmolLM2-135M-Instruct "
+          "(start \"pretrained\": the paper's controller)"),
+    Table("defaults_smollm2_scratch", ("defaults_smollm2_scratch",),
+          ("defaults.py", "--smollm2", CHECKPOINT, "--seeds", "0", "1", "2", "--jobs", "2", "--start", "scratch"),
+          "SmolLM2", "about 30 min: 3 runs of 30 updates, 2 at once", "the same loop with the settings for random "
+          "weights"),
+    Table("defaults_smollm2_scratch_uncalibrated", ("defaults_smollm2_scratch_uncalibrated",),
+          ("defaults.py", "--smollm2", CHECKPOINT, "--seeds", "0", "1", "2", "--jobs", "2", "--start", "scratch",
+           "--uncalibrated"), "SmolLM2", "about 30 min: 3 runs of 30 updates, 2 at once",
+          "the same, without calibration"),
     Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--batch", "32", "128", "512"), "CPU", "about 3 min",
           "a README-shaped update by phase at three batch sizes, LoGRA's defaults beside AdamW"),
     Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--against", "HEAD"), "CPU", "about 2 min",

@@ -12,7 +12,9 @@ overrides two methods of `GRPOTrainer`:
 - `create_optimizer`, which TRL's Trainer calls once the model is placed, attaches the sketches
   (sketch.py: every weight frozen, the attention/MLP projections sketched, fp32 master
   weights) and returns kl_control.py's `LoGRAOptimizer`, a `torch.optim.Optimizer` whose
-  `step()` is one LoGRA update with that optimizer's defaults: RowAdam's directions (rowadam.py;
+  `step()` is one LoGRA update with that optimizer's defaults for the toy here, built from a
+  config (its `start="auto"` takes "scratch"; a model loaded with `from_pretrained` would get
+  the paper's controller, uncalibrated): RowAdam's directions (rowadam.py;
   each layer's step scaled to its own weights, kl_control.py's departure 6), the KL probe on the
   last micro-batch's tokens and completion mask, alpha for the update's KL budget (its
   prediction calibrated by the realised KL of earlier updates, departure 5),

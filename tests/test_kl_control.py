@@ -675,18 +675,21 @@ def adamw_loop(model, opt, batches):
 THREE_CALLS = dict(calibrate=False, per_layer=False, alpha_max=3.0, entropy_share=kl_control.ENTROPY_SHARE)
 
 
-@pytest.mark.parametrize("form", ["three calls", "defaults uncalibrated"])
+@pytest.mark.parametrize("form", ["three calls", "pretrained", "scratch uncalibrated"])
 def test_the_one_call_optimizer_is_the_three_calls_bitwise(form):
     """Three updates of LoGRAOptimizer end bit for bit where the three calls written out end:
-    weights, moments, counter, and its `last` alpha is theirs. With THREE_CALLS, the README's
-    three calls with every default; with every default but calibrate=False, the same calls
-    with RowAdam's scale per layer and the optimizer's own cap and budget share
+    weights, moments, counter, and its `last` alpha is theirs. With THREE_CALLS, and with
+    start="pretrained" alone, the README's three calls with every default; with every default
+    but calibrate=False (start="auto": "scratch" for this model, built from a config), the same
+    calls with RowAdam's scale per layer and the optimizer's own cap and budget share
     (OPTIMIZER_ALPHA_MAX, OPTIMIZER_ENTROPY_SHARE). One optimizer line and `step(ids, mask)`
-    replace the three calls in an AdamW loop. (With calibration, the default: the next test.)"""
+    replace the three calls in an AdamW loop. (With calibration: the next tests.)"""
     batches = [policy_batch(seed) for seed in (1, 2, 3)]
     one = tiny_qwen2(seed=4, initializer_range=0.2)  # a budget that binds: alpha is the solve's, not the cap
-    settings = THREE_CALLS if form == "three calls" else dict(calibrate=False)
+    settings = {"three calls": THREE_CALLS, "pretrained": dict(start="pretrained"),
+                "scratch uncalibrated": dict(calibrate=False)}[form]
     opt = kl_control.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=2)), **settings)
+    assert opt.start == ("pretrained" if form == "pretrained" else "scratch") and opt.calibration is None
     assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == 0.0
     assert opt.param_groups[0]["params"] == [layer.module.weight for layer in opt.layers]
     adamw_loop(one, opt, batches)
@@ -694,7 +697,7 @@ def test_the_one_call_optimizer_is_the_three_calls_bitwise(form):
     three = tiny_qwen2(seed=4, initializer_range=0.2)
     layers = sketch.attach(three, seed=2)
     ra = rowadam.RowAdam(layers)
-    paper = form == "three calls"
+    paper = form != "scratch uncalibrated"
     for ids, mask, advantages in batches:
         reinforce_loss(three, ids, mask, advantages).backward()
         ra.prepare(per_layer=not paper)
@@ -708,6 +711,64 @@ def test_the_one_call_optimizer_is_the_three_calls_bitwise(form):
     assert opt.update == ra.update == 3 and opt.last["alpha"] == alpha
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), three.state_dict().values()))
     assert all(torch.equal(a, b) for a, b in zip(opt.rowadam.moments, ra.moments))
+
+
+class NoConfig(torch.nn.Module):
+    """A model as a user's own wrapper may hold it: no transformers config to read."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+
+def test_start_reads_how_the_model_was_made(tmp_path):
+    """start="auto": "pretrained" (the three calls' settings: one scale, alpha_max 3, entropy
+    share 0.2, no calibration) for a tiny Qwen2 saved and loaded back with from_pretrained,
+    "scratch" (per layer, 9, 0.4, calibrated) for one built from a config, both silently; a model without a transformers
+    config (a wrapper without `.module`) takes "scratch" with one UserWarning at the caller's
+    line that names start, and a given start silences it; a wrapper's `.module` is looked
+    through; a given per_layer, alpha_max or entropy_share wins over its start's; an unknown
+    start is refused."""
+    from transformers import AutoModelForCausalLM
+
+    built = tiny_qwen2(seed=3)
+    built.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert kl_control.model_start(built) == "scratch" and kl_control.model_start(loaded) == "pretrained"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither says anything
+        paper = kl_control.LoGRAOptimizer(loaded, rowadam.RowAdam(sketch.attach(loaded, seed=1)))
+        scratch = kl_control.LoGRAOptimizer(built, rowadam.RowAdam(sketch.attach(built, seed=1)))
+    assert (paper.start, paper.per_layer, paper.alpha_max, paper.shares["entropy_share"]) == \
+        ("pretrained", False, 3.0, kl_control.ENTROPY_SHARE) == ("pretrained", False, 3.0, 0.2)
+    assert (scratch.start, scratch.per_layer, scratch.alpha_max, scratch.shares["entropy_share"]) == \
+        ("scratch", True, 9.0, 0.4)
+    assert paper.calibration is None and paper.keep_positions == 0
+    assert scratch.calibration is not None and scratch.keep_positions == kl_control.CALIBRATION_POSITIONS
+
+    bare = NoConfig(tiny_qwen2(seed=3))
+    assert kl_control.model_start(bare) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        opt = kl_control.LoGRAOptimizer(bare, rowadam.RowAdam(sketch.attach(bare, seed=1)))
+    said = [w for w in caught if "start='pretrained'" in str(w.message)]
+    assert len(said) == 1 and (said[0].filename, said[0].lineno) == (__file__, line), [str(w.message) for w in caught]
+    assert opt.start == "scratch" and opt.per_layer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kl_control.LoGRAOptimizer(bare, opt.rowadam, start="scratch").start == "scratch"
+        wrapped = NoConfig(built)
+        wrapped.module = built  # as DDP holds it
+        assert kl_control.model_start(wrapped) == "scratch"
+    mixed = kl_control.LoGRAOptimizer(loaded, paper.rowadam, per_layer=True, alpha_max=5.0, calibrate=True)
+    assert (mixed.start, mixed.per_layer, mixed.alpha_max, mixed.shares["entropy_share"]) == \
+        ("pretrained", True, 5.0, 0.2) and mixed.calibration is not None
+    with pytest.raises(ValueError, match="start must be 'auto', 'pretrained' or 'scratch'"):
+        kl_control.LoGRAOptimizer(loaded, paper.rowadam, start="trained")
 
 
 def test_the_calibration_rule():
@@ -760,8 +821,8 @@ def calibrated_by_hand(model, layers, batches, state=None):
 
 
 def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
-    """LoGRAOptimizer with every default (calibrate=True) over four updates where the budget
-    binds (weights at std 0.2) is bit for bit the update written out by hand
+    """LoGRAOptimizer with every default (start "scratch", calibrated) over four updates where
+    the budget binds (weights at std 0.2) is bit for bit the update written out by hand
     (`calibrated_by_hand`): weights, alpha, and the scale, which moved away from 1 (so the
     comparison covers it). Its state saved after two updates and loaded into a fresh optimizer
     on a copy gives the last two updates' bits. A state saved with calibration is refused by an
@@ -769,7 +830,7 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     before calibration existed (no entry) starts rho at 1."""
     batches = [policy_batch(seed) for seed in (41, 42, 43, 44)]
     one = tiny_qwen2(seed=9, initializer_range=0.2)
-    opt = kl_control.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=6)))
+    opt = kl_control.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=6)), calibrate=True)
     adamw_loop(one, opt, batches[:2])
     state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(one.state_dict())
     adamw_loop(one, opt, batches[2:])
@@ -782,7 +843,7 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
 
     again = tiny_qwen2(seed=9, initializer_range=0.2)
     again.load_state_dict(weights)
-    resumed = kl_control.LoGRAOptimizer(again, rowadam.RowAdam(sketch.attach(again, seed=6)))
+    resumed = kl_control.LoGRAOptimizer(again, rowadam.RowAdam(sketch.attach(again, seed=6)), calibrate=True)
     resumed.load_state_dict(state)
     adamw_loop(again, resumed, batches[2:])
     assert resumed.last == opt.last and resumed.calibration.log_scale == opt.calibration.log_scale
@@ -794,9 +855,11 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     assert plain.update == resumed.update == 4  # refused before anything was loaded (the state is at 2)
     with pytest.raises(ValueError, match="saved with calibrate=False"):
         resumed.load_state_dict(plain.state_dict())
-    one_scale = kl_control.LoGRAOptimizer(again, resumed.rowadam, per_layer=False)
-    with pytest.raises(ValueError, match="saved with per_layer=True"):
+    one_scale = kl_control.LoGRAOptimizer(again, resumed.rowadam, per_layer=False, calibrate=True)
+    with pytest.raises(ValueError, match="saved with per_layer=True.*per_layer=False .start='scratch'"):
         one_scale.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved with per_layer=True.*start='pretrained'"):
+        kl_control.LoGRAOptimizer(again, resumed.rowadam, start="pretrained", calibrate=True).load_state_dict(state)
     with pytest.raises(ValueError, match="per_layer=False .saved before the option existed"):
         resumed.load_state_dict({k: v for k, v in state.items() if k != "per_layer"})
     assert resumed.update == 4
@@ -804,8 +867,9 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     resumed.load_state_dict(older)
     assert resumed.calibration.scale == 1.0
     with pytest.raises(ValueError, match="keep_positions > 0"):
-        kl_control.LoGRAOptimizer(again, resumed.rowadam, keep_positions=0)
+        kl_control.LoGRAOptimizer(again, resumed.rowadam, calibrate=True, keep_positions=0)
     assert kl_control.LoGRAOptimizer(again, resumed.rowadam, calibrate=False).keep_positions == 0
+    assert kl_control.LoGRAOptimizer(again, resumed.rowadam, start="pretrained").keep_positions == 0
 
 
 def test_calibration_spends_the_budget_in_realised_kl():
@@ -1104,15 +1168,16 @@ def test_one_call_refusals_change_nothing():
 def test_the_readmes_trainer_blocks_run():
     """README.md's "LoGRA in your trainer" blocks, run as written on the tiny Qwen2 (weights at
     std 0.2): the three calls with every default merge one update; the one-call form, on a model
-    of the same weights and batch, merges one update of its own (its defaults differ: the step
-    scaled per layer), and with the settings the README names for the paper's calls
-    (`per_layer=False, ...`) merges the same bits as the calls."""
+    of the same weights and batch (built from a config: its start is "scratch"), merges one
+    update of its own (the step scaled per layer), and with the start the README names for
+    the calls (`start="pretrained"`) merges the same bits as the calls."""
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     section = readme[readme.index("## LoGRA in your trainer"):readme.index("## Results")]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 2
-    paper = re.search(r"the calls above are `(per_layer=False[^`]*)`", section.replace("\n", " "))
-    assert paper, "the README names the one-call settings that are the calls above"
+    paper = re.search(r"the calls above bit for bit \(`(start=\"pretrained\")`\)", section.replace("\n", " "))
+    assert paper, "the README names the one-call start that is the calls above"
+    assert '(`start="scratch"`;' in section.replace("\n", " ")
     constructor = "RowAdam(sketch.attach(model, seed=0)))"
     assert blocks[1].count(constructor) == 1
     ids, mask, advantages = policy_batch(21)
