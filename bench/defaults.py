@@ -434,6 +434,8 @@ def smollm2(args):
     jobs = [(args.smollm2, seed, args.smollm2_updates, form) for seed in args.seeds]
     pool = multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else None
     outs = dict(pool.imap_unordered(sums_work, jobs) if pool else map(sums_work, jobs))
+    if pool:
+        pool.close()
     for seed in args.seeds:
         out = outs[seed]
         rows.append([seed, f"{out['base']:.3f}", f"{out['final']:.3f}", f"{out['final'] - out['base']:+.3f}",
@@ -973,6 +975,8 @@ def main():
                              which=lambda a: [SMOLLM2_BLOCKS[smollm2_form(a)]]
                              if a.smollm2 else ["defaults_tuning"] if a.tune
                              else ["defaults_why"] if a.why else ["defaults", "defaults_claim"])
+    if args.uncalibrated and args.start != "scratch":
+        p.error("--uncalibrated goes with --smollm2 DIR --start scratch (the defaults there are the paper's, uncalibrated)")
     torch.set_num_threads(1)
     if args.smollm2:
         return smollm2(args)
