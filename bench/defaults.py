@@ -82,7 +82,7 @@ BASE_POLICY = os.path.join(ROOT, "tests", "data", "base-tiny-seed0.pt")
 HELDOUT = 256  # held-out prompts of every loop
 OUT = os.path.join(ROOT, "bench", "results", "defaults", "runs.jsonl")
 # --smollm2's runs, one JSON line each (form, seed, held-out before and after), which the family's
-# claim reads: the one-call defaults beside the three calls on the one pretrained model
+# claim reads: the defaults (the paper's controller there) beside the settings for random weights
 SMOLLM2_RUNS = os.path.join(ROOT, "bench", "results", "defaults", "smollm2.jsonl")
 
 
