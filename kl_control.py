@@ -167,8 +167,8 @@ weights start (`start`; STARTS). Trained weights (`start="pretrained"`, what `st
 takes for a transformers model loaded with `from_pretrained`) get the three calls above, bit
 for bit: the paper's controller. Random weights (`start="scratch"`, a model built from a
 config; a model with no transformers config too, with a warning) get four departures, each
-chosen on bench/README.md's `defaults.py` family (nine small loops from random weights,
-held-out greedy scores; `--tune`: the choosing seeds 0-4, the two check loops never looked
+chosen on bench/README.md's `defaults.py` family (nine small loops, eight from random weights
+and train.py's tiny base policy, held-out greedy scores; `--tune`: the choosing seeds 0-4, the two check loops never looked
 at) and reported on seeds 5-9 against AdamW at its best rate:
 - RowAdam's step scaled per layer (`per_layer=True`, departure 6): each layer moves by
   update_ratio x alpha of its own ||W||. With the paper's one scale, a layer moves in
@@ -199,11 +199,10 @@ and 0.060 (seed 2 failed under both, and learnt under the paper's one scale). Th
 drifted to answers at the 64-token limit. A reading, not measured: scaled per layer, a layer
 whose sketch is small (little of the reward's signal) still moves its full share of its
 weights, which on random weights evens out what the init made uneven and on trained ones may
-spend the budget on noise. The
-one small loop that starts trained, train.py's tiny base policy, points the same way (per layer
-alone: 0.938 to 0.895 on seeds 0-4). Three runs a form do not settle it, and this rule was set
+spend the budget on noise. The one small loop that starts trained, train.py's tiny base
+policy, points the same way (per layer alone: 0.938 to 0.895 on seeds 0-4). Three runs a form do not settle it, and this rule was set
 after seeing them (they are its reason, not its check); the paper's controller is also the one
-measured, through train.py, within 0.021 of AdamW on SmolLM2's word problems. `start="auto"`
+measured, through train.py, within 0.021 of AdamW on SmolLM2's one-step arithmetic in words. `start="auto"`
 reads how the model was made (`model_start`), not its weights: pass `start` for a random model
 built with `from_config` from a loaded config, or for trained weights put in with
 `load_state_dict` (as the family's tiny base policy is: it ran with the settings for random
@@ -1328,11 +1327,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                  keep_positions=None, max_responses=None, group=None, log=None):
         if start not in ("auto", *STARTS):
             raise ValueError(f"start must be 'auto', 'pretrained' or 'scratch', got {start!r}")
+        unknown = start == "auto" and model_start(model) is None  # no transformers config to read
         if start == "auto":
-            start = model_start(model)
-            if start is None:  # no transformers config to read: say which settings, once, at the caller's line
-                start = "scratch"
-                warnings.warn(UNKNOWN_START, stacklevel=_caller_stacklevel())
+            start = "scratch" if unknown else model_start(model)
         given = {"per_layer": per_layer, "alpha_max": alpha_max, "entropy_share": entropy_share, "calibrate": calibrate}
         settings = {k: STARTS[start][k] if v is None else v for k, v in given.items()}  # a given value wins
         per_layer, alpha_max, entropy_share, calibrate = (settings[k] for k in given)
@@ -1367,6 +1364,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.last, self.factors = {}, None
         self.cap = CapWatch(alpha_max)  # updates in a row at the cap, and whether that was said
         self.shares = {"entropy_share": entropy_share, "per_response": per_response}  # budget_for's
+        if unknown:  # said once the constructor has accepted everything, at the caller's line
+            warnings.warn(UNKNOWN_START, stacklevel=_caller_stacklevel())
 
     @property
     def update(self) -> int:
@@ -1439,7 +1438,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         saved = state.get("calibration")  # None: saved without calibration, or before it existed
         if (saved is not None) != (self.calibration is not None) and "calibration" in state:  # before any change
             raise ValueError(f"this state was saved with calibrate={saved is not None}, and this optimizer has "
-                             f"calibrate={self.calibration is not None}: make them the same to resume")
+                             f"calibrate={self.calibration is not None} (start={self.start!r}): make them the same "
+                             f"to resume (start='scratch' calibrates and scales per layer, 'pretrained' does neither)")
         per_layer = state.get("per_layer", False)  # a state from before the option: RowAdam's one scale
         if per_layer != self.per_layer:
             raise ValueError(f"this state was saved with per_layer={per_layer}" +

@@ -975,6 +975,8 @@ def main():
                              which=lambda a: [SMOLLM2_BLOCKS[smollm2_form(a)]]
                              if a.smollm2 else ["defaults_tuning"] if a.tune
                              else ["defaults_why"] if a.why else ["defaults", "defaults_claim"])
+    if args.start and not args.smollm2:
+        p.error("--start goes with --smollm2 DIR (the family's models all take start='scratch')")
     if args.uncalibrated and args.start != "scratch":
         p.error("--uncalibrated goes with --smollm2 DIR --start scratch (the defaults there are the paper's, uncalibrated)")
     torch.set_num_threads(1)

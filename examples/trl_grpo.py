@@ -25,8 +25,8 @@ overrides two methods of `GRPOTrainer`:
   that probe, then returns TRL's own loss.
 `max_grad_norm` must be 0 (there is no gradient to clip; the trainer refuses anything else), and
 the model must be fp32 (RowAdam refuses bf16 master weights); `bf16=True` autocast is fine.
-A Trainer checkpoint holds RowAdam's moments and update counter and the calibration
-(`LoGRAOptimizer.state_dict`), and a run resumed from one ends on the same weights, bit for bit
+A Trainer checkpoint holds RowAdam's moments and update counter and, when it calibrates (the
+toy here), the calibration (`LoGRAOptimizer.state_dict`), and a run resumed from one ends on the same weights, bit for bit
 (tests/test_trl_example.py).
 `--optimizer adamw` runs the same script with a plain `GRPOTrainer` and TRL's own AdamW
 (TRL's defaults: fused AdamW, betas (0.9, 0.999), a linear decay, clipping at 1; a toy-sized lr)

@@ -764,9 +764,15 @@ def test_start_reads_how_the_model_was_made(tmp_path):
         wrapped = NoConfig(built)
         wrapped.module = built  # as DDP holds it
         assert kl_control.model_start(wrapped) == "scratch"
-    mixed = kl_control.LoGRAOptimizer(loaded, paper.rowadam, per_layer=True, alpha_max=5.0, calibrate=True)
+    mixed = kl_control.LoGRAOptimizer(loaded, paper.rowadam, per_layer=True, alpha_max=5.0, calibrate=True,
+                                      entropy_share=0.3)
     assert (mixed.start, mixed.per_layer, mixed.alpha_max, mixed.shares["entropy_share"]) == \
-        ("pretrained", True, 5.0, 0.2) and mixed.calibration is not None
+        ("pretrained", True, 5.0, 0.3) and mixed.calibration is not None
+    with warnings.catch_warnings(record=True) as caught:  # refused: nothing said about the start
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="alpha_max > 0"):
+            kl_control.LoGRAOptimizer(bare, opt.rowadam, alpha_max=0.0)
+    assert not caught, [str(w.message) for w in caught]
     with pytest.raises(ValueError, match="start must be 'auto', 'pretrained' or 'scratch'"):
         kl_control.LoGRAOptimizer(loaded, paper.rowadam, start="trained")
 
@@ -821,8 +827,8 @@ def calibrated_by_hand(model, layers, batches, state=None):
 
 
 def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
-    """LoGRAOptimizer with every default (start "scratch", calibrated) over four updates where
-    the budget binds (weights at std 0.2) is bit for bit the update written out by hand
+    """LoGRAOptimizer with calibrate=True (the default of its start "scratch") over four updates
+    where the budget binds (weights at std 0.2) is bit for bit the update written out by hand
     (`calibrated_by_hand`): weights, alpha, and the scale, which moved away from 1 (so the
     comparison covers it). Its state saved after two updates and loaded into a fresh optimizer
     on a copy gives the last two updates' bits. A state saved with calibration is refused by an
@@ -850,7 +856,7 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), again.state_dict().values()))
 
     plain = kl_control.LoGRAOptimizer(again, resumed.rowadam, calibrate=False)
-    with pytest.raises(ValueError, match="saved with calibrate=True"):
+    with pytest.raises(ValueError, match="saved with calibrate=True.*start='scratch' calibrates"):
         plain.load_state_dict(state)
     assert plain.update == resumed.update == 4  # refused before anything was loaded (the state is at 2)
     with pytest.raises(ValueError, match="saved with calibrate=False"):
