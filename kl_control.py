@@ -1327,9 +1327,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                  keep_positions=None, max_responses=None, group=None, log=None):
         if start not in ("auto", *STARTS):
             raise ValueError(f"start must be 'auto', 'pretrained' or 'scratch', got {start!r}")
-        unknown = start == "auto" and model_start(model) is None  # no transformers config to read
+        unknown = False  # True: "auto" found no transformers config to read (said at the end)
         if start == "auto":
-            start = "scratch" if unknown else model_start(model)
+            start = model_start(model)
+            unknown, start = start is None, start or "scratch"
         given = {"per_layer": per_layer, "alpha_max": alpha_max, "entropy_share": entropy_share, "calibrate": calibrate}
         settings = {k: STARTS[start][k] if v is None else v for k, v in given.items()}  # a given value wins
         per_layer, alpha_max, entropy_share, calibrate = (settings[k] for k in given)

@@ -550,16 +550,16 @@ class RowAdam:
         device = D[0].device
         totals = torch.zeros(2, len(self.layers), dtype=torch.float64, device=device)  # (||W_l||^2, ||D_l A_l||^2)
         totals[0] = torch.stack([_sum_squares(local_rows(layer.module.weight)[0]) for layer in self.layers])
-        for (members, *_), D_g in zip(self._groups, D):
-            index = torch.tensor(members, device=device)
+        indices = [torch.tensor(members, device=device) for members, *_ in self._groups]  # each group's layers
+        for (members, *_), index, D_g in zip(self._groups, indices, D):
             totals[1].index_copy_(0, index, _da_squared([self.layers[i] for i in members], D_g, per_layer=True))
         if self.group is not None:
             dist.all_reduce(totals, group=self.group)  # this process's rows -> all rows (departure 1)
         W_sq, DA_sq = totals
         c = torch.where(DA_sq > 0, self.update_ratio * (W_sq / DA_sq.clamp(min=torch.finfo(torch.float64).tiny)).sqrt(),
                         0.0)  # (L,) float64
-        for (members, *_), D_g in zip(self._groups, D):
-            D_g.mul_(c[torch.tensor(members, device=device)].to(D_g.dtype)[:, None, None])  # U = c_l D, in place
+        for index, D_g in zip(indices, D):
+            D_g.mul_(c[index].to(D_g.dtype)[:, None, None])  # U = c_l D, in place
 
     def _check_dtypes(self):
         """Refuse weights whose dtype changed since the constructor (a cast of the model)."""

@@ -408,7 +408,7 @@ def sums_work(job):
 
 # LoGRAOptimizer's settings that make it the README's three calls (the paper's controller, with
 # budget_for's default budget), bit for bit: kl_control.py's departure 5 and 6 left out.
-THREE_CALLS = {"calibrate": False, "per_layer": False, "alpha_max": 3.0, "entropy_share": kl_control.ENTROPY_SHARE}
+THREE_CALLS = dict(kl_control.STARTS["pretrained"])  # start="pretrained"'s: calibrate, per_layer, alpha_max, share
 # --smollm2's forms: LoGRAOptimizer's settings of each, and the block each publishes.
 SMOLLM2_FORMS = {"defaults": {}, "scratch": {"start": "scratch"},
                  "scratch, uncalibrated": {"start": "scratch", "calibrate": False}}
