@@ -178,8 +178,8 @@ Implementation notes
   one GEMM, and `merge` merges as many layers of one shape as MERGE_ELEMENTS holds with one
   float64 GEMM (`merge_layers`); no step reads the device per layer. A model of many small
   layers pays a few dozen tensor operations an update, not a few dozen per layer: on the
-  2-layer toy of examples/minimal_loop.py, prepare went from 2.8 to 1.7 ms and the merge from
-  2.3 to 1.6 ms (its signs made together too: sketch.make_signs_many; bench/README.md,
+  2-layer toy of examples/minimal_loop.py, prepare went from 3.7 to 2.2 ms and the merge from
+  2.8 to 1.9 ms (its signs made together too: sketch.make_signs_many; bench/README.md,
   `loop_phases`, both in one run). The batched formulas and merge are the line-by-line ones bit for bit
   (tests/test_rowadam.py::test_directions_across_ranks_equal_the_plain_formulas,
   test_sharded_merge_equals_unsharded, test_row_sharded_state_equals_one_process_bitwise).

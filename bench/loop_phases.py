@@ -5,6 +5,7 @@ the same for the method files of another git revision, in the same run.
     python bench/loop_phases.py                         # batches of 32, 128 and 512 responses
     python bench/loop_phases.py --batch 32              # one batch size
     python bench/loop_phases.py --against HEAD          # before (HEAD's method files) / after (the work tree)
+    python bench/loop_phases.py --compiled              # and the probe's decoder compiled (torch.compile)
     python bench/loop_phases.py --markdown              # and write the table into bench/README.md
 
 The batch: examples/minimal_loop.py's toy (a 2-layer width-64 Qwen2), B responses of 6 tokens
@@ -17,7 +18,10 @@ only measures, is timed apart and not counted in the update. The processes alter
 AdamW, and with `--against` the two trees), three rounds each, and every figure is the median
 over the rounds of each process's median. `--against REV` imports the other revision's
 sketch.py, rowadam.py, kl_control.py and ppo.py (`git archive` into a temporary folder); they
-must have the API this script calls.
+must have the API this script calls. `--compiled` adds a row per batch: the work tree with
+`kl_control.written_decoder` (the probe's decoder and tangent, and the realised KL's forward)
+under `torch.compile` (inductor, static shapes), each process with an empty compile cache, as a
+user's first run has; the first update, which compiles, is the column "first update".
 """
 
 import argparse
@@ -37,7 +41,8 @@ ADAMW = ("forward + backward", "step")
 
 
 def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5) -> dict:
-    """Median milliseconds of each phase of `method`'s update, importing the method files from `tree`."""
+    """Median milliseconds of each phase of `method`'s update ("logra", "logra-compiled" or
+    "adamw"), importing the method files from `tree`, and the first update's seconds."""
     sys.path.insert(0, tree)
     import torch
 
@@ -51,7 +56,9 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
 
     torch.set_num_threads(1)
     model = minimal_loop.tiny_model(0)
-    if method == "logra":
+    if method == "logra-compiled":  # the probe's and the realised KL's decoder, compiled on first use
+        kl_control.written_decoder = torch.compile(kl_control.written_decoder, dynamic=False)
+    if method != "adamw":
         layers = sketch.attach(model, seed=0)
         opt = RowAdam(layers)
     else:
@@ -63,12 +70,13 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
                             generator=torch.Generator().manual_seed(0))
     ids, mask = minimal_loop.rollout(model, prompts, torch.Generator().manual_seed(1))
     advantages = torch.randn(batch, generator=torch.Generator().manual_seed(2))
-    phases = {name: [] for name in (LOGRA + ("realised KL",) if method == "logra" else ADAMW)}
+    phases = {name: [] for name in (ADAMW if method == "adamw" else LOGRA + ("realised KL",))}
+    first = None
     for update in range(warm + updates):
         laps = [time.perf_counter()]
         minimal_loop.loss_of(model, ids, mask, advantages).backward()
         laps.append(time.perf_counter())
-        if method == "logra":
+        if method != "adamw":
             opt.prepare()
             laps.append(time.perf_counter())
             probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=ids.numel())
@@ -82,15 +90,18 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
             opt.step()
             opt.zero_grad(set_to_none=True)
         laps.append(time.perf_counter())
+        first = laps[-1] - laps[0] if first is None else first
         if update >= warm:
             for name, t0, t1 in zip(phases, laps, laps[1:]):
                 phases[name].append(1e3 * (t1 - t0))
-    return {name: statistics.median(v) for name, v in phases.items()}
+    return {"first update": first, **{name: statistics.median(v) for name, v in phases.items()}}
 
 
 def measure(tree: str, batch: int, method: str) -> dict:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", tree, str(batch), method],
-                         capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with tempfile.TemporaryDirectory() as cache:  # a compile cache of its own, empty: a first run's
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", tree, str(batch), method],
+                             capture_output=True, text=True, check=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -109,6 +120,7 @@ def main():
     p.add_argument("--batch", type=int, nargs="+", default=[32, 128, 512], help="responses per batch")
     p.add_argument("--against", metavar="REV", help="also time the method files of this git revision (before)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compiled", action="store_true", help="also the work tree with the probe's decoder compiled")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     if "--worker" in sys.argv:
         tree, batch, method = p.parse_args().worker
@@ -119,30 +131,39 @@ def main():
 
     args = report.parse_args(p, "loop_phases")
     header = ["batch", "tree", *(f"LoGRA: {ph}" for ph in LOGRA), "**LoGRA: the update**",
-              *(f"AdamW: {ph}" for ph in ADAMW), "**AdamW: the update**", "LoGRA / AdamW", "(realised KL)"]
+              *(f"AdamW: {ph}" for ph in ADAMW), "**AdamW: the update**", "LoGRA / AdamW", "(realised KL)",
+              "first update (s)"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this": ROOT} if not args.against else {args.against: export(args.against, tmp), "this": ROOT}
+        # (row's name, tree, LoGRA's worker): the trees as they are, and the work tree's probe compiled
+        forms = [(name, tree, "logra") for name, tree in trees.items()]
+        forms += [("this, probe compiled", ROOT, "logra-compiled")] if args.compiled else []
         for batch in args.batch:
-            runs = {(name, m): [] for name in trees for m in ("logra", "adamw")}
+            runs = {(name, m): [] for name, _, logra in forms for m in (logra, "adamw")}
             for _ in range(args.rounds):  # alternating, so that a slower spell of the machine hits all
-                for (name, method), got in runs.items():
-                    got.append(measure(trees[name], batch, method))
-            for name in trees:
+                for name, tree, logra in forms:
+                    for m in (logra, "adamw"):
+                        runs[(name, m)].append(measure(tree, batch, m))
+            for name, _, logra in forms:
                 med = {m: {ph: statistics.median(r[ph] for r in runs[(name, m)]) for ph in runs[(name, m)][0]}
-                       for m in ("logra", "adamw")}
-                logra = sum(med["logra"][ph] for ph in LOGRA)
-                adamw = sum(med["adamw"].values())
-                rows.append([batch, name, *(f"{med['logra'][ph]:.2f}" for ph in LOGRA), f"**{logra:.2f}**",
+                       for m in (logra, "adamw")}
+                update = sum(med[logra][ph] for ph in LOGRA)
+                adamw = sum(med["adamw"][ph] for ph in ADAMW)
+                rows.append([batch, name, *(f"{med[logra][ph]:.2f}" for ph in LOGRA), f"**{update:.2f}**",
                              *(f"{med['adamw'][ph]:.2f}" for ph in ADAMW), f"**{adamw:.2f}**",
-                             f"{logra / adamw:.2f}x", f"{med['logra']['realised KL']:.2f}"])
+                             f"{update / adamw:.2f}x", f"{med[logra]['realised KL']:.2f}",
+                             f"{med[logra]['first update']:.2f}"])
                 print(report.row(rows[-1]), flush=True)
     table = report.table(header, rows)
     note = ("Milliseconds per update, rollout excluded: examples/minimal_loop.py's toy (2 layers, width 64), B "
             "responses of 6 tokens after 4-token prompts, one thread, LoGRA with every default beside AdamW on the "
             f"same seven projections; median of {args.rounds} processes' medians over 30 updates each"
             + (f"; `{args.against}`: the method files of that revision" if args.against else "")
-            + ". The realised KL only measures and is not counted in the update.")
+            + ("; probe compiled: the work tree with kl_control.written_decoder under torch.compile (inductor, static "
+               "shapes, an empty compile cache)" if args.compiled else "")
+            + ". The realised KL only measures and is not counted in the update. First update: the seconds of each "
+              "process's first (unmeasured) update, LoGRA's with its realised KL; where compiled, it compiles.")
     print("\n" + table + "\n\n" + note)
     if args.markdown:
         report.publish("loop_phases", note + "\n\n" + table)

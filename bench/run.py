@@ -95,8 +95,9 @@ TABLES = (
           ("defaults.py", "--smollm2", CHECKPOINT, "--seeds", "0", "1", "2", "--jobs", "2", "--start", "scratch",
            "--uncalibrated"), "SmolLM2", "about 30 min: 3 runs of 30 updates, 2 at once",
           "the same, without calibration"),
-    Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--batch", "32", "128", "512"), "CPU", "about 3 min",
-          "a README-shaped update by phase at three batch sizes, LoGRA's defaults beside AdamW"),
+    Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--against", "41d9a2c", "--compiled"), "CPU",
+          "about 15 min (a compile in each of 9 processes)", "a README-shaped update by phase at three batch sizes, "
+          "LoGRA's defaults beside AdamW, before issue 55's work, now, and with the probe's decoder compiled"),
     Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--against", "HEAD"), "CPU", "about 2 min",
           "examples/minimal_loop.py's update by phase, before and after a change"),
     Table("kl_probe", ("kl_probe", "kl_probe_trained"), ("kl_probe.py",), "CPU", "a few minutes (three warm-ups)",
