@@ -330,10 +330,10 @@ Implementation notes
   the same primal), and the tangent of each op from its derivative (the comment above it
   lists them), about half the tensor operations of the forward-AD path. Measured on examples/minimal_loop.py's toy (22
   responses probed, one thread): 10.2 ms a probe with forward AD, 5.4 ms written out, against
-  2.3 ms for the realised KL, a plain forward of the same responses (bench/README.md,
-  `loop_phases`, all in one run); at a wider model the tangent's second set of matmuls
-  dominates and the two paths cost about the same (`kl_probe`). Under `torch.compile` the
-  written-out probe takes 3.7 ms there, but its first update spends 32 s compiling (and static
+  2.3 ms for the realised KL (a plain forward of the same responses and its exact KL; bench/README.md,
+  `loop_phases`, all in one run). At a wider model the tangent's second set of matmuls
+  dominates and the two paths cost about the same (`kl_probe`). On the toy under
+  `torch.compile` the written-out probe takes 3.7 ms, but its first update spends 32 s compiling (and static
   shapes compile again at each new sequence length), so it stays eager here. Its
   primal attention is torch's fused kernel (SDPA, the model's default; the realised KL's
   forward is that and nothing more), and the tangent forms P and dS once each: at its peak 10
