@@ -695,8 +695,13 @@ def smollm2_loops(results=None) -> tuple[list[list[str]], list[str]]:
             phrases.append(f"{task.name}: {gap:+.3f}")
         else:
             left = 2 * len(real_model.REPORT) - len(logra_seeds) - len(adam_seeds)
-            verdict = f"waiting: {left} of real_model.py's reporting runs (adam, LoGRA's defaults) to go"
-            phrases.append(f"{task.name}: not yet measured ({left} runs to go)")
+            if best is None:  # nothing to report at: bench/README's real_model section says why a sweep stopped
+                verdict = (f"not measured: AdamW's sweep not run, and {left} reporting runs (adam, LoGRA's "
+                           "defaults); bench/README's real_model section says why")
+                phrases.append(f"{task.name}: not measured (AdamW's sweep not run; {left} reporting runs to go)")
+            else:
+                verdict = f"waiting: {left} of real_model.py's reporting runs (adam, LoGRA's defaults) to go"
+                phrases.append(f"{task.name}: not yet measured ({left} runs to go)")
         table.append([f"SmolLM2, {task.key}", f"{statistics.mean(tokens):.0f}" if tokens else "-",
                       f"{best[0]:g}" + (" (at an edge)" if best[1] else "") if best else "(sweep not done)",
                       ms([score(adam, best[0], s) for s in adam_seeds]) if adam_seeds else "-",
