@@ -494,8 +494,8 @@ def test_bench_defaults_reads_its_smollm2_loops_from_these_rows(tmp_path):
     assert steps["target"].startswith("not measured: AdamW's sweep not run, and 6 reporting runs")
     assert phrases[0].endswith(": +0.080") and "not measured (AdamW's sweep not run; 6 reporting runs to go)" in phrases[1]
     # with AdamW's rate chosen, what is left is the reporting runs
+    (tmp_path / "steps").mkdir()
     for v, p in zip(adam.grid, (0.40, 0.52, 0.50, 0.30, 0.10)):
-        (tmp_path / "steps").mkdir(exist_ok=True)
         (tmp_path / "steps" / f"{real_model.run_key(adam, v, 0)}.json").write_text(json.dumps(row(adam, v, 0, p)))
     table, phrases = defaults.smollm2_loops(str(tmp_path))
     steps = {t[0]: dict(zip(defaults.SMOLLM2_HEADER, t)) for t in table}["SmolLM2, steps"]
