@@ -1475,7 +1475,8 @@ def model_start(model) -> str | None:
 
 UNKNOWN_START = ("LoGRAOptimizer: this model has no transformers config to tell whether its weights were trained, "
                  "so it takes the settings for random weights (start='scratch': RowAdam's step scaled per layer, "
-                 "alpha_max 9, entropy_share 0.4, calibrated). For trained weights pass start='pretrained' (the "
+                 f"alpha_max {STARTS['scratch']['alpha_max']:g}, entropy_share {STARTS['scratch']['entropy_share']:g}, "
+                 "calibrated). For trained weights pass start='pretrained' (the "
                  "paper's controller, the README's three calls: on the one pretrained model measured, SmolLM2-135M-Instruct, "
                  "it took held-out pass@1 from 0.17 to 0.58-0.79 in 3 runs of 3, these settings to 0.21-0.87, above "
                  "0.5 in 1 of 3; bench/README.md, defaults_smollm2). Pass start='scratch' to silence this.")

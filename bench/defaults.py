@@ -448,15 +448,16 @@ def smollm2(args):
             with open(SMOLLM2_RUNS, "a") as f:
                 f.write(json.dumps({"form": form, "seed": seed, "updates": args.smollm2_updates,
                                     "base": out["base"], "final": out["final"]}) + "\n")
+    scratch = f"alpha_max {cap:g}, entropy_share {start['entropy_share']:g}"  # start='scratch''s, where it is run
     what = {"defaults": f"the README's one-call form with every default (rank {sketch.PAPER_RANK}; start='auto', "
                         "which takes 'pretrained' for a model loaded with from_pretrained: the paper's controller, bit "
                         "for bit the README's three calls)",
             "scratch": f"the README's one-call form with start='scratch', the settings for random weights (rank "
-                       f"{sketch.PAPER_RANK}; RowAdam scaled per layer, alpha_max 9, entropy_share 0.4, the "
-                       "prediction calibrated; rho the scale of KL1 its alpha used)",
+                       f"{sketch.PAPER_RANK}; RowAdam scaled per layer, {scratch}, the prediction calibrated; rho "
+                       "the scale of KL1 its alpha used)",
             "scratch, uncalibrated": f"the README's one-call form with start='scratch' and calibrate=False (rank "
-                                     f"{sketch.PAPER_RANK}; RowAdam scaled per layer, alpha_max 9, entropy_share "
-                                     "0.4, alpha from the predicted KL alone)"}[form]
+                                     f"{sketch.PAPER_RANK}; RowAdam scaled per layer, {scratch}, alpha from the "
+                                     "predicted KL alone)"}[form]
     note = (f"SmolLM2-135M-Instruct ({args.smollm2}: bench/real_model.py's checkpoint), its 200 training sums, "
             f"{args.smollm2_updates} updates of 16 prompts sampled at temperature 1 (up to 64 new tokens), {what}; "
             "held-out: the 200 other sums, greedy, right when the answer's last number is the sum (one evaluation's "
