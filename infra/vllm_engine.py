@@ -344,6 +344,9 @@ class VLLMEngine:
     `progress` (an object with `update(n)` and `close()`, such as metrics.Progress over
     `timeout` seconds) is moved on by the seconds the start-up waits, and closed once it ends.
     `cores`: the CPU cores a CPU engine's worker is bound to (`cpu_share`).
+    `cpu_gemm` (after start-up): {kernel kind: number of synced layers}, the GEMM vLLM chose for
+    each on a CPU ('onednn', 'sgl', 'zentorch': packed copies; 'linear': F.linear on `.weight`;
+    vllm_serve.cpu_gemm_kind), {} on a GPU.
     """
 
     def __init__(self, *, model_path, context, seed, sketch_rank, gpu, device, log_path, timeout,
@@ -366,9 +369,9 @@ class VLLMEngine:
             store = WeightChannel.open_store(LOCAL_HOST, left)
             self.proc.conn.send(("init_sync", (LOCAL_HOST, store.port, seed, sketch_rank, timeout, exact,
                                                residual_on_host)))
-            self.channel, answered = self._join(store, timeout, left)
-            if not answered:
-                self.proc.reply("to join the weight channel", deadline)
+            self.channel, answer = self._join(store, timeout, left)
+            # {kernel kind: layers} on CPUs (vllm_serve.cpu_gemm_kind), {} on GPUs
+            self.cpu_gemm = answer[0] if answer else self.proc.reply("to join the weight channel", deadline)
             self.proc.watch_group()
         except BaseException:
             self.proc.kill()
@@ -387,10 +390,10 @@ class VLLMEngine:
         has no bound of its own): an engine that dies or never joins is lost, not waited for,
         and one whose side failed (its `logra_init` answered an error) is said at once. A
         channel that cannot be made is a failed start (EngineError: restarting would not mend
-        it). Returns (the channel, whether the engine's answer was read already)."""
+        it). Returns (the channel, [the engine's answer] if it was read already, else [])."""
         import threading
 
-        made, answered = [], False
+        made, answered = [], []
 
         def join():
             try:
@@ -404,8 +407,7 @@ class VLLMEngine:
         while joining.is_alive():
             self.proc.check(end, "to join the weight channel")
             if not answered and self.proc.conn.poll():  # the engine's side ended first: an error is raised here
-                self.proc.read("to join the weight channel")
-                answered = True
+                answered.append(self.proc.read("to join the weight channel"))
             joining.join(0.2)
         if isinstance(made[0], Exception):
             self.proc.kill()

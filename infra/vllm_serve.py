@@ -17,7 +17,12 @@ vLLM's CPU backend packs every linear weight into its own GEMM layout after load
 `.weight` (`dispatch_cpu_unquantized_gemm(remove_weight=True)`), so an in-place write to
 `.weight` would change nothing. On CPUs the extension puts a bf16 weight back
 (`_restore_cpu_weights`) and, after each payload, re-packs the layers it changed
-(`_refresh_cpu_kernels`); on GPUs `.weight` is what runs.
+(`_refresh_cpu_kernels`); on GPUs `.weight` is what runs. Which GEMM vLLM chose depends on the
+CPU: oneDNN packs bf16 weights only where the CPU has AVX-512 (with BF16), SGL's kernel only with
+AMX; on an AVX2-only CPU (many AMD EPYCs) vLLM falls back to `F.linear` on `.weight` and keeps it,
+so the sync's in-place write is what runs and there is nothing to re-pack. The engine reports
+which kernel each synced layer runs (`cpu_gemm_kind`): `logra_init` answers it, the engine log
+prints it at start-up, and VLLMEngine keeps it as `cpu_gemm`.
 
 Failure
 -------
@@ -100,6 +105,7 @@ def serve(spec: dict) -> None:
         try:
             if command == "init_sync":
                 value = llm.collective_rpc("logra_init", args=args)[0]
+                print(f"engine: CPU GEMM of the synced layers: {describe_cpu_gemm(value)}", flush=True)
             elif command == "generate":
                 # Nothing of earlier generations is reused: a generation depends only on the
                 # weights and its requests, so a restarted or resumed engine samples the same.
@@ -154,16 +160,25 @@ class WorkerExtension:
     """
 
     def logra_init(self, host: str, port: int, base_seed: int, sketch_rank: int, timeout: float,
-                   exact: bool = True, residual_on_host: bool = False) -> None:
+                   exact: bool = True, residual_on_host: bool = False) -> dict:
+        """Join the weight channel; returns {kernel kind: number of synced layers} on CPUs (which
+        GEMM vLLM dispatched for each, `cpu_gemm_kind`), {} on GPUs."""
         model = self.model_runner.model
         # The trainer layers each of vLLM's layers holds: the model family's row (architectures.py).
         layers = architectures.lookup(self.model_runner.model_config.hf_config.model_type).engine
+        kernels = {}
+        if self.device.type == "cpu":
+            for name, module in model.named_modules():
+                if name.rsplit(".", 1)[-1] in layers:
+                    kind = cpu_gemm_kind(module)
+                    kernels[kind] = kernels.get(kind, 0) + 1
         self.logra_cpu_layers = _restore_cpu_weights(model, layers) if self.device.type == "cpu" else []
         self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank, layout="vllm",
                                                 residual_device="cpu" if residual_on_host else None,
                                                 engine_layers=layers, exact=exact)
         store = WeightChannel.join_store(host, port, timeout)
         self.logra_channel = WeightChannel(store, 1, self.device, timeout)
+        return kernels
 
     def logra_apply(self) -> int:
         """Receive one delta payload (factors, or sparse) from the trainer and merge it; returns the
@@ -199,6 +214,35 @@ def _restore_cpu_weights(model, engine_layers):
             module.weight = torch.nn.Parameter(torch.zeros(shape, dtype=module.weight.dtype), requires_grad=False)
             layers.append(module)
     return layers
+
+
+# The GEMM each kind of `cpu_linear` calls (vLLM 0.32's dispatch_cpu_unquantized_gemm, in
+# vllm/model_executor/layers/utils.py), found by name in the closure vLLM set. "packed" kernels
+# compute from their own copy of the weight, made when they were dispatched.
+CPU_GEMMS = {"onednn_mm": "onednn", "weight_packed_linear_cpu": "sgl", "zentorch_linear_unary": "zentorch"}
+PACKED = frozenset(CPU_GEMMS.values())
+
+
+def cpu_gemm_kind(module) -> str:
+    """Which CPU GEMM vLLM dispatched for a linear layer: 'onednn', 'sgl' or 'zentorch' (packed:
+    they compute from a copy of the weight made when dispatched), 'linear' (F.linear on the
+    layer's `.weight`: what is written there is what runs), or 'unknown' (none of these)."""
+    fn = getattr(module, "cpu_linear", None)
+    if fn is torch.nn.functional.linear:  # what vLLM sets for a layer still on the meta device
+        return "linear"
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    for name, kind in CPU_GEMMS.items():
+        if name in names:
+            return kind
+    return "linear" if "linear" in names else "unknown"
+
+
+def describe_cpu_gemm(kernels: dict) -> str:
+    """One line for the engine log: each kernel kind, how many layers run it, and what it reads."""
+    if not kernels:
+        return "none (not a CPU engine)"
+    return ", ".join(f"{kind} x{n} ({'packed copy' if kind in PACKED else 'reads .weight'})"
+                     for kind, n in sorted(kernels.items()))
 
 
 def _refresh_cpu_kernels(layers):

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import kl_control
 import ppo
+import premises
 import rowadam
 import sketch
 from tiny import VOCAB, tiny_batch, tiny_qwen2, use_block
@@ -220,6 +221,11 @@ def test_the_kept_logits_are_the_realised_kls_before():
     older form that repeats the probe's arguments."""
     model, layers, opt, ids, mask = prepared(torch.float32)
     scored = int(mask[:3, 1:].sum())
+    # The premise (tests/premises.py): this CPU's matmul gives the first 4 rows the bits they
+    # get among all the scored ones (MKL does, on the AVX2 and AVX-512 CPUs tried).
+    reason = premises.head_rows_skip(*reversed(model.lm_head.weight.shape), 4, scored)
+    if reason:
+        pytest.skip(reason)
     for keep in (0, 4, scored, scored + 50):
         probe = kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=keep)
         if keep == 0:

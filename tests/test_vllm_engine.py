@@ -29,7 +29,7 @@ from sketch import make_projection, projection_seed, target_modules
 import sync
 import in_process
 from conftest import RANK, SEED
-from infra import engine_sync, heal, task_data, tasks, vllm_channel, vllm_engine
+from infra import engine_sync, heal, task_data, tasks, vllm_channel, vllm_engine, vllm_serve
 from subproc import FAULTS, ROOT, engine_processes, env, faults, read_checkpoint, two_nodes
 
 
@@ -265,7 +265,7 @@ def test_an_engine_whose_side_of_the_channel_fails_is_said_at_once(tmp_path, mon
     assert engine.proc.killed
     monkeypatch.setattr(vllm_engine, "WeightChannel", lambda *a: "channel")
     engine = handle(tmp_path, _Conn(("ok", None), after=0))  # the engine answered before the join returned
-    assert engine._join(store=None, timeout=60, left=60) in (("channel", True), ("channel", False))
+    assert engine._join(store=None, timeout=60, left=60) in (("channel", [None]), ("channel", []))
 
 
 def test_an_engine_that_cannot_import_vllm_stops_at_once_and_is_not_restarted(tmp_path, monkeypatch):
@@ -569,7 +569,8 @@ def test_vllms_own_processes_dying_under_a_rollout_is_a_lost_engine(cpu_delta_en
     """The OOM killer's likelier victim is vLLM's engine-core or worker process, not the engine
     process, and vLLM then hangs in the rollout: the trainer watches every process of the
     engine and reports it lost within seconds (heal.py restarts it), not after the timeout.
-    The last user of the session's engine without a master (the slow tier's own engine)."""
+    The last to send the session's engine without a master a command (the slow tier's own
+    engine; test_stale_cpu_kernels_stop_the_run reads only its start-up answer, cpu_gemm)."""
     cpu_engine = cpu_delta_engine
     pid = cpu_engine.proc.proc.pid
     children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == pid]
@@ -732,14 +733,118 @@ def test_delta_sync_through_vllm_heals_an_engine_killed_mid_sync(tiny_math, tmp_
     assert not engine_processes(str(run_dir))
 
 
+def stale_kernels_skip(kernels: dict) -> str | None:
+    """The stale-kernels fault's premise: every synced layer of the engine runs a packed GEMM
+    (oneDNN, SGL or zentorch: a copy of the weight made when packed), so a copy never re-packed
+    goes stale. None where it holds, else why the fault cannot bite on this CPU: where vLLM falls
+    back to F.linear on `.weight` (an x86 CPU without AVX-512, vLLM 0.32), the sync's writes are
+    what runs, and the output check is right to stay silent."""
+    if kernels and set(kernels) <= vllm_serve.PACKED:
+        return None
+    return (f"the stale-kernels fault needs packed CPU GEMMs; this CPU's engine runs "
+            f"{vllm_serve.describe_cpu_gemm(kernels)}, so there is no kernel to leave stale")
+
+
+def _fake_dispatch(kind):
+    """A layer as vLLM 0.32's dispatch_cpu_unquantized_gemm leaves it, with the closure of
+    `kind`'s branch (the same calls by name; `ops` stands in for vllm._custom_ops)."""
+    ops = types.SimpleNamespace(onednn_mm=lambda handler, x, bias: x, weight_packed_linear_cpu=lambda *a: a[0])
+    zentorch = types.SimpleNamespace(zentorch_linear_unary=lambda *a, **k: a[0])
+    torch_ = types.SimpleNamespace(ops=types.SimpleNamespace(zentorch=zentorch), nn=torch.nn)
+    layer = torch.nn.Linear(4, 3)
+    handler, packed, n = object(), layer.weight.detach().clone(), 3
+    layer.cpu_linear = {
+        "onednn": lambda x, weight, bias: ops.onednn_mm(handler, x, bias),
+        "sgl": lambda x, weight, bias: ops.weight_packed_linear_cpu(x, packed, n, bias),
+        "zentorch": lambda x, weight, bias, _p=True: torch_.ops.zentorch.zentorch_linear_unary(
+            x, packed, bias, is_weight_prepacked=_p),
+        "linear": lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias),
+        "meta": torch.nn.functional.linear,
+        "none": None}[kind]
+    return layer
+
+
+def test_the_stale_kernels_premise_on_packed_and_on_plain_cpu_gemms():
+    """Both branches of test_stale_cpu_kernels_stop_the_run's premise, with faked dispatches: the
+    kernel each of vLLM's branches leaves is named, a packed engine runs the test, one whose
+    layers read `.weight` (all, or some) skips naming the kernel, and so does a GPU engine."""
+    kinds = {k: vllm_serve.cpu_gemm_kind(_fake_dispatch(k)) for k in ("onednn", "sgl", "zentorch", "linear", "meta",
+                                                                     "none")}
+    assert kinds == {"onednn": "onednn", "sgl": "sgl", "zentorch": "zentorch", "linear": "linear", "meta": "linear",
+                     "none": "unknown"}
+    assert stale_kernels_skip({"onednn": 12}) is None and stale_kernels_skip({"onednn": 8, "sgl": 4}) is None
+    reason = stale_kernels_skip({"linear": 12})
+    assert "linear x12 (reads .weight)" in reason and "no kernel to leave stale" in reason
+    assert "linear x2" in stale_kernels_skip({"onednn": 10, "linear": 2})  # partly packed: not the premise
+    assert "not a CPU engine" in stale_kernels_skip({})
+    assert "unknown x1" in stale_kernels_skip({"unknown": 1})
+    assert vllm_serve.describe_cpu_gemm({"sgl": 2, "linear": 1}) == "linear x1 (reads .weight), sgl x2 (packed copy)"
+
+
+REFRESH_CHECK = r"""
+import json, torch
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+from infra import vllm_serve
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    torch.manual_seed(0)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(64, 32, dtype=dtype), requires_grad=False)
+    layer.output_size_per_partition, layer.input_size_per_partition, layer.bias = 64, 32, None
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)  # as vLLM's loader does
+    kind = vllm_serve.cpu_gemm_kind(layer)
+    model = torch.nn.ModuleDict({"qkv_proj": layer})
+    restored = vllm_serve._restore_cpu_weights(model, {"qkv_proj"})
+    new = torch.randn(64, 32, dtype=dtype)
+    layer.weight.data.copy_(new)  # what a sync does: an in-place write to .weight
+    x = torch.randn(5, 32, dtype=dtype)
+    before = layer.cpu_linear(x, layer.weight, None)
+    vllm_serve._refresh_cpu_kernels(restored)
+    after = layer.cpu_linear(x, layer.weight, None)
+    want = torch.nn.functional.linear(x, new, None)
+    out[str(dtype)] = dict(kind=kind, restored=len(restored), kind_after=vllm_serve.cpu_gemm_kind(layer),
+                           follows_before=torch.allclose(before.float(), want.float(), atol=1e-2, rtol=1e-2),
+                           follows_after=torch.allclose(after.float(), want.float(), atol=1e-2, rtol=1e-2))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+def test_refreshed_cpu_kernels_follow_the_weights_whichever_gemm_this_cpu_runs():
+    """vLLM's own dispatch on this CPU, for a float32 and a bf16 layer, whatever kernel it picks
+    (here: oneDNN packs float32 on any x86 CPU it supports; bf16 only with AVX-512-BF16 or AMX,
+    else F.linear): the kernel is named (never 'unknown'), and after a sync's in-place write
+    and _refresh_cpu_kernels the layer computes with the new weight. A packed kernel had its
+    weight removed and given back (_restore_cpu_weights) and was stale before the refresh; a
+    plain one kept its weight and followed the write at once."""
+    out = subprocess.run([sys.executable, "-c", REFRESH_CHECK], cwd=ROOT, env=env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    print(found)
+    for dtype, r in found.items():
+        assert r["kind"] != "unknown" and r["kind_after"] == r["kind"], (dtype, r)
+        assert r["follows_after"], (dtype, r)
+        packed = r["kind"] in vllm_serve.PACKED
+        assert r["restored"] == int(packed) and r["follows_before"] == (not packed), (dtype, r)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_stale_cpu_kernels_stop_the_run(tiny_math, tmp_path):
+def test_stale_cpu_kernels_stop_the_run(tiny_math, tmp_path, cpu_delta_engine):
     """vLLM's CPU GEMMs never re-packed after a sync (the fault makes vllm_serve's
     _refresh_cpu_kernels do nothing): the engine's `.weight`s follow the trainer and every
     fingerprint check passes, but its kernels keep computing with the checkpoint's weights.
     Once the trainer has moved (steps ten times the preset's) the output check stops the run in
-    one line (exit 1), the engine gone."""
+    one line (exit 1), the engine gone.
+
+    Its premise is this CPU's: the session's engine on the same checkpoint (cpu_delta_engine)
+    says which GEMM its layers run; where they read `.weight` (no AVX-512), the fault changes
+    nothing and the test skips naming the kernel (stale_kernels_skip); the run's own engine
+    log must then name packed kernels too."""
+    reason = stale_kernels_skip(cpu_delta_engine.cpu_gemm)
+    if reason:
+        pytest.skip(reason)
     run_dir = tmp_path / "stale"
     out = subprocess.run([sys.executable, "train.py", *math_args(tiny_math), "--update-ratio", "2e-2", "--kl-start",
                           "0.3", "--kl-end", "0.1", "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
@@ -748,7 +853,9 @@ def test_stale_cpu_kernels_stop_the_run(tiny_math, tmp_path):
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("train.py: engine error: after update ") and "fingerprints agree" in line, out.stderr
     print(line)
-    assert "faults: vLLM's CPU kernels are never re-packed" in open(run_dir / "engine-0.log").read()
+    log = open(run_dir / "engine-0.log").read()
+    assert "faults: vLLM's CPU kernels are never re-packed" in log
+    assert f"CPU GEMM of the synced layers: {vllm_serve.describe_cpu_gemm(cpu_delta_engine.cpu_gemm)}" in log
     assert not engine_processes(str(run_dir))
 
 
