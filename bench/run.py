@@ -128,6 +128,8 @@ TABLES = (
           "the runs' JSON", "seconds; the run itself, `bash bench/gpu_check.sh`, about 6 min on one H200",
           "every GPU-only path once, and LoGRA against AdamW at 0.5B and at the paper's 7B, from `bash "
           "bench/gpu_check.sh`'s JSON (--cpu here)"),
+    Table("reading", ("reading",), ("reading.py", "--tree", "38d926b", "--train"), "CPU", "under a minute",
+          "the lines a reader must read to follow one update (the one-call form; train.py's, infra/ apart), beside 38d926b"),
     Table("suite_time", ("suite_time",), ("suite.py",), "vLLM", "the suite's own time (the table)",
           "the test suite's two tiers from a fresh clone"),
 )
