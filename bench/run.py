@@ -130,6 +130,9 @@ TABLES = (
           "bench/gpu_check.sh`'s JSON (--cpu here)"),
     Table("reading", ("reading",), ("reading.py", "--tree", "38d926b", "--train"), "CPU", "under a minute",
           "the lines a reader must read to follow one update (the one-call form; train.py's, infra/ apart), beside 38d926b"),
+    Table("same_rows", ("same_rows",), ("same_rows.py", "--against", "38d926b", "--resume-check"), "CPU",
+          "about 8 min: 8 runs of python train.py, one at a time (each run's wall time is in its table)",
+          "train.py's metrics.jsonl for logra, adam and lora, and a resumed checkpoint, against 38d926b's"),
     Table("suite_time", ("suite_time",), ("suite.py",), "vLLM", "the suite's own time (the table)",
           "the test suite's two tiers from a fresh clone"),
 )
