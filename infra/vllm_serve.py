@@ -18,9 +18,9 @@ vLLM's CPU backend packs every linear weight into its own GEMM layout after load
 `.weight` would change nothing. On CPUs the extension puts a bf16 weight back
 (`_restore_cpu_weights`) and, after each payload, re-packs the layers it changed
 (`_refresh_cpu_kernels`); on GPUs `.weight` is what runs. Which GEMM vLLM chose depends on the
-CPU: oneDNN packs bf16 weights only where the CPU has AVX-512 (with BF16), SGL's kernel only with
-AMX; on an AVX2-only CPU (many AMD EPYCs) vLLM falls back to `F.linear` on `.weight` and keeps it,
-so the sync's in-place write is what runs and there is nothing to re-pack. The engine reports
+CPU: SGL's kernel needs AMX, oneDNN's bf16 matmul AVX-512; on an AVX2-only CPU (an AMD EPYC
+here) oneDNN cannot build it and vLLM falls back to `F.linear` on `.weight`, which it keeps, so the
+sync's in-place write is what runs and there is nothing to re-pack. The engine reports
 which kernel each synced layer runs (`cpu_gemm_kind`): `logra_init` answers it, the engine log
 prints it at start-up, and VLLMEngine keeps it as `cpu_gemm`.
 

@@ -814,8 +814,8 @@ print(json.dumps(out))
 @pytest.mark.vllm
 def test_refreshed_cpu_kernels_follow_the_weights_whichever_gemm_this_cpu_runs():
     """vLLM's own dispatch on this CPU, for a float32 and a bf16 layer, whatever kernel it picks
-    (here: oneDNN packs float32 on any x86 CPU it supports; bf16 only with AVX-512-BF16 or AMX,
-    else F.linear): the kernel is named (never 'unknown'), and after a sync's in-place write
+    (on the AMD EPYC with AVX2 of issue 70: oneDNN for float32, F.linear for bf16, whose oneDNN
+    matmul needs AVX-512): the kernel is named (never 'unknown'), and after a sync's in-place write
     and _refresh_cpu_kernels the layer computes with the new weight. A packed kernel had its
     weight removed and given back (_restore_cpu_weights) and was stale before the refresh; a
     plain one kept its weight and followed the write at once."""
