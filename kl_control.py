@@ -511,22 +511,39 @@ def _check_first_position(rows):
 NO_TOKEN = "no generated token to score: response_mask has no position after the first"
 
 
+def left_padded_rows(input_ids, pad_token_id) -> torch.Tensor:
+    """How many rows of `input_ids` (B, T) begin with more `pad_token_id` tokens than another row
+    does: prompts padded on the left, as `model.generate` pads them (a 0-dim count; 0 without a
+    pad id). Every row beginning with the same number (none, or one pad that is also BOS) is an
+    aligned batch."""
+    if pad_token_id is None or input_ids.numel() == 0:
+        return torch.zeros((), dtype=torch.long)
+    lead = (input_ids == pad_token_id).long().cumprod(1).sum(1)  # (B,) leading pad tokens
+    return (lead > lead.min()).sum()
+
+
 def check_batch(input_ids, response_mask, *, attention_mask=None, max_responses=None, min_tokens=PROBE_FLOOR,
-                max_tokens=MAX_TOKENS, group=None) -> None:
+                max_tokens=MAX_TOKENS, group=None, pad_token_id=None) -> None:
     """Refuse a batch that `probe` with these arguments would refuse, with the probe's message,
     before anything is computed: ids and masks of different shapes, a response mask on a row's
-    first position, no generated token among the responses it would score. The counts are
-    reduced over the processes as the probe reduces them, so every process refuses or none.
-    `LoGRAOptimizer.step` calls it before RowAdam's prepare, so a refused batch changes nothing,
-    its sketches included."""
+    first position, no generated token among the responses it would score; and, given the
+    model's `pad_token_id`, a batch padded on the left without its `attention_mask` (the probe
+    would attend to the padding: `left_padded_rows`). The counts are reduced over the processes
+    as the probe reduces them, so every process refuses or none. `LoGRAOptimizer.step` calls it
+    before RowAdam's prepare, so a refused batch changes nothing, its sketches included."""
     _, scored, _ = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
-    counts = torch.stack([response_mask[:, 0].bool().sum(), scored.sum()]).to(torch.float64)  # (2,)
+    left = left_padded_rows(input_ids, pad_token_id if attention_mask is None else None)
+    counts = torch.stack([response_mask[:, 0].bool().sum(), scored.sum(), left]).to(torch.float64)  # (3,)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, group=group)
-    first, count = counts.tolist()
+    first, count, left = counts.tolist()
     _check_first_position(int(first))
     if count == 0:
         raise ValueError(NO_TOKEN)
+    if left:
+        raise ValueError(f"{int(left)} row(s) begin with more pad tokens (id {pad_token_id}) than others: the batch "
+                         f"was padded on the left, as model.generate pads prompts, and no attention_mask was given; "
+                         f"pass generate's, step(ids, mask, attention_mask), so that no token attends to padding")
 
 
 def _check_temperature(temperature):
@@ -1251,6 +1268,15 @@ def probe_count(mask, responses: int, tokens: int) -> int:
 # -----------------------------------------------------------------------------
 # The whole update as one torch.optim step
 
+def _pad_token_id(model):
+    """The model's pad token id (its generation config's, else its config's), or None."""
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        pad = getattr(config, "pad_token_id", None)
+        if isinstance(pad, int):
+            return pad
+    return None
+
+
 class LoGRAOptimizer(torch.optim.Optimizer):
     """LoGRA as one `torch.optim` optimizer: the module docstring's Use block, one `step` a batch.
 
@@ -1289,7 +1315,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     attention_mask, mask)` before it. `mask` (B, T): True on the generated tokens, never on a
     row's first position (no log-prob there).
     Refusals: a batch the probe cannot score (ids and mask of different shapes, a mask on a
-    row's first position, no generated token: `check_batch`) is refused before anything is
+    row's first position, no generated token), or one padded on the left, as `model.generate`
+    pads prompts, given without its `attention_mask` (rows that begin with more of the model's
+    pad token than others: `left_padded_rows`; `check_batch`) is refused before anything is
     computed, and nothing changes, the sketches included: call `step` again with the corrected
     batch, without a new backward. A failure after that (a non-finite sketch, the probe, the
     budget) discards the batch: weights, moments and counter as they were, the sketches zeroed,
@@ -1395,7 +1423,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError("step(ids, mask): the response mask (B, T) is needed with the ids")
         self.batch = None
         try:  # what the probe would refuse, refused first: nothing changed, the sketches still hold the batch
-            check_batch(ids, mask, attention_mask=attention_mask, max_responses=self.max_responses, group=self.group)
+            check_batch(ids, mask, attention_mask=attention_mask, max_responses=self.max_responses, group=self.group,
+                        pad_token_id=_pad_token_id(self.model))
         except ValueError as e:
             raise ValueError(f"{e} (nothing was changed: the sketches still hold the batch's backward, so call "
                              f"step again with the corrected batch, without a new backward)") from None

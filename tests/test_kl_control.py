@@ -959,6 +959,40 @@ def test_the_one_call_optimizer_resumes_from_its_state_dict():
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
+def test_a_left_padded_batch_without_its_attention_mask_is_refused_before_anything_changes():
+    """Prompts padded on the left, as model.generate pads them, given to step without the
+    attention mask: refused in one line naming the rows, the pad id and the fix, before anything
+    changes (weights, sketches, counter); the same batch with its mask steps. Counted by hand:
+    rows beginning with more pad tokens than another row; one pad on every row (a pad that is
+    also BOS) is aligned; no pad id, no check."""
+    P = 9
+    count = lambda rows, pad=P: int(kl_control.left_padded_rows(torch.tensor(rows), pad))  # noqa: E731
+    assert count([[P, P, 5, 6], [P, 7, 8, 9], [4, 5, 6, 7]]) == 2
+    assert count([[P, 5, 6, 7], [P, 7, 8, 9]]) == 0 and count([[4, 5], [6, 7]]) == 0
+    assert count([[P, P, 5, 6], [4, 5, 6, 7]], pad=None) == 0
+    ids, mask, advantages = policy_batch(7)
+    pad = next(t for t in range(VOCAB) if not (ids[:, :3] == t).any())
+    ids[1, :2] = pad  # row 1's prompt padded on the left by two tokens (the mask starts at 4)
+    attention = torch.ones_like(ids)
+    attention[1, :2] = 0
+    model = tiny_qwen2(seed=1, pad_token_id=pad)
+    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=3)))
+    logp = ppo.response_logprobs(model(input_ids=ids, attention_mask=attention).logits, ids)
+    ppo.policy_loss(logp, advantages, mask, num_tokens=int(mask.sum()))[0].backward()
+    sketches = [layer.sketch.clone() for layer in opt.layers]
+    weights = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError) as err:
+        opt.step(ids, mask)
+    message = str(err.value)
+    assert message.startswith(f"1 row(s) begin with more pad tokens (id {pad}) than others: the batch was padded "
+                              f"on the left") and "step(ids, mask, attention_mask)" in message, message
+    assert "nothing was changed" in message and "\n" not in message
+    assert opt.update == 0 and all(torch.equal(a, l.sketch) for a, l in zip(sketches, opt.layers))
+    assert all(torch.equal(a, b) for a, b in zip(weights.values(), model.state_dict().values()))
+    opt.step(ids, mask, attention)  # the same batch, its mask given: one update
+    assert opt.update == 1 and not torch.equal(weights[opt.layers[0].name + ".weight"], opt.layers[0].module.weight)
+
+
 def test_micro_batches_as_the_readme_says_are_the_whole_batch():
     """README's micro-batches: each micro-batch's loss divided by the whole batch's response
     tokens, then one step with the whole batch. The sketches sum to the whole batch's (within
@@ -1201,8 +1235,9 @@ def test_the_readmes_trainer_blocks_run():
             def backward(self, model=model):
                 reinforce_loss(model, ids, mask, advantages).backward()
 
+        # attention_mask None: this batch holds no padding (a padded one: the left-padding test)
         ns = dict(torch=torch, sketch=sketch, RowAdam=rowadam.RowAdam, kl_control=kl_control, model=model, ids=ids,
-                  mask=mask, loss=Loss())
+                  mask=mask, attention_mask=None, loss=Loss())
         exec(block, ns)
         assert ns["opt"].update == 1
         models.append([w.clone() for w in model.state_dict().values()])
