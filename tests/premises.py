@@ -8,7 +8,8 @@ machine-dependent test and what it does on a CPU that lacks its premise.
 the CPU's matmul gives a row the same bits whichever batch it sits in: the engine samples and the
 KL probe scores 8 responses in one process and 4 on each rank, so their fp32 and bf16 matmuls see
 other numbers of rows. MKL keeps rows apart at one thread (the runs' OMP_NUM_THREADS=1) from 4
-rows on, on the AVX2 and AVX-512 CPUs tried; a BLAS that blocks rows otherwise would move the last
+rows on, as checked on an AMD EPYC with AVX2 (and these runs passed bitwise on the AVX-512 Xeons
+the suite was written on); a BLAS that blocks rows otherwise would move the last
 bit of KL1, then alpha and the weights.
 
 `head_rows_skip`: the same property for one matmul, the output layer on the first rows of a batch

@@ -222,7 +222,7 @@ def test_the_kept_logits_are_the_realised_kls_before():
     model, layers, opt, ids, mask = prepared(torch.float32)
     scored = int(mask[:3, 1:].sum())
     # The premise (tests/premises.py): this CPU's matmul gives the first 4 rows the bits they
-    # get among all the scored ones (MKL does, on the AVX2 and AVX-512 CPUs tried).
+    # get among all the scored ones (MKL does on an AMD EPYC with AVX2, at 1 and 2 threads).
     reason = premises.head_rows_skip(*reversed(model.lm_head.weight.shape), 4, scored)
     if reason:
         pytest.skip(reason)
