@@ -85,6 +85,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def cpu_flags() -> str:
+    """The CPU's AVX-512 and AMX flags from /proc/cpuinfo (the suite's machine-dependent premises,
+    tests/README.md, turn on them), or that it has none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "CPU flags unknown"
+    wide = sorted(f for f in set(flags) if f.startswith(("avx512", "amx")))
+    return "AVX-512/AMX: " + " ".join(wide) if wide else "no AVX-512, no AMX"
+
+
 def memory_gib() -> float | None:
     """Physical memory in GiB: /proc/meminfo's MemTotal, else sysconf; None if neither works."""
     try:

@@ -38,13 +38,6 @@ def run_tier(clone: str, argv: list[str]) -> tuple[str, float, float]:
     return re.sub(r"\s*\(\d+:\d\d:\d\d\)$", "", summary.strip("= ")), float(seconds.group(1)) if seconds else wall, wall
 
 
-def cpu_flags() -> str:
-    """The CPU's AVX-512 and AMX flags, as .ci/run prints them beside its times."""
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    wide = sorted(f for f in set(flags) if f.startswith(("avx512", "amx")))
-    return "AVX-512/AMX: " + " ".join(wide) if wide else "no AVX-512, no AMX"
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args = report.parse_args(p, "suite_time")
@@ -64,7 +57,7 @@ def main():
                  f"({total / 60:.1f} min)", ""])
     table = report.table(["tier", "command", "pytest says", "pytest's time", "wall"], rows)
     note = (f"A fresh clone of {head}, the set-up excluded (`bash .ci/setup test`, done before); the CPU: "
-            f"{cpu_flags()} (tests/README.md: the tests whose premise is the machine's).")
+            f"{report.cpu_flags()} (tests/README.md: the tests whose premise is the machine's).")
     print(table)
     if args.markdown:
         report.publish("suite_time", note + "\n\n" + table)
