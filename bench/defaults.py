@@ -667,8 +667,9 @@ def smollm2_forms() -> tuple[str, str]:
              f"from {latest[('defaults', seeds[0])]['base']:.3f})")
     short = (f"on {where.replace('held-out pass@1 ', '')}, means: "
              + ", ".join(f"{brief[f]} {statistics.mean(finals[f]):.3f}" for f in forms))
-    long = (f"On SmolLM2-135M-Instruct's {where[4:]}, the one pretrained model tried, " + "; ".join(parts) + " (the rule that gives a loaded "
-            "model the paper's controller was set after these runs: they are its reason, not its check).")
+    long = (f"On SmolLM2-135M-Instruct's {where[4:]}, the one pretrained model tried, " + "; ".join(parts)
+            + " (the rule that gives a loaded model the paper's controller was set after these runs: they are its "
+            "reason, not its check).")
     return short, long
 
 
