@@ -55,6 +55,7 @@ import ppo
 import sketch
 import sync
 from infra import engine_sync, launch, lifecycle, metrics, planning, policy, task_data, tasks, vllm_engine
+from infra.probe_decoder import fast_probe
 from infra.engine import HFEngine, evaluate, rollout_slots
 from infra.errors import RunError
 from infra.options import Config
@@ -279,8 +280,8 @@ def logra_step(model, opt, layers, rollout, budget_of, cfg: Config, timer) -> di
         ids, mask = ids[order], mask[order]
     probed = kl_control.probe_count(mask, cfg.probe_responses, cfg.probe_tokens)  # departure 2
     try:  # KL1, and the policy's logits at the first scored positions (the realised KL's "before")
-        probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=cfg.temperature,
-                                 max_responses=probed, keep_positions=cfg.kl_real_positions)
+        probe = fast_probe(model, layers, opt.directions, ids, mask, temperature=cfg.temperature,
+                           max_responses=probed, keep_positions=cfg.kl_real_positions)
         budget = budget_of(probe)
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget, alpha_max=cfg.alpha_max)
     except Exception:
