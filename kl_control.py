@@ -1,11 +1,9 @@
 """
 kl_control.py: predicted-KL step control with mismatch subtraction (arXiv:2610.06647, its method
-section on predicted-KL step control; Table 1's setup: RowAdam, mismatch subtraction, annealing).
-
-Before a step is merged, `probe` predicts how far it moves the policy's next-token distributions
-(a second-order KL, by forward-mode AD through the model's own forward), and alpha scales the
-step so that the prediction spends a KL budget: a trust region, "an estimate used for control,
-not a guarantee" (the paper); `realised_kl` measures what a merge really caused.
+section on predicted-KL step control; Table 1's setup). Before a step is merged, `probe` predicts
+how far it moves the policy's next-token distributions (a second-order KL, by forward-mode AD
+through the model's own forward), and alpha scales the step so that the prediction spends a KL
+budget: "an estimate used for control, not a guarantee"; `realised_kl` measures what it caused.
 
 Use
 ---
@@ -33,11 +31,10 @@ Use
     kl_real = kl_control.realised_kl(probe, model, ids, mask)  # the merged step's exact KL per token
 
 `ids` (B, T) prompt and response tokens, `mask` (B, T) True on generated tokens only (never a
-row's first position), `advantages` (B,). With a rollout engine: `mismatch.observe(rollout_logp,
-logp.detach(), mask, eos)` after the backward, `budget = mismatch.adjust(budget)`. The same
-update as one torch.optim step: `LoGRAOptimizer(model, RowAdam(layers)).step(ids, mask)`.
-Faster probe: infra/probe_decoder.py's `fast_probe` (same Probe, no dense dW, no (B, T, V)
-logits; the decoder written out for Qwen2/3, Llama, Mistral), passed as `probe=`.
+row's first position). With a rollout engine: `mismatch.observe(rollout_logp, logp.detach(), mask,
+eos)`, then `budget = mismatch.adjust(budget)`. As one torch.optim step: `LoGRAOptimizer(model,
+RowAdam(layers)).step(ids, mask)`. Faster: infra/probe_decoder.py's `fast_probe` (the same Probe
+without dense dW nor (B, T, V) logits; bench/README.md `loop_phases`), passed as `probe=`.
 
 Names and the paper's symbols
 -----------------------------
@@ -57,10 +54,9 @@ so KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3); KL1 = mean kl1 over the probed 
 
 Defaults and their sources
 --------------------------
-alpha_max 3, the 4096-token cut, the budget 2e-4 -> 2e-5 (kl_budget; train.py's presets, H the
-run's updates), Mismatch's 0.7 and 0.5 and the first 2 responses a process probed: the paper's
-method section and Table 1's setup. Every other default is a departure below; the measurements
-named are bench/README.md's tables.
+The paper's (method section, Table 1's setup): alpha_max 3, the 4096-token cut, the budget
+2e-4 -> 2e-5 (kl_budget, H the run's updates), Mismatch's 0.7 and 0.5, 2 responses probed a
+process. Every other default is a departure; the tables named are bench/README.md's.
 
 Departures from the paper (reason; test in tests/test_kl_control.py)
 --------------------------------------------------------------------
@@ -242,8 +238,7 @@ def check_batch(input_ids, response_mask, *, attention_mask=None, max_responses=
 def probe_mode(model):
     """Every module in eval mode and eager attention (SDPA's fused kernels have no forward AD),
     each restored on exit."""
-    training = [m for m in model.modules() if m.training]
-    attn = model.config._attn_implementation
+    training, attn = [m for m in model.modules() if m.training], model.config._attn_implementation
     for m in training:
         m.training = False
     if attn != "eager":
@@ -282,8 +277,8 @@ def probe_logits(model, layers, directions, input_ids, attention_mask=None):
     weights, tangents = {}, {}
     for layer, u in zip(layers, directions):
         w = layer.module.weight  # (d, k)
-        weights[names[layer.module] + ".weight"] = w
-        tangents[names[layer.module] + ".weight"] = -(u.to(w.dtype) @ layer.projection.to(w.dtype))  # (d, k)
+        name = names[layer.module] + ".weight"
+        weights[name], tangents[name] = w, -(u.to(w.dtype) @ layer.projection.to(w.dtype))  # dW (d, k)
 
     def logits(target_weights):  # (B, T, V)
         return torch.func.functional_call(model, target_weights, kwargs=dict(
@@ -399,13 +394,12 @@ class Mismatch:
     def __init__(self, momentum=0.7):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        self.momentum, self.m, self.active = momentum, 0.0, False  # active: a response of the last batch counted
+        self.momentum, self.m, self.active = momentum, 0.0, False  # active: the last batch counted a response
 
     @torch.no_grad()
     def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos=None, group=None):
-        """observed = max(0, mean(rollout - trainer)) over the counted responses' tokens (those
-        with `ended_with_eos`, (B,) bool; None: all, departure 4), reduced over processes;
-        m <- momentum m + (1 - momentum) observed. No counted token: None, m unchanged."""
+        """The module docstring's rule over the responses with `ended_with_eos` ((B,) bool; None:
+        all, departure 4); returns `observed`, or None (m unchanged) when none counts."""
         if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape):
             raise ValueError("rollout log-probs, trainer log-probs and mask must have one shape (B, T)")
         counts = response_mask.bool()  # (B, T)
@@ -454,7 +448,7 @@ class Calibration:
         return math.exp(self.log_scale)
 
     def observe(self, realised, predicted):
-        """Learn from one update; returns the clamped ratio, None (nothing learnt) when not finite or 0."""
+        """Learn from one update: the clamped ratio, or None (nothing learnt)."""
         realised, predicted = float(realised), float(predicted)
         if not (math.isfinite(realised) and math.isfinite(predicted) and predicted > 0):
             return None

@@ -28,10 +28,9 @@ Shape legend: B responses of this rank (b of a micro-batch), T prompt + padded r
 
 Departures from the paper
 -------------------------
-1. The paper's baseline is "Adam with learning-rate annealing" and gives no schedule:
-   lr_t = adam_lr sqrt(budget_t / budget_0), the KL budget's cosine, so that AdamW's step
-   anneals by the same factor as LoGRA's (whose step goes as sqrt(KL)). Test:
-   tests/test_train.py, test_smoke_run[adam].
+1. The paper's baseline is "Adam with learning-rate annealing" and gives no schedule: lr_t =
+   adam_lr sqrt(budget_t / budget_0), the KL budget's cosine, so that AdamW's step anneals by the
+   same factor as LoGRA's (whose step goes as sqrt(KL)). Test: tests/test_train.py, test_smoke_run[adam].
 2. The KL probe scores the first `probe_responses` (2) responses of each rank, as the paper
    does, and more until they hold `probe_tokens` generated tokens: the paper's responses run
    to thousands of tokens, the tiny task's to a few, and KL1 from 16 tokens is noise (the
