@@ -73,8 +73,8 @@ Departures from the paper (reason; test in tests/test_kl_control.py)
    test_the_calibration_rule, test_calibration_spends_the_budget_in_realised_kl.
 6. LoGRAOptimizer scales RowAdam's step per layer for random weights (`defaults_why`);
    test_the_one_call_optimizer_is_the_three_calls_bitwise, test_start_reads_how_the_model_was_made.
-7. The default budget is budget_for: min(0.2 H, 2 / L) (H entropy per token, L tokens per
-   response), not a schedule with a horizon (`defaults`); test_the_default_budget_is_a_share_of_the_entropy_capped_per_response.
+7. The default budget is budget_for's min(0.2 H, 2 / L) (H entropy a token, L tokens a response),
+   no horizon needed (`defaults`); test_the_default_budget_is_a_share_of_the_entropy_capped_per_response.
 8. For random weights LoGRAOptimizer's alpha_max is 9 and entropy share 0.4 (`defaults_tuning`;
    trained weights keep the paper's: `defaults_smollm2`); test_the_budgets_shares.
 """
@@ -502,7 +502,8 @@ def model_start(model) -> str | None:
 def _caller_stacklevel() -> int:
     """The stacklevel of the first frame outside this file and torch: the caller's line."""
     torch_dir, frame, level = os.path.dirname(torch.__file__) + os.sep, sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(torch_dir)):
+    while frame is not None and (frame.f_code.co_filename == __file__ or
+                                 frame.f_code.co_filename.startswith(torch_dir)):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -526,7 +527,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         unknown = start == "auto" and model_start(model) is None
         start = (model_start(model) or "scratch") if start == "auto" else start
         given = {"per_layer": per_layer, "alpha_max": alpha_max, "entropy_share": entropy_share, "calibrate": calibrate}
-        per_layer, alpha_max, entropy_share, calibrate = (STARTS[start][k] if v is None else v for k, v in given.items())
+        per_layer, alpha_max, entropy_share, calibrate = (STARTS[start][k] if v is None else v
+                                                          for k, v in given.items())
         self.schedule = (kl_start, kl_end, horizon)
         if any(v is not None for v in self.schedule) and any(v is None for v in self.schedule):
             raise ValueError("the paper's budget schedule needs kl_start, kl_end and horizon (the run's updates) "
@@ -640,4 +642,4 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.mismatch.load_state_dict(state["mismatch"])
         self.cap.capped, self.cap.said = int(state["capped"]), bool(state["warned"])
         if self.calibration is not None:  # a state from before calibration existed: rho starts at 1
-            self.calibration.load_state_dict(saved) if saved is not None else setattr(self.calibration, "log_scale", 0.0)
+            self.calibration.load_state_dict(saved or {**self.calibration.state_dict(), "log_scale": 0.0})

@@ -49,12 +49,12 @@ BYTES_PER_VOCAB_ENTRY = 56
 # -----------------------------------------------------------------------------
 # Forward AD with tangents injected at the targets (the families `written_decoder` does not cover)
 #
-# The fast path exists because the reference probe (kl_control.probe) does not fit a 7B run: it holds a dense (d, k) tangent for
-# every target layer (a second copy of the targets' weights) and the (B, T, V) logits with
-# their tangent (4.6 GiB in bf16 at a vocabulary of 152k and 2 x 4096 tokens, before token_kl's
-# float64 work on them), and it pushes PyTorch's zero tangents of the norms, RoPE and the mask
-# through Python meta kernels. The fast path is the same forward-mode AD without any of these:
-# hooks form the target layers' and the head's tangents dY = dX W^T - (X A^T) U^T (no dW),
+# The fast path exists because the reference probe (kl_control.probe) does not fit a 7B run: it
+# holds a dense (d, k) tangent for every target layer (a second copy of the targets' weights)
+# and the (B, T, V) logits with their tangent (4.6 GiB in bf16 at a vocabulary of 152k and
+# 2 x 4096 tokens, before token_kl's float64 work on them), and it pushes PyTorch's zero
+# tangents of the norms, RoPE and the mask through Python meta kernels. The fast path is the
+# same forward-mode AD without any of these: hooks form the target layers' and the head's tangents dY = dX W^T - (X A^T) U^T (no dW),
 # `_ConstantOperands` forms constant-operand tangents directly (bit for bit PyTorch's), the
 # decoder runs once and the head only on the scored positions, in chunks. Its KL1 and kept
 # logits are kl_control.probe's up to the rounding of (X A^T) U^T against X (U A)^T and of the
@@ -289,7 +289,7 @@ def written_decoder(model, input_ids, attention_mask=None, tangents=None):
         dy = None if dx is None else F.linear(dx, module.weight)  # dX W^T (the bias has no tangent)
         if target is not None:
             layer, u = target
-            # -(X A^T) U^T, in the activations' dtype (kl_control.py's departure 1), U gathered for this layer only.
+            # -(X A^T) U^T in the activations' dtype (kl_control.py's departure 1), U gathered for this layer only
             # Shapes: (N, k) @ (k, r) -> (N, r); (N, r) @ (r, d) -> (N, d)
             p = x.reshape(-1, x.shape[-1]) @ layer.projection_as(x.dtype).t()
             pu = (p @ layer.all_rows(u).to(x.dtype).t()).reshape(y.shape)  # (X A^T) U^T
@@ -379,8 +379,9 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
     `directions`: RowAdam's U, one (d, r) per layer of `layers` (this process's (n, r) rows of a
     row-sharded layer), as `opt.prepare()` leaves them in `opt.directions`. `response_mask`
     (B, T) marks generated tokens; the token at t is scored on the logits at t - 1, at
-    `temperature` (the sampling one). Probed: kl_control.probe_count's responses (kl_control.py's departure 3), or, given
-    `max_responses`, exactly the first `max_responses`; each cut to its first `max_tokens` tokens.
+    `temperature` (the sampling one). Probed: kl_control.probe_count's responses (kl_control.py's
+    departure 3), or, given `max_responses`, exactly the first `max_responses`; each cut to its
+    first `max_tokens` tokens.
     `keep_positions` > 0 keeps the logits (the forward's primal) at the first `keep_positions`
     scored positions, or at all of them when there are fewer (`Probe.kept` says how many): the
     "before" of `realised_kl`, at no extra forward. Every trainer process must call this (FSDP
