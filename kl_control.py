@@ -300,9 +300,10 @@ def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.
     ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     z, u = probe_logits(model, layers, directions, ids, am)  # (B', T', V) each
     z, u = z[:, :-1][scored], u[:, :-1][scored]  # (M, V): the positions that sampled a generated token
-    total = torch.stack([token_kl(z, u, temperature).sum(), torch.tensor(z.shape[0], dtype=torch.float64),
-                         token_entropy(z, temperature).sum(), torch.tensor(ids.shape[0], dtype=torch.float64),
-                         response_mask[:, 0].bool().sum().to(torch.float64)])
+    # (sum kl1, scored positions, sum entropy, probed responses, rows whose mask covers position 0)
+    total = torch.stack([token_kl(z, u, temperature).sum(), z.new_tensor(z.shape[0], dtype=torch.float64),
+                         token_entropy(z, temperature).sum(), z.new_tensor(ids.shape[0], dtype=torch.float64),
+                         response_mask[:, 0].bool().sum().to(z.device, torch.float64)])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total, group=group)
     kl_sum, count, entropy_sum, responses, first = total.tolist()

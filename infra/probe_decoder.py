@@ -51,15 +51,15 @@ BYTES_PER_VOCAB_ENTRY = 56
 #
 # The fast path exists because the reference probe (kl_control.probe) does not fit a 7B run: it
 # holds a dense (d, k) tangent for every target layer (a second copy of the targets' weights)
-# and the (B, T, V) logits with their tangent (4.6 GiB in bf16 at a vocabulary of 152k and
-# 2 x 4096 tokens, before token_kl's float64 work on them), and it pushes PyTorch's zero
-# tangents of the norms, RoPE and the mask through Python meta kernels. The fast path is the
-# same forward-mode AD without any of these: hooks form the target layers' and the head's tangents dY = dX W^T - (X A^T) U^T (no dW),
-# `_ConstantOperands` forms constant-operand tangents directly (bit for bit PyTorch's), the
-# decoder runs once and the head only on the scored positions, in chunks. Its KL1 and kept
-# logits are kl_control.probe's up to the rounding of (X A^T) U^T against X (U A)^T and of the
-# head's matmul on fewer rows (tests/test_kl_control.py::test_the_fast_path_is_the_plain_probe),
-# and it runs under FSDP2.
+# and the (B, T, V) logits with their tangent (4.6 GiB in bf16 at a vocabulary of 152k and 2 x
+# 4096 tokens, before token_kl's float64 work on them), and it pushes PyTorch's zero tangents of
+# the norms, RoPE and the mask through Python meta kernels. The fast path is the same forward-
+# mode AD without any of these: hooks form the target layers' and the head's tangents dY = dX
+# W^T - (X A^T) U^T (no dW), `_ConstantOperands` forms constant-operand tangents directly (bit
+# for bit PyTorch's), the decoder runs once and the head only on the scored positions, in
+# chunks. Its KL1 and kept logits are kl_control.probe's up to the rounding of (X A^T) U^T
+# against X (U A)^T and of the head's matmul on fewer rows
+# (tests/test_kl_control.py::test_the_fast_path_is_the_plain_probe), and it runs under FSDP2.
 
 @contextmanager
 def injected_tangents(layers, directions):

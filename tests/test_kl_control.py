@@ -153,15 +153,15 @@ def test_the_plain_tangent_matches_central_difference():
 @pytest.mark.parametrize("path", ["written out", "forward AD"])
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 def test_the_fast_path_is_the_plain_probe(dtype, path, monkeypatch):
-    """`probe` (the fast path: the decoder and its tangent written out, or forward-mode AD with
-    hook-formed tangents at the targets and constant-operand tangents; the head on scored
-    positions in chunks) gives `plain_probe`'s KL1 and kept logits (torch.func.jvp through the
-    whole model with dense dW = -U A), on one process without FSDP: whole batch, a cut batch at
+    """`fast_probe` (infra/probe_decoder.py: the decoder and its tangent written out, or
+    forward-mode AD with hook-formed tangents at the targets and constant-operand tangents; the
+    head on scored positions in chunks) gives the reference kl_control.probe's KL1 and kept
+    logits (torch.func.jvp through the whole model with dense dW = -U A), on one process without FSDP: whole batch, a cut batch at
     another temperature, an attention mask that hides two tokens of the first sequence (every
     query still sees token 0: Hugging Face's eager attention gives NaN on a fully masked row in
     float64), and kept logits short of, and beyond, the scored positions. The written-out
     decoder runs its attention through torch's fused kernel (the model's default, SDPA), where
-    plain_probe's eager attention forms softmax in fp32 whatever the model's dtype, and its
+    the reference's eager attention forms softmax in fp32 whatever the model's dtype, and its
     RMSNorm tangent is the derivative's closed form, where forward AD differentiates the fp32
     norm op by op: in float64 the two agree to fp32's rounding, not float64's."""
     if path == "forward AD":
@@ -373,8 +373,9 @@ def test_probe_errors():
 
 
 def test_the_default_probe_scores_the_papers_share_of_the_batch():
-    """Departure 3: by default the probe scores the first eighth of the responses (the paper's 2
-    of each process's 16), at least 2, and more until they hold 128 scored tokens: 26 of 120
+    """Departure 3: by default the probe scores the first eighth of the responses (the paper
+    probes 2 a process; an eighth is the file's choice), at least 2, and more until they hold
+    128 scored tokens: 26 of 120
     five-token responses (130 tokens), all of 10 (50), 2 of 260-token ones; `min_tokens=0`, the
     share alone (15 of 120); a larger floor (train.py's presets: 512), 103 of 120 (515),
     counted within `max_tokens`. Its KL1 is the probe of exactly those responses,
@@ -486,8 +487,8 @@ def test_kl_budget_schedule():
 def test_the_default_budget_is_a_share_of_the_entropy_capped_per_response():
     """budget_for: min(0.2 H, 2 / L), from the Probe's own entropy and response length, each
     against a float64 recomputation from the kept logits; the cap binds on long responses;
-    a sure policy (H -> 0) still gets a positive budget; anything but a Probe, or a Probe of
-    the older form, is refused."""
+    a sure policy (H -> 0) still gets a positive budget; anything but a Probe, or a Probe
+    without an entropy, is refused."""
     model, layers, opt, _, _ = PREPARED
     ids = tiny_batch(batch=16, length=12, seed=5)
     mask = torch.zeros_like(ids)
