@@ -60,8 +60,8 @@ process. Every other default is a departure; the tables named are bench/README.m
 
 Departures from the paper (reason; test in tests/test_kl_control.py)
 --------------------------------------------------------------------
-1. The tangent -(X A^T) U^T is formed in the activations' dtype: fp32 did not lower KL1's error
-   and doubles the largest transient; test_kl1_in_bf16_against_float64.
+1. The fast path forms the tangent -(X A^T) U^T in the activations' dtype: fp32 did not lower
+   KL1's error and doubles the largest transient; test_kl1_in_bf16_against_float64.
 2. KL1 = 0 gives alpha = min(1, alpha_max), the paper divides by zero; test_solve_alpha.
 3. The probe scores the first eighth of the batch, at least 2 responses, and more until 128
    tokens (probe_count), so its cost stays a fixed part of the update's at any batch (an eighth
