@@ -28,10 +28,9 @@ Shape legend: B responses of this rank (b of a micro-batch), T prompt + padded r
 
 Departures from the paper
 -------------------------
-1. The paper's baseline is "Adam with learning-rate annealing" and gives no schedule:
-   lr_t = adam_lr sqrt(budget_t / budget_0), the KL budget's cosine, so that AdamW's step
-   anneals by the same factor as LoGRA's (whose step goes as sqrt(KL)). Test:
-   tests/test_train.py, test_smoke_run[adam].
+1. The paper's baseline is "Adam with learning-rate annealing" and gives no schedule: lr_t =
+   adam_lr sqrt(budget_t / budget_0), the KL budget's cosine, so that AdamW's step anneals by the
+   same factor as LoGRA's (whose step goes as sqrt(KL)). Test: tests/test_train.py, test_smoke_run[adam].
 2. The KL probe scores the first `probe_responses` (2) responses of each rank, as the paper
    does, and more until they hold `probe_tokens` generated tokens: the paper's responses run
    to thousands of tokens, the tiny task's to a few, and KL1 from 16 tokens is noise (the
@@ -55,6 +54,7 @@ import ppo
 import sketch
 import sync
 from infra import engine_sync, launch, lifecycle, metrics, planning, policy, task_data, tasks, vllm_engine
+from infra.probe_decoder import fast_probe
 from infra.engine import HFEngine, evaluate, rollout_slots
 from infra.errors import RunError
 from infra.options import Config
@@ -279,8 +279,8 @@ def logra_step(model, opt, layers, rollout, budget_of, cfg: Config, timer) -> di
         ids, mask = ids[order], mask[order]
     probed = kl_control.probe_count(mask, cfg.probe_responses, cfg.probe_tokens)  # departure 2
     try:  # KL1, and the policy's logits at the first scored positions (the realised KL's "before")
-        probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=cfg.temperature,
-                                 max_responses=probed, keep_positions=cfg.kl_real_positions)
+        probe = fast_probe(model, layers, opt.directions, ids, mask, temperature=cfg.temperature,
+                           max_responses=probed, keep_positions=cfg.kl_real_positions)
         budget = budget_of(probe)
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget, alpha_max=cfg.alpha_max)
     except Exception:

@@ -70,6 +70,7 @@ import report  # bench/report.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 import kl_control  # noqa: E402
+from infra.probe_decoder import fast_probe  # noqa: E402
 import minimal_loop  # noqa: E402
 import ppo  # noqa: E402
 import sketch  # noqa: E402
@@ -256,7 +257,7 @@ def run(env, method, seed, lr=None, opt=None, schedule=None, rank=None, **logra)
         layers = sketch.attach(model, rank=rank, seed=seed, targets=env.targets)
         opt = kl_control.LoGRAOptimizer(model, RowAdam(layers, **logra),
                                         kl_start=start, kl_end=end, horizon=env.updates if schedule else None,
-                                        **(opt or {}))
+                                        probe=fast_probe, **(opt or {}))
     else:
         weights = [m.weight for m in sketch.target_modules(model, env.targets).values()]
         for p in model.parameters():
@@ -381,7 +382,8 @@ def sums_run(env, *, seed, updates, batch, form="defaults"):
     "scratch" the settings for random weights; "scratch, uncalibrated" those with calibrate=False."""
     model = env.load()
     base = env.evaluate(model)
-    opt = kl_control.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=seed)), **SMOLLM2_FORMS[form])
+    opt = kl_control.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=seed)), probe=fast_probe,
+                                    **SMOLLM2_FORMS[form])
     baseline, gen = ppo.RunningBaseline(weight=0.1), torch.Generator().manual_seed(seed)
     lengths = sorted(env.buckets["train"])
     weights = torch.tensor([len(env.buckets["train"][n]) for n in lengths], dtype=torch.float)
@@ -792,7 +794,8 @@ def why_run(env, kind, seed, value=None):
     if kind in ("logra", "sketch"):
         layers = sketch.attach(model, seed=seed, targets=env.targets)
         ra = RowAdam(layers, **({"update_ratio": value} if kind == "sketch" else {}))
-        opt = kl_control.LoGRAOptimizer(model, ra, **({} if value else THREE_CALLS)) if kind == "logra" else None
+        opt = kl_control.LoGRAOptimizer(model, ra, probe=fast_probe, **({} if value else THREE_CALLS)) \
+            if kind == "logra" else None
     elif kind in ("adamw", "dense"):
         for p in model.parameters():
             p.requires_grad_(any(p is w for w in weights))

@@ -280,6 +280,7 @@ def probe(w, device):
     import torch
 
     import kl_control
+    from infra import probe_decoder
     import sketch
     from infra import memory_plan
 
@@ -294,7 +295,7 @@ def probe(w, device):
     mask[:, 0] = False
     call = dict(max_responses=batch, max_tokens=tokens)
     t0 = time.time()
-    fast, fast_peak = peak_bytes(device, lambda: kl_control.fast_probe(model, layers, directions, ids, mask, **call))
+    fast, fast_peak = peak_bytes(device, lambda: probe_decoder.fast_probe(model, layers, directions, ids, mask, **call))
     fast_s = time.time() - t0
     plan = memory_plan.estimate(model.config.to_dict(), 1, r, context=tokens, probe_forward_tokens=batch * tokens,
                                 kl_real_positions=0, compute_bytes=2)
@@ -322,6 +323,7 @@ def fsdp2(w, device):
     import torch.distributed as dist
 
     import kl_control
+    from infra import probe_decoder
     import rowadam
     import sketch
     from infra import policy
@@ -359,7 +361,7 @@ def fsdp2(w, device):
         figures = {"sketch_rel_err": max(rel(a.sketch, b.sketch) for a, b in zip(layers, plain_layers))}
         opt = rowadam.RowAdam(layers, seed=0, update_ratio=1e-3)
         opt.prepare()
-        kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask, max_responses=2)
+        kl1 = probe_decoder.fast_probe(model, layers, opt.directions, ids, mask, max_responses=2).kl1
         alpha = kl_control.solve_alpha(kl1, budget=1e-3)
         before = [rowadam.local_rows(layer.module.weight)[0].clone() for layer in layers]
         opt.merge(alpha)
@@ -472,6 +474,7 @@ def depth7b_one(method: str, device: str, timed: int = 2, micro: int = 16) -> di
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import kl_control
+    from infra import probe_decoder
     import memory_model  # bench/memory_model.py: the plan's peak of a LoGRA rank
     import ppo
     import train
@@ -527,8 +530,8 @@ def depth7b_one(method: str, device: str, timed: int = 2, micro: int = 16) -> di
             return laps, {}
         opt.prepare()
         lap("prepare")
-        probe = kl_control.probe(model, layers, opt.directions, ids[0], mask[0], max_responses=batch,
-                                 keep_positions=256)  # the paper's 2 responses, 256 positions kept for kl_real
+        probe = probe_decoder.fast_probe(model, layers, opt.directions, ids[0], mask[0], max_responses=batch,
+                                         keep_positions=256)  # the paper's 2 responses, 256 positions kept for kl_real
         alpha = kl_control.solve_alpha(probe.kl1, budget=2e-4)
         lap("probe")
         before = layers[-1].module.weight.to_local()[:4].clone() if cuda else layers[-1].module.weight[:4].clone()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kl_control  # noqa: E402
+from infra import probe_decoder  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
 import sketch  # noqa: E402
@@ -62,15 +63,15 @@ def timing(reps=5):
     """Prints the cost table and returns it as Markdown, below its caption."""
     model, layers, opt, ids, mask = prepared(torch.float32, batch=2, length=512, update_ratio=6e-5)
     def by_forward_ad():  # the probe as it runs for the families it does not write out
-        written, kl_control.WRITTEN_OUT = kl_control.WRITTEN_OUT, ()
+        written, probe_decoder.WRITTEN_OUT = probe_decoder.WRITTEN_OUT, ()
         try:
-            return kl_control.predict_kl(model, layers, opt.directions, ids, mask)
+            return probe_decoder.fast_probe(model, layers, opt.directions, ids, mask).kl1
         finally:
-            kl_control.WRITTEN_OUT = written
+            probe_decoder.WRITTEN_OUT = written
 
     runs = {
         "plain forward": lambda: model(input_ids=ids),
-        "predict_kl probe (written out)": lambda: kl_control.predict_kl(model, layers, opt.directions, ids, mask),
+        "predict_kl probe (written out)": lambda: probe_decoder.fast_probe(model, layers, opt.directions, ids, mask),
         "predict_kl probe (forward-mode AD)": by_forward_ad,
     }
     times = {k: [] for k in runs}
@@ -100,8 +101,8 @@ def accuracy(temperature=1.0):
     rows = []
     for budget in (1e-5, 1e-4, 1e-3):
         model, layers, opt, ids, mask = prepared(torch.float64, batch=3, length=64, update_ratio=3e-2)
-        kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask,
-                                    temperature=temperature, max_responses=3)
+        kl1 = probe_decoder.fast_probe(model, layers, opt.directions, ids, mask,
+                                       temperature=temperature, max_responses=3).kl1
         alpha = kl_control.solve_alpha(kl1, budget=budget)
         with torch.no_grad():
             old = model(input_ids=ids).logits
@@ -158,13 +159,13 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
                                           num_tokens=ppo.global_token_count(ro.mask))
                 loss.backward()
                 opt.prepare()
-                probe = kl_control.probe(model, layers, opt.directions, ro.ids, ro.mask, temperature=cfg.temperature,
-                                         max_responses=probed, keep_positions=cfg.kl_real_positions)
+                probe = probe_decoder.fast_probe(model, layers, opt.directions, ro.ids, ro.mask,
+                                                 temperature=cfg.temperature, max_responses=probed,
+                                                 keep_positions=cfg.kl_real_positions)
                 kl1 = probe.kl1
                 alpha = kl_control.solve_alpha(kl1, budget=budget, alpha_max=float("inf"))
                 opt.merge(alpha)
-                real = kl_control.realised_kl(probe.logits, model, ro.ids, ro.mask, temperature=cfg.temperature,
-                                              max_responses=probed)
+                real = kl_control.realised_kl(probe, model, ro.ids, ro.mask)
                 ratios[budget].append(real / (alpha**2 * kl1))
                 alphas[budget].append(alpha)
                 preds[budget].append(alpha**2 * kl1)

@@ -19,7 +19,7 @@ AdamW, and with `--against` the two trees), three rounds each, and every figure 
 over the rounds of each process's median. `--against REV` imports the other revision's
 sketch.py, rowadam.py, kl_control.py and ppo.py (`git archive` into a temporary folder); they
 must have the API this script calls. `--compiled` adds a row per batch: the work tree with
-`kl_control.written_decoder` (the probe's decoder and tangent, and the realised KL's forward)
+`written_decoder` (infra/probe_decoder.py; the probe's decoder and tangent, and the realised KL's forward)
 under `torch.compile` (inductor, static shapes), each process with an empty compile cache, as a
 user's first run has; the first update, which compiles, is the column "first update".
 """
@@ -56,8 +56,14 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
 
     torch.set_num_threads(1)
     model = minimal_loop.tiny_model(0)
+    # The fast probe: kl_control's own in a tree from before issue 71, else infra/probe_decoder.py's
+    if hasattr(kl_control, "written_decoder"):
+        fast = kl_control
+    else:
+        sys.path.insert(1, ROOT)
+        from infra import probe_decoder as fast
     if method == "logra-compiled":  # the probe's and the realised KL's decoder, compiled on first use
-        kl_control.written_decoder = torch.compile(kl_control.written_decoder, dynamic=False)
+        fast.written_decoder = torch.compile(fast.written_decoder, dynamic=False)
     if method != "adamw":
         layers = sketch.attach(model, seed=0)
         opt = RowAdam(layers)
@@ -79,7 +85,7 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
         if method != "adamw":
             opt.prepare()
             laps.append(time.perf_counter())
-            probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=ids.numel())
+            probe = fast.fast_probe(model, layers, opt.directions, ids, mask, keep_positions=ids.numel())
             laps.append(time.perf_counter())
             alpha = kl_control.solve_alpha(probe.kl1, budget=kl_control.budget_for(probe))
             laps.append(time.perf_counter())
@@ -160,7 +166,7 @@ def main():
             "responses of 6 tokens after 4-token prompts, one thread, LoGRA with every default beside AdamW on the "
             f"same seven projections; median of {args.rounds} processes' medians over 30 updates each"
             + (f"; `{args.against}`: the method files of that revision" if args.against else "")
-            + ("; probe compiled: the work tree with kl_control.written_decoder under torch.compile (inductor, static "
+            + ("; probe compiled: the work tree with written_decoder under torch.compile (inductor, static "
                "shapes, an empty compile cache)" if args.compiled else "")
             + ". The realised KL only measures and is not counted in the update. First update: the seconds of each "
               "process's first (unmeasured) update, LoGRA's with its realised KL; where compiled, it compiles.")

@@ -41,6 +41,7 @@ import sketch  # noqa: E402
 from infra import engine_sync  # noqa: E402
 from infra import memory_plan  # noqa: E402
 from infra import policy  # noqa: E402
+from infra import probe_decoder  # noqa: E402
 import sync  # noqa: E402
 import train  # noqa: E402
 
@@ -123,7 +124,7 @@ def logra_step(model_cfg, r, rank):
         mark.start = 0
         opt.prepare()
         mark("prepare")
-        kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask, max_responses=MICRO)
+        kl1 = probe_decoder.fast_probe(model, layers, opt.directions, ids, mask, max_responses=MICRO).kl1
         mark("probe")
         factors = opt.merge(kl_control.solve_alpha(kl1, budget=2e-4))
         mark("merge")

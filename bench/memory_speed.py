@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kl_control  # noqa: E402
+from infra.probe_decoder import fast_probe  # noqa: E402
 import ppo  # noqa: E402
 from infra import metrics  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
@@ -133,7 +134,7 @@ def logra(base, rank):
         t1 = time.perf_counter()
         opt.prepare()
         t2 = time.perf_counter()
-        kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask, max_responses=2) if probe else 0.0
+        kl1 = fast_probe(model, layers, opt.directions, ids, mask, max_responses=2).kl1 if probe else 0.0
         t3 = time.perf_counter()
         opt.merge(kl_control.solve_alpha(kl1, budget=2e-4))
         t4 = time.perf_counter()

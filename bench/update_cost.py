@@ -39,6 +39,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import kl_control  # noqa: E402
+from infra import probe_decoder  # noqa: E402
 import ppo  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 import rowadam  # noqa: E402
@@ -124,14 +125,13 @@ def one(width, method, reps):
                 phase = "prepare"
                 _, laps["prepare"] = timed(opt.prepare)
                 phase = "probe"
-                probe, laps["probe"] = timed(lambda: kl_control.probe(
+                probe, laps["probe"] = timed(lambda: probe_decoder.fast_probe(
                     model, layers, opt.directions, ids, mask, max_responses=PROBED, keep_positions=KL_POSITIONS))
                 alpha = kl_control.solve_alpha(probe.kl1, budget=2e-4)
                 phase = "merge"
                 factors, laps["merge"] = timed(lambda: opt.merge(alpha))
                 phase = "realised KL"
-                _, laps["realised KL"] = timed(lambda: kl_control.realised_kl(
-                    probe.logits, model, ids, mask, max_responses=PROBED))
+                _, laps["realised KL"] = timed(lambda: kl_control.realised_kl(probe, model, ids, mask))
                 del probe
                 phase = "payload"
                 payload = sync.Payload(opt.update - 1, 0, rank, {l.name: f for l, f in zip(layers, factors)})

@@ -38,6 +38,7 @@ import kl_control  # noqa: E402
 import ppo  # noqa: E402
 import sketch  # noqa: E402
 from rowadam import RowAdam  # noqa: E402
+from infra.probe_decoder import fast_probe  # noqa: E402  (kl_control.probe's fast path)
 
 VOCAB, PROMPT, RESPONSE, GOOD = 32, 4, 6, 7
 
@@ -84,7 +85,7 @@ def update_logra(model, layers, opt, ids, mask, advantages, *, realised=True, **
     opt.prepare()  # RowAdam's directions U (d, r) per layer; nothing changed yet
     try:
         keep = ids.numel() if realised else 0  # the logits "before", for the realised KL
-        probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=keep)
+        probe = fast_probe(model, layers, opt.directions, ids, mask, keep_positions=keep)
         alpha = kl_control.solve_alpha(probe.kl1, budget=kl_control.budget_for(probe, **budget))
     except Exception:
         opt.discard()  # weights, moments and counter as they were

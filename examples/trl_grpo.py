@@ -114,6 +114,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the method files, flat
 
 import kl_control  # noqa: E402
+from infra.probe_decoder import fast_probe  # noqa: E402
 import sketch  # noqa: E402
 from rowadam import RowAdam  # noqa: E402
 
@@ -158,7 +159,7 @@ class LoGRAGRPOTrainer(GRPOTrainer):
             self.logra = kl_control.LoGRAOptimizer(
                 model, RowAdam(layers, **settings), temperature=self.temperature,
                 keep_positions=512, group=dist.group.WORLD if self.accelerator.num_processes > 1 else None,
-                log=lambda name, value: self._metrics["train"][name].append(value), **schedule)
+                log=lambda name, value: self._metrics["train"][name].append(value), probe=fast_probe, **schedule)
             self.optimizer = self.logra  # accelerate wraps it next; self.logra stays ours
         return self.optimizer
 

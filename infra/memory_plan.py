@@ -41,7 +41,7 @@ Assumptions, numbered
    compute (`compute_bytes`), and FSDP2 prefetching one decoder layer ahead.
 4. The KL probe (kl_control.py) forms the attention's (B, H, T, T) softmax and its tangent one
    decoder layer at a time. Its written-out decoder (Qwen2, Qwen3, Llama, Mistral:
-   `kl_control.written_decoder`, whose primal attention is torch's fused kernel) holds at most
+   `infra/probe_decoder.written_decoder`, whose primal attention is torch's fused kernel) holds at most
    10 bytes a score entry in bf16 compute (12 in fp32): the fp32 softmax P, the bf16 dS and one
    fp32 temporary (P dS, then dP); forward-mode AD through transformers' eager attention (the
    other families) about 24 (20 in fp32; Gemma 2, which caps its scores, two more). At 7B and
@@ -55,6 +55,7 @@ import kl_control
 import rowadam
 import sketch
 import sync
+from infra import probe_decoder
 
 GPU_BYTES = 80 * 10**9  # the paper's H100 80GB (assumption 1)
 TABLE2 = {"1.5b": (13.21, 7.18)}  # the paper's Table 2: average GiB per GPU, LoRA and LoGRA at rank 256
@@ -167,7 +168,7 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     # training activations are gone): its activations and tangents, and the hook's P and dY,
     # are counted as activations; its own buffers are one layer's gathered U, A formed in
     # fp32 and one output-head chunk.
-    head = min(kl_control.HEAD_CHUNK_BYTES, probe_forward_tokens * kl_control.BYTES_PER_VOCAB_ENTRY * vocab)
+    head = min(probe_decoder.HEAD_CHUNK_BYTES, probe_forward_tokens * probe_decoder.BYTES_PER_VOCAB_ENTRY * vocab)
     probe = 4 * d_max * r + 8 * r * k_max + head
     probe_activations = compute_bytes * probe_forward_tokens * (2 * (4 * h + 2 * kv + 4 * inter) + r + d_max)
     # The probe's attention is eager (kl_control.probe_mode: SDPA's fused kernels have no forward
@@ -177,7 +178,7 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     # (assumption 4; measured: tests/test_memory_plan.py).
     seq = min(context, kl_control.MAX_TOKENS, probe_forward_tokens)
     mask = -(-probe_forward_tokens // seq) * seq * seq  # (B, 1, T, T) entries
-    if config.model_type in kl_control.WRITTEN_OUT:  # kl_control.written_decoder: fp32 P and dP, dS
+    if config.model_type in probe_decoder.WRITTEN_OUT:  # probe_decoder.written_decoder: fp32 P and dP, dS
         per_entry = 8 + compute_bytes
     else:  # forward-mode AD through the model's own eager attention
         per_entry = 2 * compute_bytes + (8 if compute_bytes < 4 else 0) + 12

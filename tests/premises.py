@@ -13,7 +13,7 @@ the suite was written on); a BLAS that blocks rows otherwise would move the last
 bit of KL1, then alpha and the weights.
 
 `head_rows_skip`: the same property for one matmul, the output layer on the first rows of a batch
-against the whole batch at the calling process's thread count (kl_control.scored_logits against
+against the whole batch at the calling process's thread count (infra/probe_decoder.scored_logits against
 the probe's own logits).
 """
 

@@ -116,11 +116,13 @@ def test_a_family_without_a_row_is_refused_before_anything_loads(tmp_path):
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_the_probe_sees_the_logits_the_model_gives(model_type):
-    """KL1 from the probe (decoder, then the head on the scored positions) equals KL1 from the
-    whole model's forward with the tangent (kl_control.probe_logits), for every family: also
+    """KL1 from the fast probe (infra/probe_decoder.py: decoder, then the head on the scored
+    positions) equals KL1 from the whole model's forward with the tangent (kl_control.probe_logits,
+    the reference probe's), for every family: also
     Gemma 2, whose forward caps the logits (cap tanh(z / cap)) after the head. The head is
     scaled so that logits reach the cap's range, where a probe without it would be far off."""
     import kl_control
+    from infra.probe_decoder import fast_probe
 
     model = tiny_families.model(model_type, tied=model_type == "gemma2")
     with torch.no_grad():
@@ -133,7 +135,7 @@ def test_the_probe_sees_the_logits_the_model_gives(model_type):
     opt.prepare()
     mask = torch.zeros_like(ids)
     mask[:, 4:] = 1
-    kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask)
+    kl1 = fast_probe(model, layers, opt.directions, ids, mask).kl1
     z, u = kl_control.probe_logits(model, layers, opt.directions, ids)  # the model's own forward
     scored = mask[:, 1:].bool()
     whole = kl_control.token_kl(z[:, :-1][scored], u[:, :-1][scored], 1.0).mean().item()

@@ -18,12 +18,19 @@ from hypothesis import given, settings, strategies as st
 
 import kl_control
 import ppo
+from infra import probe_decoder
+from infra.probe_decoder import fast_probe
 import premises
 import rowadam
 import sketch
 from tiny import VOCAB, tiny_batch, tiny_qwen2, use_block
 
 F64 = torch.float64
+
+
+def predict_kl(*args, **kwargs):
+    """KL1 alone, by the fast path (what kl_control.predict_kl was)."""
+    return fast_probe(*args, **kwargs).kl1
 
 
 # ---------------------------------------------------------------------------
@@ -115,8 +122,8 @@ def float64_norms(model):
 @given(c=st.floats(0.05, 20.0))
 def test_quadratic_scaling(c):
     model, layers, opt, ids, mask = PREPARED
-    base = kl_control.predict_kl(model, layers, opt.directions, ids, mask)
-    scaled = kl_control.predict_kl(model, layers, [c * u for u in opt.directions], ids, mask)
+    base = predict_kl(model, layers, opt.directions, ids, mask)
+    scaled = predict_kl(model, layers, [c * u for u in opt.directions], ids, mask)
     assert base > 0
     assert math.isclose(scaled, c**2 * base, rel_tol=1e-6)
 
@@ -146,19 +153,19 @@ def test_the_plain_tangent_matches_central_difference():
 @pytest.mark.parametrize("path", ["written out", "forward AD"])
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 def test_the_fast_path_is_the_plain_probe(dtype, path, monkeypatch):
-    """`probe` (the fast path: the decoder and its tangent written out, or forward-mode AD with
-    hook-formed tangents at the targets and constant-operand tangents; the head on scored
-    positions in chunks) gives `plain_probe`'s KL1 and kept logits (torch.func.jvp through the
-    whole model with dense dW = -U A), on one process without FSDP: whole batch, a cut batch at
+    """`fast_probe` (infra/probe_decoder.py: the decoder and its tangent written out, or
+    forward-mode AD with hook-formed tangents at the targets and constant-operand tangents; the
+    head on scored positions in chunks) gives the reference kl_control.probe's KL1 and kept
+    logits (torch.func.jvp through the whole model with dense dW = -U A), on one process without FSDP: whole batch, a cut batch at
     another temperature, an attention mask that hides two tokens of the first sequence (every
     query still sees token 0: Hugging Face's eager attention gives NaN on a fully masked row in
     float64), and kept logits short of, and beyond, the scored positions. The written-out
     decoder runs its attention through torch's fused kernel (the model's default, SDPA), where
-    plain_probe's eager attention forms softmax in fp32 whatever the model's dtype, and its
+    the reference's eager attention forms softmax in fp32 whatever the model's dtype, and its
     RMSNorm tangent is the derivative's closed form, where forward AD differentiates the fp32
     norm op by op: in float64 the two agree to fp32's rounding, not float64's."""
     if path == "forward AD":
-        monkeypatch.setattr(kl_control, "WRITTEN_OUT", ())
+        monkeypatch.setattr(probe_decoder, "WRITTEN_OUT", ())
     model, layers, opt, ids, mask = prepared(dtype)
     holes = torch.ones_like(ids)
     holes[0, 1:3] = 0
@@ -167,8 +174,8 @@ def test_the_fast_path_is_the_plain_probe(dtype, path, monkeypatch):
              dict(max_responses=3, attention_mask=holes, keep_positions=12)]
     tol = 1e-6 if path == "written out" else 1e-12 if dtype == F64 else 1e-5
     for i, kwargs in enumerate(cases):
-        plain = kl_control.plain_probe(model, layers, opt.directions, ids, mask, **kwargs)
-        fast = kl_control.probe(model, layers, opt.directions, ids, mask, **kwargs)
+        plain = kl_control.probe(model, layers, opt.directions, ids, mask, **kwargs)
+        fast = fast_probe(model, layers, opt.directions, ids, mask, **kwargs)
         assert plain.kl1 > 0 and math.isclose(fast.kl1, plain.kl1, rel_tol=tol), (i, fast.kl1, plain.kl1)
         scored = int(mask[:kwargs["max_responses"], 1:kwargs.get("max_tokens")].sum())
         assert fast.logits.shape == plain.logits.shape == (min(kwargs["keep_positions"], scored), VOCAB), i
@@ -177,11 +184,11 @@ def test_the_fast_path_is_the_plain_probe(dtype, path, monkeypatch):
                                                                        plain.temperature), i
         assert fast.responses == kwargs["max_responses"] and fast.temperature == kwargs.get("temperature", 1.0), i
         torch.testing.assert_close(fast.logits, plain.logits, rtol=tol, atol=tol)
-    assert kl_control.plain_probe(model, layers, opt.directions, ids, mask).logits is None  # keep_positions=0
+    assert kl_control.probe(model, layers, opt.directions, ids, mask).logits is None  # keep_positions=0
 
 
 def test_constant_operand_tangents_are_pytorch_own():
-    """The fast path's constant-operand tangents (kl_control._ConstantOperands), op by op: primal
+    """The fast path's constant-operand tangents (probe_decoder._ConstantOperands), op by op: primal
     and tangent bit for bit as PyTorch's forward AD gives them, broadcasting and dtype promotion
     included; two dual operands stay PyTorch's."""
     import torch.autograd.forward_ad as fwAD
@@ -203,7 +210,7 @@ def test_constant_operand_tangents_are_pytorch_own():
                 else:
                     d, f = fwAD.make_dual(x, dx), op
                 if mode:
-                    with kl_control._ConstantOperands():
+                    with probe_decoder._ConstantOperands():
                         out = f(d)
                 else:
                     out = f(d)
@@ -217,8 +224,8 @@ def test_constant_operand_tangents_are_pytorch_own():
 def test_the_kept_logits_are_the_realised_kls_before():
     """The probe keeps its own logits at the first scored positions, all of them when asked for
     more than exist (and records how many); scored_logits gives the same bits for the same
-    weights, so a step of alpha = 0 realises a KL of exactly 0, in the Probe form and in the
-    older form that repeats the probe's arguments."""
+    weights, so a step of alpha = 0 realises a KL of exactly 0: the fast path's
+    (probe_decoder.scored_logits) and the reference's (kl_control.scored_logits)."""
     model, layers, opt, ids, mask = prepared(torch.float32)
     scored = int(mask[:3, 1:].sum())
     # The premise (tests/premises.py): this CPU's matmul gives the first 4 rows the bits they
@@ -227,16 +234,18 @@ def test_the_kept_logits_are_the_realised_kls_before():
     if reason:
         pytest.skip(reason)
     for keep in (0, 4, scored, scored + 50):
-        probe = kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=keep)
+        probe = fast_probe(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=keep)
         if keep == 0:
             assert probe.logits is None and probe.kept == 0
             continue
         assert probe.logits.shape[0] == probe.kept == min(keep, scored)
-        again = kl_control.scored_logits(model, ids, mask, max_responses=3, max_positions=keep)
+        again = probe_decoder.scored_logits(model, ids, mask, max_responses=3, max_positions=keep)
         assert torch.equal(probe.logits, again)
         assert kl_control.realised_kl(probe, model, ids, mask) == 0.0
-        assert kl_control.realised_kl(probe.logits, model, ids, mask, max_responses=3) == 0.0
-        assert kl_control.realised_kl(probe, model, ids, mask, temperature=1.0, max_responses=3) == 0.0
+        # the reference probe's kept logits and kl_control.scored_logits: the same bits too
+        ref = kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=keep)
+        assert torch.equal(ref.logits, kl_control.scored_logits(model, ids, mask, max_responses=3, max_positions=keep))
+        assert kl_control.realised_kl(ref, model, ids, mask) == 0.0
     with torch.no_grad():  # the model's own forward gives the same logits (to rounding)
         whole = model(input_ids=ids[:3]).logits[:, :-1][mask[:3, 1:].bool()]
     torch.testing.assert_close(probe.logits, whole, rtol=1e-5, atol=1e-5)
@@ -246,7 +255,7 @@ def realised_vs_predicted(budget, seed=4):
     model, layers, opt, ids, mask = prepared(update_ratio=5e-2, seed=seed)
     float64_norms(model)  # the exact KL at budget 1e-6 needs more than fp32 norms
     temperature = 0.8
-    kl1 = kl_control.predict_kl(model, layers, opt.directions, ids, mask, temperature=temperature,
+    kl1 = predict_kl(model, layers, opt.directions, ids, mask, temperature=temperature,
                                 max_responses=3)
     alpha = kl_control.solve_alpha(kl1, budget=budget)
     assert alpha < 3.0, "update_ratio too small for this budget: alpha is capped"
@@ -292,7 +301,7 @@ def test_probe_changes_nothing_and_restores_mode():
     model, layers, opt, ids, mask = prepared(torch.float32)
     model.train()
     snap = snapshot(model)
-    kl_control.predict_kl(model, layers, opt.directions, ids, mask)
+    predict_kl(model, layers, opt.directions, ids, mask)
     assert model.training and model.config._attn_implementation == "sdpa"
     assert_unchanged(model, snap)
     # Each module's own mode comes back (a submodule left in eval mode stays there), and the
@@ -302,7 +311,7 @@ def test_probe_changes_nothing_and_restores_mode():
     h = model.model.layers[1].mlp.register_forward_hook(lambda mod, a, o: seen.append(
         [m.training for m in model.modules()]))
     snap = snapshot(model)
-    kl_control.predict_kl(model, layers, opt.directions, ids, mask)
+    predict_kl(model, layers, opt.directions, ids, mask)
     h.remove()
     assert seen and not any(any(modes) for modes in seen)
     snap = (snap[0], snap[1], snap[2], snap[3] - 1)  # the hook above is gone
@@ -314,7 +323,7 @@ def test_probe_changes_nothing_and_restores_mode():
     h = model.model.layers[1].mlp.register_forward_hook(boom)
     snap = snapshot(model)
     with pytest.raises(RuntimeError, match="forward failed"):
-        kl_control.predict_kl(model, layers, opt.directions, ids, mask)
+        predict_kl(model, layers, opt.directions, ids, mask)
     assert_unchanged(model, snap)  # the probe's own hooks gone, boom's still there
     h.remove()
     assert all(not m._forward_hooks for l in layers for m in [l.module])
@@ -343,7 +352,7 @@ def test_probe_errors():
         (dict(response_mask=mask[:, 1:]), "differ in shape"),
         (dict(response_mask=torch.zeros_like(mask)), "no generated token"),
     ]
-    for how in (kl_control.probe, kl_control.plain_probe):
+    for how in (fast_probe, kl_control.probe):
         for change, message in refusals:
             args = dict(directions=opt.directions, response_mask=mask) | change
             directions, response_mask = args.pop("directions"), args.pop("response_mask")
@@ -353,19 +362,20 @@ def test_probe_errors():
     # A stage that cuts the tangent (here: a detach inside the decoder) is caught.
     h = model.model.norm.register_forward_hook(lambda m, a, out: torch.autograd.forward_ad.unpack_dual(out).primal)
     with pytest.raises(RuntimeError, match="tangent was lost"):
-        kl_control.predict_kl(model, layers, opt.directions, ids, mask)
+        predict_kl(model, layers, opt.directions, ids, mask)
     h.remove()
     assert_unchanged(model, snap)
     # The plain probe takes whole directions on one process: row-sharded layers are refused.
     sharded = [dataclasses.replace(l, group="a process group") for l in layers]
     with pytest.raises(ValueError, match="one process"):
-        kl_control.plain_probe(model, sharded, opt.directions, ids, mask)
+        kl_control.probe(model, sharded, opt.directions, ids, mask)
     assert_unchanged(model, snap)
 
 
 def test_the_default_probe_scores_the_papers_share_of_the_batch():
-    """Departure 3: by default the probe scores the first eighth of the responses (the paper's 2
-    of each process's 16), at least 2, and more until they hold 128 scored tokens: 26 of 120
+    """Departure 3: by default the probe scores the first eighth of the responses (the paper
+    probes 2 a process; an eighth is the file's choice), at least 2, and more until they hold
+    128 scored tokens: 26 of 120
     five-token responses (130 tokens), all of 10 (50), 2 of 260-token ones; `min_tokens=0`, the
     share alone (15 of 120); a larger floor (train.py's presets: 512), 103 of 120 (515),
     counted within `max_tokens`. Its KL1 is the probe of exactly those responses,
@@ -375,55 +385,50 @@ def test_the_default_probe_scores_the_papers_share_of_the_batch():
     ids = tiny_batch(batch=120, length=9, seed=5)
     mask = torch.zeros_like(ids)
     mask[:, 4:] = 1  # 5 scored positions a response
-    probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=200)
+    probe = fast_probe(model, layers, opt.directions, ids, mask, keep_positions=200)
     assert probe.responses == 26 and probe.kept == 130 and probe.tokens_per_response == 5.0
-    assert probe.kl1 == kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=26).kl1
+    assert probe.kl1 == fast_probe(model, layers, opt.directions, ids, mask, max_responses=26).kl1
     assert kl_control.realised_kl(probe, model, ids, mask) == 0.0  # no merge: the same 130 positions
     z = probe.logits.double().numpy()
     p = np.exp(z - z.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
     assert math.isclose(probe.entropy, float(-(p * np.log(p)).sum(1).mean()), rel_tol=1e-9)
-    assert kl_control.probe(model, layers, opt.directions, ids, mask, min_tokens=0).responses == 15
-    floor = kl_control.probe(model, layers, opt.directions, ids, mask, min_tokens=512, keep_positions=600)
+    assert fast_probe(model, layers, opt.directions, ids, mask, min_tokens=0).responses == 15
+    floor = fast_probe(model, layers, opt.directions, ids, mask, min_tokens=512, keep_positions=600)
     assert floor.responses == 103 and floor.kept == 515  # all its positions: fewer than the 600 asked for
-    assert kl_control.probe(model, layers, opt.directions, ids[:10], mask[:10]).responses == 10
-    assert kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=7).responses == 7
+    assert fast_probe(model, layers, opt.directions, ids[:10], mask[:10]).responses == 10
+    assert fast_probe(model, layers, opt.directions, ids, mask, max_responses=7).responses == 7
     long = tiny_batch(batch=3, length=300, seed=6)
     long_mask = torch.zeros_like(long)
     long_mask[:, 40:] = 1  # 260 scored positions a response
-    assert kl_control.probe(model, layers, opt.directions, long, long_mask).responses == 2
-    assert kl_control.probe(model, layers, opt.directions, long, long_mask, min_tokens=512).responses == 2
-    assert kl_control.probe(model, layers, opt.directions, long, long_mask, min_tokens=512,
+    assert fast_probe(model, layers, opt.directions, long, long_mask).responses == 2
+    assert fast_probe(model, layers, opt.directions, long, long_mask, min_tokens=512).responses == 2
+    assert fast_probe(model, layers, opt.directions, long, long_mask, min_tokens=512,
                             max_tokens=200).responses == 3
 
 
 def test_realised_kl_refusals():
     """realised_kl refuses, with the fix in its message and before any forward that counts: a
-    probe that kept no logits (the Probe, or its logits None in the older form), arguments that
-    contradict the Probe, the older form with another max_responses than the probe's (issue 33:
-    15 kept positions against 10), other inputs than the probe's, and anything not a Probe."""
+    probe that kept no logits, other inputs than the probe's (issue 33: 15 kept positions
+    against 10), and anything not a Probe: the older form, the kept logits with the probe's
+    arguments repeated, and arguments the Probe records (temperature, max_responses, max_tokens)."""
     model, layers, opt, ids, mask = prepared(torch.float32)
     snap = snapshot(model)
-    none_kept = kl_control.probe(model, layers, opt.directions, ids, mask)  # keep_positions=0
-    for old in (none_kept, none_kept.logits):
-        with pytest.raises(ValueError, match=r"kept no logits \(keep_positions=0\).*pass keep_positions > 0"):
-            kl_control.realised_kl(old, model, ids, mask)
-    probe = kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=15)
-    for given, message in ((dict(temperature=0.7), "temperature=0.7, but the probe scored with temperature=1.0"),
-                           (dict(max_responses=2), "max_responses=2, but the probe scored with max_responses=3"),
-                           (dict(max_tokens=7), "max_tokens=7, but the probe scored with max_tokens=4096")):
-        with pytest.raises(ValueError, match=message + ": drop the argument"):
+    none_kept = fast_probe(model, layers, opt.directions, ids, mask)  # keep_positions=0
+    with pytest.raises(ValueError, match=r"kept no logits \(keep_positions=0\).*pass keep_positions > 0"):
+        kl_control.realised_kl(none_kept, model, ids, mask)
+    probe = fast_probe(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=15)
+    for given in (dict(temperature=0.7), dict(max_responses=2), dict(max_tokens=7)):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
             kl_control.realised_kl(probe, model, ids, mask, **given)
     with pytest.raises(ValueError, match=r"kept logits \(15, 96\), but these inputs give \(10, 96\)"):
-        kl_control.realised_kl(probe.logits, model, ids, mask, max_responses=2)
+        kl_control.realised_kl(probe, model, ids[:2], mask[:2])
     with pytest.raises(ValueError, match="pass the probe's own input_ids, response_mask and attention_mask"):
         kl_control.realised_kl(probe, model, ids[:, :7], mask[:, :7])
-    with pytest.raises(TypeError, match="takes the Probe that probe"):
-        kl_control.realised_kl(probe.kl1, model, ids, mask)
-    with pytest.raises(ValueError, match="temperature must be"):
-        kl_control.realised_kl(probe.logits, model, ids, mask, temperature=0.0)
+    for other in (probe.kl1, probe.logits, None):  # the older form (the kept logits) included
+        with pytest.raises(TypeError, match="takes the Probe that probe"):
+            kl_control.realised_kl(other, model, ids, mask)
     assert_unchanged(model, snap)
-    assert kl_control.realised_kl(probe, model, ids, mask, max_responses=5) == 0.0  # 5 of 3 responses: the probe's 3
 
 
 def test_update_ratio_sets_the_step_only_while_alpha_is_capped():
@@ -434,7 +439,7 @@ def test_update_ratio_sets_the_step_only_while_alpha_is_capped():
     model, layers, small, ids, mask = prepared(update_ratio=1e-3)
     float64_norms(model)  # Qwen2's fp32 norms would round the tangents at 1e-8
     large = prepared(update_ratio=1e-2)[2]
-    kl_small, kl_large = (kl_control.predict_kl(model, layers, o.directions, ids, mask) for o in (small, large))
+    kl_small, kl_large = (predict_kl(model, layers, o.directions, ids, mask) for o in (small, large))
     assert math.isclose(kl_large, 100 * kl_small, rel_tol=1e-9)
     binds = 4 * kl_small  # alpha 2 and 0.2: both below the cap of 3
     a_small, a_large = (kl_control.solve_alpha(k, budget=binds) for k in (kl_small, kl_large))
@@ -446,7 +451,7 @@ def test_update_ratio_sets_the_step_only_while_alpha_is_capped():
     assert 9 * kl_large < capped
     budget = 36 * kl_small  # binds from 1e-3 sqrt(36 / 9) = 2e-3 on
     needed = 1e-3 * math.sqrt(budget / (9 * kl_small))
-    kl_needed = kl_control.predict_kl(model, layers, prepared(update_ratio=needed)[2].directions, ids, mask)
+    kl_needed = predict_kl(model, layers, prepared(update_ratio=needed)[2].directions, ids, mask)
     assert math.isclose(kl_control.solve_alpha(kl_needed, budget=budget), 3.0, rel_tol=1e-9)
 
 
@@ -482,13 +487,13 @@ def test_kl_budget_schedule():
 def test_the_default_budget_is_a_share_of_the_entropy_capped_per_response():
     """budget_for: min(0.2 H, 2 / L), from the Probe's own entropy and response length, each
     against a float64 recomputation from the kept logits; the cap binds on long responses;
-    a sure policy (H -> 0) still gets a positive budget; anything but a Probe, or a Probe of
-    the older form, is refused."""
+    a sure policy (H -> 0) still gets a positive budget; anything but a Probe, or a Probe
+    without an entropy, is refused."""
     model, layers, opt, _, _ = PREPARED
     ids = tiny_batch(batch=16, length=12, seed=5)
     mask = torch.zeros_like(ids)
     mask[:, 4:] = 1  # 8 scored positions a response
-    probe = kl_control.probe(model, layers, opt.directions, ids, mask, keep_positions=10**6)
+    probe = fast_probe(model, layers, opt.directions, ids, mask, keep_positions=10**6)
     assert probe.responses == 16 and probe.tokens_per_response == 8.0  # the 128-token floor: all 16
     logp = torch.log_softmax(probe.logits.double(), dim=-1)
     entropy = -(logp.exp() * logp).sum(-1).mean().item()
@@ -558,17 +563,19 @@ def test_mismatch_worked_example():
 PREPARED = prepared()
 
 
-def test_realised_kl_against_a_direct_computation():
+@pytest.mark.parametrize("how", ["fast", "reference"])
+def test_realised_kl_against_a_direct_computation(how):
     """realised_kl after a merge equals KL(old || new) computed directly from the two models'
     softmaxes at the scored positions (torch.nn.functional.kl_div, float64), and is close to
-    the prediction alpha^2 KL1 for a small step."""
+    the prediction alpha^2 KL1 for a small step; from the fast probe's Probe and the reference's."""
     model, layers, opt, ids, mask = prepared()
     before = copy.deepcopy(model)
-    probe = kl_control.probe(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=100)
+    run = fast_probe if how == "fast" else kl_control.probe
+    probe = run(model, layers, opt.directions, ids, mask, max_responses=3, keep_positions=100)
     kl1 = probe.kl1
     alpha = kl_control.solve_alpha(kl1, budget=1e-4)
     opt.merge(alpha)
-    got = kl_control.realised_kl(probe.logits, model, ids, mask, max_responses=3)
+    got = kl_control.realised_kl(probe, model, ids, mask)
     with torch.no_grad():
         scored = mask[:, 1:].bool()
         p_old = torch.log_softmax(before(input_ids=ids).logits[:, :-1][scored].double(), -1)
@@ -597,13 +604,13 @@ def test_kl1_in_bf16_against_float64(how):
         opt = rowadam.RowAdam(layers, seed=seed, update_ratio=1e-2)
         opt.prepare()
         u = [d.float() for d in opt.directions]  # fp32, as RowAdam gives them
-        exact = kl_control.predict_kl(ref, layers, [d.double() for d in u], ids, mask)
+        exact = predict_kl(ref, layers, [d.double() for d in u], ids, mask)
         model = copy.deepcopy(ref)
         sketch.detach(model)
         model = model.to(torch.bfloat16 if how == "bf16 weights" else torch.float32)
         bf16_layers = sketch.attach(model, rank=8, seed=seed)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "bf16 autocast"):
-            kl1 = kl_control.predict_kl(model, bf16_layers, u, ids, mask)
+            kl1 = predict_kl(model, bf16_layers, u, ids, mask)
         errors.append(abs(kl1 - exact) / exact)
     print(f"{how}: KL1 relative error against float64 {[f'{e:.1e}' for e in errors]}")
     assert max(errors) < 5e-3 and all(e > 0 for e in errors), errors  # > 0: bf16 really ran
@@ -643,10 +650,10 @@ def test_the_use_block_runs_one_update():
 
 
 def test_the_docstrings_are_self_contained_and_cite_tests_that_exist():
-    """Each `tests/test_kl_control.py::<test>` that the module cites is defined here, and no
+    """Each test that the module docstring cites is defined here, and no
     docstring or comment sends a reader who copied kl_control.py to another file's departures."""
     source = open(kl_control.__file__).read()
-    cited = set(re.findall(r"tests/test_kl_control\.py::(test_\w+)", source))
+    cited = set(re.findall(r"\b(test_\w+)\b(?!\.py)", kl_control.__doc__))  # the departures name their tests here
     assert len(cited) >= 8 and not {c for c in cited if c not in globals()}, cited - set(globals())
     assert not re.search(r"train\.py's departure|SPEC", source)
 
@@ -1208,7 +1215,7 @@ def test_one_call_refusals_change_nothing():
     assert all(layer.sketch.abs().sum() == 0 for layer in opt.layers)  # the batch dropped
     with pytest.raises(ValueError, match="covers the first position"):  # the plain probe refuses it too
         opt.rowadam.directions = [torch.zeros_like(layer.sketch) for layer in opt.layers]
-        kl_control.plain_probe(model, opt.layers, opt.rowadam.directions, ids, bad)
+        kl_control.probe(model, opt.layers, opt.rowadam.directions, ids, bad)
 
 
 def test_the_readmes_trainer_blocks_run():
@@ -1268,6 +1275,7 @@ JIT_QUIET = r"""
 import sys, warnings
 import torch
 import kl_control, sketch, tiny_families
+from infra.probe_decoder import fast_probe
 from rowadam import RowAdam
 
 assert "torch._decomp.decompositions_for_jvp" not in sys.modules  # the probe's is the first forward AD here
@@ -1281,8 +1289,8 @@ model(ids).logits[mask].logsumexp(-1).sum().backward()
 opt.prepare()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
+    fast_probe(model, layers, opt.directions, ids, mask)
     kl_control.probe(model, layers, opt.directions, ids, mask)
-    kl_control.plain_probe(model, layers, opt.directions, ids, mask)
 assert "torch._decomp.decompositions_for_jvp" in sys.modules  # the import the warnings come from did run
 print(len(caught), [str(w.message)[:80] for w in caught])
 """

@@ -33,7 +33,7 @@ def test_dry_run_7b_memory_against_shapes():
     # is its optimizer step's transient; the engine keeps a KV cache of >= 16 GiB on 80 GB.
     assert m["trainer_logra_persistent_bytes"] - m["weights"] <= 1.0 * gib
     assert m["trainer_logra_transient_bytes"] <= 1.0 * gib
-    # The probe's attention, one decoder layer at a time (kl_control.written_decoder): 2 responses x
+    # The probe's attention, one decoder layer at a time (infra/probe_decoder.py's written_decoder): 2 responses x
     # 28 heads x 4096^2 scores, 10 bytes each in bf16 at its peak (the fp32 softmax P, the bf16 dS
     # and one fp32 temporary: P dS, then dP), and the (2, 1, T, T) mask.
     assert m["trainer_probe_attention_bytes"] == 2 * 28 * 4096**2 * 10 + 2 * 4096**2 * 2
@@ -144,14 +144,14 @@ def test_memory_estimate_matches_measured_tensors():
 @pytest.mark.parametrize("tokens", [512, 1024])
 def test_the_probes_count_against_its_live_bytes(dtype, tokens):
     """The KL probe's planned peak (its forward's activations and tangents with the eager
-    attention's scores, and its buffers) against the live tensor bytes of kl_control.fast_probe,
+    attention's scores, and its buffers) against the live tensor bytes of infra/probe_decoder.py's fast_probe,
     counted by a dispatch mode (a CPU torch records no allocator peak), at small widths and long
     sequences, where the (B, H, T, T) attention terms dominate as they do at 2 x 4096 tokens.
     The output head runs after the decoder, its chunk is not part of this peak."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from memory_check import LiveBytes
-    import kl_control
     import sketch
+    from infra.probe_decoder import fast_probe
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     widths = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -165,7 +165,7 @@ def test_the_probes_count_against_its_live_bytes(dtype, tokens):
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, 0] = False
     with LiveBytes([*model.parameters(), *model.buffers(), *directions]) as live:
-        kl_control.fast_probe(model, layers, directions, ids, mask, max_responses=batch, max_tokens=tokens)
+        fast_probe(model, layers, directions, ids, mask, max_responses=batch, max_tokens=tokens)
     c = torch.finfo(dtype).bits // 8
     plan = memory_plan.estimate(widths, 1, r, context=tokens, probe_forward_tokens=batch * tokens,
                                 kl_real_positions=0, compute_bytes=c)
