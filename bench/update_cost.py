@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 import kl_control  # noqa: E402
 import ppo  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
-import rowadam  # noqa: E402
+from infra.batched import BatchedRowAdam  # noqa: E402
 import sketch  # noqa: E402
 import sync  # noqa: E402
 
@@ -107,7 +107,7 @@ def one(width, method, reps):
     try:
         if method == "logra":
             layers = sketch.attach(model, rank=rank, seed=0)
-            opt = rowadam.RowAdam(layers, seed=0)
+            opt = BatchedRowAdam(layers, seed=0)
             state = [p for p in model.parameters()] + [l.sketch for l in layers] + [l.signs for l in layers] \
                 + opt.moments + opt._u
         else:
