@@ -1,8 +1,6 @@
 """
 sketch.py: the low-rank gradient sketch of a linear layer, never the full gradient.
 
-What it is
-----------
 A linear layer `Y = X W^T (+ b)`, W (d, k), has the weight gradient `G = dY^T X` (d, k). LoGRA
 never builds G: forward keeps `P = X A^T` (N, r) instead of X (N, k), and backward adds
 `dY^T P` into an fp32 sketch S (d, r). Activations kept and the gradient buffer shrink by r/k.
@@ -18,64 +16,49 @@ Use
     sketches = {layer.name: layer.sketch for layer in layers}  # (d, r) fp32 each: what RowAdam reads
     sketch.detach(model)                           # nn.Linear's forward and the requires_grad flags again
 
-`model`: a Hugging Face causal LM with fp32 weights, `ids` (B, T) (tests/test_sketch.py runs this
-on a tiny Qwen2). Any other module names its targets: `attach(net, targets=("fc1", "fc2"))` or a
-`{name: module}` mapping (the names seed A). rowadam.py turns the sketches into the update.
+`model`: a Hugging Face causal LM with fp32 weights, `ids` (B, T) (tests/test_sketch.py runs this).
+Any other module names its targets (`targets=("fc1", "fc2")` or a `{name: module}` mapping).
 
 The math (arXiv:2610.06647, the method section on the low-rank gradient sketch)
 -----------------------------------------------------------------------------
     S = G A^T = dY^T (X A^T)                                   (d, r)
     A[i, j] = +-1/sqrt(r), each with probability 1/2           E[A^T A] = I_k, so E[S A] = G
-Code -> paper: `sketch` S, `projection` A, `signs` sqrt(r) A (int8), `rank` r, `update` t.
-A is redrawn every update (A_t) and never sent: every process regenerates it from
-`projection_seed(base_seed, t, name)` (sha256). Its signs are integer operations on the device
-that uses them (`make_signs`), the same bits everywhere. Projection version 2 (`PROJECTION`):
+Code -> paper: `sketch` S, `projection` A, `signs` sqrt(r) A (int8), `rank` r, `update` t. A is
+redrawn every update and never sent: each process makes A_t from `projection_seed(base_seed, t,
+name)` (sha256) by integer operations on its device (`make_signs`), the same bits everywhere.
+Projection version 2 (`PROJECTION`; version 1, a host draw, is refused where recorded):
     mix32(x) = x ^= x >> 16; x *= 0x21F0AAAD; x ^= x >> 15; x *= 0x735A2D97; x ^= x >> 15 (mod 2^32)
     c = i * ceil(k / 16) + b;  h = mix32(mix32(c ^ lo) ^ hi ^ 0x9E3779B9)   (lo, hi: the seed's words)
     A[i, 16 b + j] = -1/sqrt(r) where bit 16 + j of h is set, else +1/sqrt(r)
-Version 1 (a host torch.Generator draw) is gone; its checkpoints and payloads are refused.
-The update counter t, one for the project: the updates merged so far, from 0. Update t is formed
-with A_t; once merged, every layer moves to A_{t+1} (`refresh`). A step counted from 1 (Adam's
-bias correction) is t + 1.
+The update counter t, one for the project: the updates merged so far, from 0; update t uses A_t,
+then every layer moves to A_{t+1} (`refresh`). A step counted from 1 (Adam's) is t + 1.
 
-Defaults
---------
-- rank r = 256 (`PAPER_RANK`, Table 1's LoGRA runs), capped at half the narrowest target's
-  width rounded down to a power of 2 (`default_rank`; departure 3).
-- targets: the paper's attention/MLP projections, seven in its Qwen models (`TARGETS`), plus the fused
-  `qkv_proj`/`gate_up_proj` of models that fuse them (departure 2).
+Defaults: rank r = 256 (`PAPER_RANK`, Table 1's LoGRA runs), capped by `default_rank`
+(departure 3); targets the paper's attention/MLP projections (`TARGETS`; departure 2).
 
 Departures from the paper (numbered; reason; test)
 -------------------------------------------------
-1. Row-sharded sketches: under FSDP2 a process keeps only its rows of S, summed over processes
-   per micro-batch by a reduce-scatter (`attach(..., shard=infra.row_shard.RowShard(group))`),
-   not once per update: d/world rows of S per process. tests/test_rowadam.py,
+1. Row-sharded S under FSDP2 (`attach(..., shard=infra.row_shard.RowShard(group))`): summed by a
+   reduce-scatter per micro-batch, d/world rows a process. tests/test_rowadam.py,
    test_row_sharded_state_equals_one_process_bitwise.
-2. A fused target (Phi-3's qkv_proj) is one layer: one A and one S for all its rows, kept as
-   the model computes it. tests/test_architectures.py, test_every_family_trains_and_its_engines_follow.
-3. r is capped at half the narrowest target's width so S never holds more than half of G
-   (bench/README.md, `defaults`: rank 32 on a 64-wide toy). tests/test_sketch.py,
-   test_plain_module_sketches_equal_dense.
+2. A fused target (Phi-3's qkv_proj) is one layer, one A and one S, as the model computes it.
+   tests/test_architectures.py, test_every_family_trains_and_its_engines_follow.
+3. r at most half the narrowest target's width, a power of 2, so S holds at most half of G
+   (bench/README.md, `defaults`). tests/test_sketch.py, test_plain_module_sketches_equal_dense.
 
 Implementation notes
 --------------------
-- Every parameter is frozen; backward reaches the targets through activations: a Hugging Face
-  model's input embedding output requires grad (its `enable_input_require_grads` trick); any
-  other module's sketched layer runs on a leaf copy of an input that requires none, and skips
-  dX. tests/test_sketch.py, test_plain_module_sketches_equal_dense.
-- `attach` checks everything first: a refused attach changes nothing.
-  tests/test_sketch.py, test_refused_attach_changes_nothing.
-- A model moved after attach is refused (signs and S stay where attach made them); a cast
-  (FSDP2's bf16 compute) is not. tests/test_sketch.py,
-  test_a_moved_model_is_refused_and_a_cast_one_still_sketches.
-- `LayerSketch.backwards` counts backward passes since `zero_()`, on the host: RowAdam refuses
-  a batch no backward reached. tests/test_sketch.py, test_backwards_counts_the_passes_since_zero.
-- P is kept in the activations' dtype and `dY^T P` is one GEMM in it (`sketch_product`: fp32
-  output where the device has it, else rounded once), then added to S, never `addmm_`, so one
-  process and a reduce-scatter of two add the same two products. No grad: plain `F.linear`.
-- Signs are int8 (a quarter of fp32 A's bytes); A = signs / sqrt(r) formed on use.
-- Fast companions: infra/batched.py makes many layers' signs at once (`make_signs_many`) and
-  lays their sketches out as one stack; infra/row_shard.py is departure 1's shard.
+- All parameters frozen; backward reaches the targets through a Hugging Face embedding's output
+  marked as requiring grad, or through a leaf copy of a plain module's input (no dX).
+  tests/test_sketch.py, test_plain_module_sketches_equal_dense.
+- A refused attach changes nothing. tests/test_sketch.py, test_refused_attach_changes_nothing.
+- A model moved after attach is refused; a cast (FSDP2's bf16 compute) is not.
+  tests/test_sketch.py, test_a_moved_model_is_refused_and_a_cast_one_still_sketches.
+- `backwards` counts passes since `zero_()` on the host, so RowAdam refuses a batch no backward
+  reached. tests/test_sketch.py, test_backwards_counts_the_passes_since_zero.
+- `dY^T P` is one GEMM in the activations' dtype (`sketch_product`), added to S, never `addmm_`:
+  one process and a reduce-scatter add the same products. No grad: a plain `F.linear`.
+- Fast companion: infra/batched.py (every layer's signs at once, sketches as one stack).
 
 Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
 """
@@ -96,33 +79,24 @@ import torch.nn.functional as F
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 PAPER_RANK = 256  # Table 1's LoGRA rank
 PROJECTION = 2  # the rule that makes A's signs ("The math"), recorded in checkpoints and payloads
-# Module-path parts that wrappers insert and that must not change a layer's seed:
-# FSDP1, activation checkpointing and torch.compile. (FSDP2 inserts none.)
+# Module-path parts that FSDP1, activation checkpointing and torch.compile insert: not in a seed.
 WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
-
-
-# -----------------------------------------------------------------------------
-# The projection A
 
 def clean_name(name: str) -> str:
     """`model._orig_mod.layers.0._checkpoint_wrapped_module.mlp.up_proj` -> `model.layers.0.mlp.up_proj`."""
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
-
 def projection_seed(base_seed: int, update: int, name: str) -> int:
-    """The seed of A_update for one layer, identical in every process: sha256 of
-    "base_seed:update:clean_name", its first 8 bytes as a non-negative int63."""
+    """The seed of A_update for one layer: sha256 of "base_seed:update:clean_name", 8 bytes, int63."""
     if update < 0:
         raise ValueError(f"update must be >= 0, got {update}")
     text = f"{int(base_seed)}:{int(update)}:{clean_name(name)}".encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2**63 - 1)
 
-
 MASK32 = 0xFFFFFFFF
 MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)  # below 2^31: a 32-bit word times one fits int64 on any device
 ROUND_KEY = 0x9E3779B9  # xored in with the seed's high word, so that seed 0 is no fixed point (mix32(0) = 0)
 SIGNS_PER_WORD = 16  # the 16 high bits of each hashed word give 16 signs
-
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijection of 32-bit words in an int64 tensor (the `lowbias32` form of C. Wellons' hash prospector)."""
@@ -132,7 +106,6 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     x = (x * MIX_MULTIPLIERS[1]) & MASK32
     return x ^ (x >> 15)
 
-
 def check_signs(rank: int, width: int, seed: int) -> None:
     if rank <= 0 or width <= 0:
         raise ValueError(f"projection needs rank > 0 and width > 0, got rank={rank}, width={width}")
@@ -140,7 +113,6 @@ def check_signs(rank: int, width: int, seed: int) -> None:
         raise ValueError(f"a projection seed is a 64-bit unsigned integer, got {seed}")
     if rank * -(-width // SIGNS_PER_WORD) > 2**32:
         raise ValueError(f"rank {rank} x width {width} needs more than 2^32 counters: a smaller rank")
-
 
 def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor:
     """sqrt(r) A (rank, width) as int8 +-1, projection version `PROJECTION` ("The math")."""
@@ -152,19 +124,13 @@ def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor
     bits = (h[:, None] >> torch.arange(16, 32, device=c.device)) & 1  # (r * blocks, 16): bit 16 + j
     return (1 - 2 * bits).to(torch.int8).view(rank, blocks * SIGNS_PER_WORD)[:, :width].contiguous()  # (r, k)
 
-
 def projection_from_signs(signs: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """A = signs / sqrt(r) (r, k) in `dtype`: +-1 times the scale, rounded once (exact for r a power of 4)."""
     return signs.to(dtype) * (1.0 / math.sqrt(signs.shape[0]))  # (r, k)
 
-
 def make_projection(rank: int, width: int, seed: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
     """Rademacher A (rank, width), entries +-1/sqrt(rank), the same bits for a seed on any device."""
     return projection_from_signs(make_signs(rank, width, seed, device=device), dtype)
-
-
-# -----------------------------------------------------------------------------
-# The autograd function
 
 class _SketchedLinear(torch.autograd.Function):
     """Y = X W^T + b; backward adds dY^T (X A^T) into `sketch`, and gives dX if `input_grad`; no dW."""
@@ -172,8 +138,7 @@ class _SketchedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, projection, sketch, shard, input_grad, layer):
         y = F.linear(x, weight, bias)  # (..., d)
-        # P = X A^T, kept for the sketch instead of X.
-        # Shapes: (N, k) @ (k, r) -> (N, r)
+        # P = X A^T, kept for the sketch instead of X. Shapes: (N, k) @ (k, r) -> (N, r)
         p = x.reshape(-1, x.shape[-1]) @ projection.to(x.dtype).t()
         ctx.save_for_backward(p, weight)
         ctx.sketch, ctx.shard, ctx.input_grad, ctx.layer = sketch, shard, input_grad, layer
@@ -192,21 +157,16 @@ class _SketchedLinear(torch.autograd.Function):
         sketch.add_(product)  # not addmm_: the implementation notes
         if ctx.layer is not None:
             ctx.layer.backwards += 1  # a Python int on the host: no device read
-        dx = None
-        if ctx.needs_input_grad[0] and ctx.input_grad:
-            # Input gradient: dX = dY W, as in any linear layer.
-            # Shapes: (..., d) @ (d, k) -> (..., k)
-            dx = dy @ weight.to(dy.dtype)
+        # Input gradient: dX = dY W, as in any linear layer. Shapes: (..., d) @ (d, k) -> (..., k)
+        dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] and ctx.input_grad else None
         return dx, None, None, None, None, None, None, None
-
 
 _FP32_OUT_MM = {}  # device type -> whether torch.mm(a, b, out_dtype=torch.float32) exists there, asked once
 
-
 def sketch_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b` in `dtype` (the sketch's) from factors in the activations' dtype: one GEMM at their
-    rate, its fp32 accumulator kept where the device writes fp32 from bf16 (CUDA's
-    aten::mm.dtype), else rounded once to the factors' dtype (the authors' way)."""
+    """`a @ b` in `dtype` (the sketch's) from factors in the activations' dtype, one GEMM at their
+    rate: its fp32 accumulator where the device writes fp32 from bf16 (CUDA's aten::mm.dtype),
+    else rounded once to the factors' dtype (the authors' way)."""
     if a.dtype == dtype:
         return a @ b
     kind = a.device.type
@@ -218,20 +178,17 @@ def sketch_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torc
     if _FP32_OUT_MM[kind] and dtype == torch.float32:
         try:
             return torch.mm(a, b, out_dtype=dtype)
-        except (TypeError, RuntimeError) as e:  # a build whose overload takes other inputs
+        except (TypeError, RuntimeError) as e:  # a build whose overload takes other inputs (not out of memory)
             if isinstance(e, torch.OutOfMemoryError):
                 raise
             _FP32_OUT_MM[kind] = False
-            warnings.warn(f"torch.mm(..., out_dtype=torch.float32) failed on {kind} ({type(e).__name__}: "
-                          f"{str(e)[:120]}): the sketch's products are rounded to {a.dtype} from now on")
+            warnings.warn(f"torch.mm(..., out_dtype=torch.float32) failed on {kind} ({e}): products rounded from now on")
     return (a @ b).to(dtype)
 
-
 def sketched_linear(x, weight, bias, projection, sketch, shard=None, *, layer=None):
-    """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r) in place.
-    `shard`: this process's rows only (departure 1). `layer`: the LayerSketch whose `backwards`
-    it counts. Under `torch.no_grad()` (rollouts, the KL probe's forward-mode AD) a plain
-    `F.linear`; a dual input with gradients enabled is refused (backward only)."""
+    """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r) in place; `shard`:
+    this process's rows (departure 1); `layer`: the LayerSketch whose `backwards` it counts. Under
+    `torch.no_grad()` (rollouts, the KL probe's forward-mode AD) a plain `F.linear`."""
     d, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
@@ -249,10 +206,6 @@ def sketched_linear(x, weight, bias, projection, sketch, shard=None, *, layer=No
         x = x.detach().requires_grad_(True)
     return _SketchedLinear.apply(x, weight, bias, projection, sketch, shard, input_grad, layer)
 
-
-# -----------------------------------------------------------------------------
-# Attaching sketches to a model
-
 @dataclass(eq=False)
 class LayerSketch:
     """One target layer: its clean name, module, the signs of A_t (r, k) and sketch S (d, r)."""
@@ -266,24 +219,10 @@ class LayerSketch:
     shard: object = None  # whose rows this process holds (departure 1), or None: every row
     backwards: int = 0  # backward passes into `sketch` since the last zero_() (0: backward never reached it)
 
-    @property
-    def group(self):
-        """The process group the rows are sharded over, or None."""
-        return None if self.shard is None else self.shard.group
-
-    @property
-    def rows(self) -> int:
-        """d, the layer's out_features (all rows, whichever this process holds)."""
-        return self.module.weight.shape[0]
-
-    @property
-    def rank(self) -> int:
-        return self.signs.shape[0]
-
-    @property
-    def projection(self) -> torch.Tensor:
-        """A_t (r, k) in the sketch's dtype."""
-        return projection_from_signs(self.signs, self.sketch.dtype)
+    group = property(lambda self: None if self.shard is None else self.shard.group)  # the rows' process group
+    rows = property(lambda self: self.module.weight.shape[0])  # d: all rows, whichever this process holds
+    rank = property(lambda self: self.signs.shape[0])  # r
+    projection = property(lambda self: projection_from_signs(self.signs, self.sketch.dtype))  # A_t (r, k)
 
     def projection_as(self, dtype) -> torch.Tensor:
         return projection_from_signs(self.signs, dtype)  # (r, k) A_t in `dtype`
@@ -297,22 +236,18 @@ class LayerSketch:
         m = self.module
         if m.weight.device != self.sketch.device:  # torch.device objects: compared without a sync
             raise RuntimeError(f"{self.name}: the weight is on {m.weight.device} but its sketch and signs are on "
-                               f"{self.sketch.device}, where sketch.attach made them: move the model before "
-                               f"attach, or detach(model) and attach again after the move")
+                               f"{self.sketch.device}: move the model before attach, or detach and attach again")
         if not torch.is_grad_enabled():  # no backward follows (a rollout, the KL probe): no A to form
             return F.linear(x, m.weight, m.bias)
         a = self.projection_as(x.dtype)  # (r, k) A_t in the activations' dtype
         return sketched_linear(x, m.weight, m.bias, a, self.sketch, self.shard, layer=self)
 
     def refresh(self, update: int) -> None:
-        """Switch to A_update (after update `update - 1` has been merged, or on resume)."""
-        refresh([self], update)
+        refresh([self], update)  # A_update: after update - 1 was merged, or on resume
 
     def zero_(self) -> None:
-        """S = 0, and no backward counted into it."""
-        self.sketch.zero_()
+        self.sketch.zero_()  # S = 0, and no backward counted into it
         self.backwards = 0
-
 
 def refresh(layers, update: int) -> None:
     """Switch every layer to A_update (infra/batched.py's `refresh` makes them together)."""
@@ -320,7 +255,6 @@ def refresh(layers, update: int) -> None:
         seed = projection_seed(layer.base_seed, update, layer.name)
         layer.signs = make_signs(layer.rank, layer.signs.shape[1], seed, device=layer.signs.device)
         layer.update = update
-
 
 def target_modules(model: nn.Module, targets=TARGETS) -> dict:
     """{clean name: module} of the targets: names matching a module's last name part or its whole
@@ -337,19 +271,12 @@ def target_modules(model: nn.Module, targets=TARGETS) -> dict:
     return {clean_name(n): m for n, m in model.named_modules()
             if n.rsplit(".", 1)[-1] in names or clean_name(n) in names}
 
-
-def _input_embedding(model: nn.Module):
-    """A Hugging Face model's input embedding, or None for a module without one."""
+def _input_embedding(model: nn.Module):  # a Hugging Face model's input embedding, or None
     try:
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     except NotImplementedError:  # PreTrainedModel's own, for a model that has no embedding
         return None
     return embedding if isinstance(embedding, nn.Module) else None
-
-
-def _require_grad_hook(module, args, output):
-    return output.requires_grad_(True) if torch.is_grad_enabled() else output
-
 
 def default_rank(modules) -> int:
     """The paper's 256, or half the narrowest target's input width rounded down to a power of 2
@@ -357,16 +284,12 @@ def default_rank(modules) -> int:
     narrowest = min(m.in_features for m in modules)
     return max(1, min(PAPER_RANK, 2 ** int(math.floor(math.log2(max(narrowest // 2, 1))))))
 
-
 def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TARGETS, *,
            update: int = 0, shard=None) -> list[LayerSketch]:
-    """Sketch every target `nn.Linear` of `model` (`target_modules`) at `rank` (None:
-    `default_rank`) with A_update drawn from `seed`; freeze every parameter (the targets change
-    by RowAdam's merge, through no `.grad`). `update`: the updates already merged (a resumed
-    RowAdam state moves the layers to its own). `shard`: None, or this process's rows of each
-    sketch (departure 1; infra/row_shard.py's `RowShard`: `rows(d)`, `reduce`, `gather`,
-    `check(name, module)`). Returns the layers in module order; nothing changes if it refuses.
-    Undo with `detach(model)`."""
+    """Sketch every target `nn.Linear` of `model` (`target_modules`) at `rank` (None: `default_rank`),
+    A_update drawn from `seed`; freeze every parameter (RowAdam's merge changes the targets). `shard`:
+    this process's rows of each S (departure 1: `rows(d)`, `reduce`, `gather`, `check(name, module)`).
+    Returns the layers in module order; a refusal changes nothing. Undo with `detach(model)`."""
     # -- checks: nothing of the model changes until all of them have passed
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach needs an nn.Module, got {type(model).__name__}")
@@ -380,14 +303,11 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
     members = {id(m) for m in model.modules()}
     for name, module in found.items():
         if id(module) not in members:
-            raise ValueError(f"target {name} is not a module of this {type(model).__name__}: "
-                             f"attach the model that holds it")
+            raise ValueError(f"target {name} is not a module of this {type(model).__name__}: attach the model that holds it")
         if not isinstance(module, nn.Linear):
-            raise TypeError(f"target {name} is a {type(module).__name__}, not nn.Linear: "
-                            f"remove its name from `targets`")
+            raise TypeError(f"target {name} is a {type(module).__name__}, not nn.Linear: remove its name from `targets`")
         if rank is not None and rank > module.in_features:  # default_rank never exceeds it
-            raise ValueError(f"rank {rank} exceeds in_features {module.in_features} of {name}: "
-                             f"choose rank <= {module.in_features}")
+            raise ValueError(f"rank {rank} exceeds in_features {module.in_features} of {name}: choose a smaller rank")
         if "forward" in vars(module):  # detach() could not restore what it would replace
             raise RuntimeError(f"target {name} already has its own forward (sketches attached through "
                                f"another module, or a hook library that patched it): detach that first")
@@ -395,8 +315,7 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
             shard.check(name, module)
     if not found:
         what = "an empty mapping" if isinstance(targets, Mapping) else f"no nn.Linear named one of {targets}"
-        raise ValueError(f"{what} in {type(model).__name__}: pass `targets`, names of its nn.Linear "
-                         f"modules or a {{name: module}} mapping")
+        raise ValueError(f"{what} in {type(model).__name__}: pass `targets`, names of its nn.Linear modules or a mapping")
     rank = default_rank(found.values()) if rank is None else rank
     embedding = _input_embedding(model)  # None: the sketched layers' own leaf inputs (module notes)
 
@@ -405,8 +324,8 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
     for clean, module in found.items():
         weight = module.weight
         rows = module.out_features if shard is None else shard.rows(module.out_features)[1]
-        s = torch.zeros(rows, rank, device=weight.device,
-                        dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32)  # (d, r) S
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32  # S's dtype
+        s = torch.zeros(rows, rank, device=weight.device, dtype=acc)  # (d, r) S, or this process's (n, r)
         signs = torch.empty((), dtype=torch.int8, device=weight.device).expand(rank, module.in_features)  # shape
         layers.append(LayerSketch(clean, module, signs, s, seed, update, shard))
     refresh(layers, update)  # the signs of A_update
@@ -417,10 +336,10 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
     frozen = {n: p.requires_grad for n, p in model.named_parameters()}  # restored by detach
     for p in model.parameters():
         p.requires_grad_(False)
-    hook = None if embedding is None else embedding.register_forward_hook(_require_grad_hook)
+    hook = None if embedding is None else embedding.register_forward_hook(  # Hugging Face's enable_input_require_grads
+        lambda module, args, out: out.requires_grad_(True) if torch.is_grad_enabled() else out)
     model._logra_attached = (layers, frozen, hook)
     return layers
-
 
 def detach(model: nn.Module) -> None:
     """Undo `attach`: plain nn.Linear forwards, original requires_grad flags, no hook."""
