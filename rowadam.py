@@ -1,12 +1,10 @@
 """
 rowadam.py: RowAdam, and the low-rank merge of its update into fp32 master weights.
 
-What it is
-----------
-Dense Adam keeps two fp32 moments per weight. RowAdam keeps one second moment per output row
-of each target layer and turns the layer's sketch S = G A^T (sketch.py) into a direction that
-is merged into the full weight. No first moment: A is redrawn every update, so sketch columns
-of two updates do not line up; rows do.
+Dense Adam keeps two fp32 moments per weight. RowAdam keeps one second moment per output row of
+each target layer and turns its sketch S = G A^T (sketch.py) into a direction merged into the
+full weight. No first moment: A is redrawn every update, so sketch columns of two updates do
+not line up; rows do.
 
 Use
 ---
@@ -23,9 +21,8 @@ Use
         raise
     factors = opt.merge(alpha)                     # W -= F A_0, F = bf16(alpha U); v set; update 1; S = 0; A_1
 
-`model`: a Hugging Face causal LM with fp32 weights; `loss_fn(model, ids)` (ppo.py's policy
-loss) and `choose_alpha` (kl_control.py's probe and solve_alpha) are the caller's.
-tests/test_rowadam.py::test_the_use_block_runs runs it on a tiny Qwen2; `factors` is what sync.py sends.
+`loss_fn` (ppo.py's loss) and `choose_alpha` (kl_control.py's probe and solve_alpha) are the
+caller's; tests/test_rowadam.py::test_the_use_block_runs runs it; sync.py sends `factors`.
 
 The math (arXiv:2610.06647, the method section on RowAdam), per layer, at update t
 --------------------------------------------------------------------------------
@@ -36,51 +33,40 @@ The math (arXiv:2610.06647, the method section on RowAdam), per layer, at update
     D     <- s[:, None] S;  D <- D ||S||_F / ||D||_F          keep the layer's sketch norm
     c     =  update_ratio sqrt( sum_layers ||W||_F^2 / sum_layers ||D A||_F^2 )
     W     <- W - F A_t,  F = bf16(alpha c D)                  alpha from kl_control.py
-Code -> paper: `D` (`row_adam_direction`) is the paper's U; `U = c D` (`directions`) is its
-eta U, with c in the role of the learning rate eta; `F` its alpha eta U; `moments` v; t the
-project's update counter (sketch.py). `prepare` forms U, `merge` does the last line
-(`merge_rows`, F A in float64 rounded once to W's dtype) and moves every layer to A_{t+1}.
+Code -> paper: `D` (`row_adam_direction`) is its U; `U = c D` (`directions`) its eta U, c in
+the role of eta; `F` its alpha eta U; `moments` v; t sketch.py's update counter. `merge` does
+the last line (`merge_rows`: F A in float64, rounded once) and moves every layer to A_{t+1}.
 
-Defaults
---------
-- beta2 = 0.95, eps = 1e-8, factor dtype bf16: the paper's.
-- update_ratio = 1e-2 (`UPDATE_RATIO`): departure 4; the paper's 6e-5 is `update_ratio=6e-5`.
+Defaults: beta2 = 0.95, eps = 1e-8, factor dtype bf16, the paper's; update_ratio = 1e-2
+(`UPDATE_RATIO`, departure 4; the paper's is `update_ratio=6e-5`).
 
 Departures from the paper (numbered; reason; test)
 -------------------------------------------------
-1. Row-sharded state (infra/batched.py's `BatchedRowAdam` on sketch.py's departure 1): a
-   process holds its rows of S, U, v and W; whole-layer sums and minima are reduced in float64.
-   Memory: d/world rows. tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.
-2. No bf16 ties in the masters: after a merge, a moved fp32 weight exactly halfway between two
-   bf16 values moves one ulp toward zero (`avoid_bf16_ties_`), so an engine holds the master as
-   bf16 + int16 (sync.py). tests/test_rowadam.py::test_merge_moves_bf16_ties_one_ulp_toward_zero.
-3. `prepare(per_layer=True)`: one c_l = update_ratio ||W_l|| / ||D_l A_l|| per layer (for
-   models from random weights, kl_control.py's start='scratch').
+1. Row-sharded state (infra/batched.py's `BatchedRowAdam`, sketch.py departure 1): a process
+   holds its rows of S, U, v, W; whole-layer sums and minima are reduced in float64 (memory:
+   d/world rows). tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.
+2. No bf16 ties in the masters: a moved fp32 weight halfway between two bf16 values moves one
+   ulp toward zero (`avoid_bf16_ties_`), so an engine holds it as bf16 + int16 (sync.py).
+   tests/test_rowadam.py::test_merge_moves_bf16_ties_one_ulp_toward_zero.
+3. `prepare(per_layer=True)`: c_l = update_ratio ||W_l|| / ||D_l A_l|| per layer, for models from
+   random weights (kl_control.py's start='scratch').
    tests/test_rowadam.py::test_per_layer_scale_gives_each_layer_its_share_of_its_weights.
-4. update_ratio 1e-2, not 6e-5: with the KL budget binding, the step is set by the budget and
-   update_ratio only caps it (alpha_max x update_ratio of ||W||); the paper's 6e-5 left alpha at
-   its cap and the toy at chance (bench/README.md, `defaults`).
-   tests/test_kl_control.py::test_alpha_at_its_cap_is_warned_about_once.
+4. update_ratio 1e-2, not 6e-5: once the KL budget binds it sets the step and update_ratio only
+   caps it (alpha_max x update_ratio of ||W||); 6e-5 left alpha at its cap and the toy at chance
+   (bench/README.md, `defaults`). tests/test_kl_control.py::test_alpha_at_its_cap_is_warned_about_once.
 
 Implementation notes
 --------------------
-- S is the sketch of the global mean-per-token loss, taken as it is (no extra division by the
-  token count). tests/test_rowadam.py::test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss.
-- Means over rows are float64 sums divided by d as a float64 tensor, rounded once; ||D A||^2 is
-  sum((D (A A^T)) * D) with the exact +-1 Gram matrix. F A is exact in float64 for r a power of
-  4, so any chunking or sharding gives the same bits.
+- S is the sketch of the mean-per-token loss, not divided again by the token count.
+  tests/test_rowadam.py::test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss.
+- Means over rows are float64 sums divided by d as a tensor; ||D A||^2 = sum((D (A A^T)) * D);
+  F A is exact in float64 for r a power of 4, so any chunking or shard gives the same bits.
   tests/test_rowadam.py::test_sharded_merge_equals_unsharded.
-- `prepare` changes nothing (`merge` commits v and the counter, `discard` drops the batch);
-  refusals (no backward, a second prepare, non-finite S, bad alpha, a cast to bf16) change
-  nothing. tests/test_rowadam.py::test_failures_change_nothing,
-  tests/test_rowadam.py::test_prepare_without_a_backward_is_refused.
-- A zero sketch gives D = 0 and c = 0: the merge moves no weight.
-  tests/test_rowadam.py::test_zero_sketch_gives_zero_direction.
-- bf16/fp16 masters are refused: the update is below their resolution.
-  tests/test_rowadam.py::test_bf16_weights_refused.
-- Fast companion: infra/batched.py's `BatchedRowAdam` runs these formulas over all layers of a
-  shape at once (bench/README.md, `loop_phases`), the same bits as this per-layer loop for the
-  directions and the merge. tests/test_rowadam.py::test_batched_rowadam_equals_the_reference.
+- `prepare` changes nothing (`merge` commits, `discard` drops); every refusal changes nothing.
+  tests/test_rowadam.py::test_failures_change_nothing, tests/test_rowadam.py::test_bf16_weights_refused.
+- A zero sketch gives D = 0, c = 0. tests/test_rowadam.py::test_zero_sketch_gives_zero_direction.
+- Fast companion: infra/batched.py's `BatchedRowAdam`, the formulas over stacks of layers, the
+  same bits. tests/test_rowadam.py::test_batched_rowadam_equals_the_reference.
 
 Shape legend: d out rows, k in columns, r rank; n rows this process holds (n = d in one process).
 """
@@ -90,14 +76,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from sketch import PROJECTION, LayerSketch, projection_from_signs, refresh
+from sketch import PROJECTION, LayerSketch, refresh
 
 MERGE_ELEMENTS = 2**24  # entries of W a merge works on at once (a float64 F A block and its rounding: 256 MiB)
 UPDATE_RATIO = 1e-2  # ||U A|| / ||W|| before alpha: departure 4
-
-
-# -----------------------------------------------------------------------------
-# The direction of one layer: "The math", line by line
 
 def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8):
     """RowAdam's D (d, r) of one layer from its sketch S (d, r) and row moments v (d,); returns
@@ -120,49 +102,21 @@ def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8):
     D.mul_(torch.where(D_sq > 0, (S_sq / D_sq).sqrt(), 1.0).to(D.dtype))  # D = 0 stays 0; no host read
     return D, v
 
-
 def check_direction_inputs(sketches, moments, step, beta2, eps):
     for S, v in zip(sketches, moments):
-        if S.dim() != 2:
-            raise ValueError(f"sketch must be (n, r), got shape {tuple(S.shape)}")
-        if v.shape != (S.shape[0],):
-            raise ValueError(f"second moment must have shape ({S.shape[0]},), got {tuple(v.shape)}")
-    if step < 1:
-        raise ValueError(f"step is 1-based (update + 1), got {step}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
-
-
-def da_squared(D, signs) -> torch.Tensor:
-    """||D A||^2 = sum((D (A A^T)) * D) in float64, D (n, r), A = signs / sqrt(r): no (n, k) block."""
-    s = signs.to(torch.float32)  # (r, k)
-    # A A^T: +-1 products summed by an fp32 GEMM, integers below 2^24, exact in any order
-    gram = (s @ s.t()).to(torch.float64) * entry_magnitude(signs.shape[0], D.dtype) ** 2  # (r, r)
-    D64 = D.to(torch.float64)  # (n, r)
-    return ((D64 @ gram) * D64).sum()
-
-
-def entry_magnitude(rank: int, dtype) -> float:
-    """|A's entries| as `sketch.projection_from_signs` rounds them in `dtype` (1/sqrt(rank))."""
-    return float(projection_from_signs(torch.ones(rank, 1, dtype=torch.int8), dtype)[0, 0])
-
-
-# -----------------------------------------------------------------------------
-# The merge: W -= F A, this process's rows, in row chunks
+        if S.dim() != 2 or v.shape != (S.shape[0],):
+            raise ValueError(f"sketch must be (n, r) and its second moment (n,), got {tuple(S.shape)}, {tuple(v.shape)}")
+    if step < 1 or not 0.0 <= beta2 < 1.0 or not eps > 0:
+        raise ValueError(f"need step >= 1 (1-based: update + 1), beta2 in [0, 1), eps > 0; got {step}, {beta2}, {eps}")
 
 def rows_per_chunk(width: int) -> int:
-    """Rows of a (., width) weight that a merge works on at once: MERGE_ELEMENTS entries."""
-    return max(1, MERGE_ELEMENTS // width)
-
+    return max(1, MERGE_ELEMENTS // width)  # rows of a (., width) weight merged at once
 
 @torch.no_grad()
 def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=None, avoid_ties=True):
-    """W[o:o+n] -= F[o:o+n] @ A for this process's rows, in row chunks of `chunk_rows`: F A in
-    float64 rounded once to W's dtype (any chunking, sharding or device: the same bits). A row
-    whose factor row is zero is left bit for bit; `avoid_ties=False` leaves the moved rows' bf16
-    ties to the caller (the engines, sync.py)."""
+    """W[o:o+n] -= F[o:o+n] @ A for this process's rows, in row chunks: F A in float64 rounded once
+    to W's dtype (any chunking, shard or device: the same bits). A row whose factor row is zero is
+    left bit for bit; `avoid_ties=False` leaves the moved rows' bf16 ties to the caller (sync.py)."""
     n = rows.shape[0]
     moved = factor[row_offset:row_offset + n].ne(0).any(dim=1)  # (n,) rows F moves; never read to the host
     a = projection.to(torch.float64)  # (r, k)
@@ -175,7 +129,6 @@ def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=None, avoid_ti
         if avoid_ties and rows.dtype == torch.float32:  # departure 2, in the moved rows only
             avoid_bf16_ties_(rows[start:stop], rows=moved[start:stop])
 
-
 def avoid_bf16_ties_(w, *, rows=None):
     """Move every fp32 value exactly halfway between two bf16 values (low 16 bits 0x8000) one
     fp32 ulp toward zero, in place (departure 2); `rows` (n,) bool: only those rows."""
@@ -186,29 +139,23 @@ def avoid_bf16_ties_(w, *, rows=None):
     bits.sub_(tie.to(torch.int32))
     return w
 
-
 def local_rows(weight):
-    """(this process's rows of `weight`, their global row offset). FSDP2 shards dim 0 like torch.chunk."""
-    if not hasattr(weight, "to_local"):  # a plain tensor: every row
+    """(this process's rows of `weight`, their first row): an FSDP2 DTensor's dim-0 chunk, or all."""
+    if not hasattr(weight, "to_local"):
         return weight, 0
-    mesh = weight.device_mesh  # a DTensor (FSDP2 at rest)
+    mesh = weight.device_mesh
     if mesh.ndim != 1:
         raise NotImplementedError("only 1-D FSDP meshes are supported")
     chunk = -(-weight.shape[0] // mesh.size())  # ceil(d / world)
     return weight.to_local(), min(mesh.get_local_rank() * chunk, weight.shape[0])
 
-
-# -----------------------------------------------------------------------------
-# The optimizer
-
 class RowAdam:
-    """RowAdam over `sketch.attach`'s layers: `prepare()` turns their sketches into directions U
-    (`directions`), `merge(alpha)` writes `W -= bf16(alpha U) A_t`, commits v, counts the update,
-    zeroes S and moves every layer to A_{t+1}; `discard()` drops the batch instead. `prepare(group)`
-    first sums whole sketches over data-parallel processes (one all_reduce each, the paper's).
-    Refused, changing nothing: no backward since the last merge, a second prepare, a non-finite
-    sum, a bad alpha, weights cast from fp32. `seed`: checked against the layers'. Row-sharded
-    layers need infra/batched.py's `BatchedRowAdam`, which reduces over their group."""
+    """RowAdam over `sketch.attach`'s layers: `prepare()` turns their sketches into `directions`
+    U, `merge(alpha)` writes `W -= bf16(alpha U) A_t`, commits v, counts the update, zeroes S and
+    moves every layer to A_{t+1}; `discard()` drops the batch. `prepare(group)` first sums whole
+    sketches over data-parallel processes (an all_reduce each, the paper's). Refused, changing
+    nothing: no backward since the last merge, a second prepare, a non-finite sum, a bad alpha,
+    weights cast from fp32. Row-sharded layers need infra/batched.py's `BatchedRowAdam`."""
 
     shards_rows = False  # whether this class reduces row-sharded layers' sums over their group
 
@@ -218,30 +165,22 @@ class RowAdam:
             raise ValueError("RowAdam needs at least one LayerSketch")
         for layer in layers:
             _check_master_dtype(layer, layer.module.weight.dtype, update_ratio)
-        if len({layer.update for layer in layers}) != 1 or len({l.base_seed for l in layers}) != 1:
-            raise ValueError("all layers must share one base seed and update number")
-        if len({id(layer.group) for layer in layers}) != 1:
-            raise ValueError("all layers must share one process group (or none)")
+        if len({(l.update, l.base_seed, id(l.group)) for l in layers}) != 1:
+            raise ValueError("all layers must share one base seed, update number and process group (or none)")
         if layers[0].group is not None and not self.shards_rows:
-            raise ValueError("the layers are row-sharded (attach(..., shard=...)); this RowAdam holds every row: "
-                             "use infra/batched.py's BatchedRowAdam, which reduces over their group")
+            raise ValueError("row-sharded layers (attach(..., shard=...)): use infra/batched.py's BatchedRowAdam")
         if seed is not None and layers[0].base_seed != seed:
             raise ValueError(f"layers were attached with seed {layers[0].base_seed}, not seed={seed}: "
                              f"pass attach's seed, or leave seed out (the layers hold it)")
         if not 0.0 <= beta2 < 1.0 or not eps > 0 or not update_ratio > 0:
             raise ValueError("need 0 <= beta2 < 1, eps > 0, update_ratio > 0")
-        self.layers, self.group = layers, layers[0].group
-        self.base_seed, self.beta2, self.eps = layers[0].base_seed, beta2, eps
-        self.update_ratio, self.factor_dtype = update_ratio, factor_dtype
+        self.layers, self.group, self.base_seed, self.update = layers, layers[0].group, layers[0].base_seed, layers[0].update
+        self.beta2, self.eps, self.update_ratio, self.factor_dtype = beta2, eps, update_ratio, factor_dtype
         self._dtypes = [layer.module.weight.dtype for layer in layers]  # a later cast is refused
-        self.update = layers[0].update  # t, the merged updates (sketch.py's counter)
-        self.moments = [torch.zeros(l.sketch.shape[0], dtype=l.sketch.dtype, device=l.sketch.device)
-                        for l in layers]  # v (n,) each
+        self.moments = [torch.zeros(l.sketch.shape[0], dtype=l.sketch.dtype, device=l.sketch.device) for l in layers]
         self.directions = self._pending_moments = None  # U (n, r) each, and the new v, between prepare and merge
 
-    @property
-    def rank(self):
-        return self.layers[0].rank
+    rank = property(lambda self: self.layers[0].rank)
 
     @torch.no_grad()
     def prepare(self, group=None, *, per_layer=False) -> float:
@@ -253,9 +192,8 @@ class RowAdam:
         self._check_dtypes()
         whole = group is not None and self.group is None  # whole sketches on every process: summed here
         self._check_a_backward_ran(group if whole else None)
-        if whole:
-            for S in self._sketches():
-                dist.all_reduce(S, group=group)  # in place: the summed sketches are the batch's
+        for S in self._sketches() if whole else ():
+            dist.all_reduce(S, group=group)  # in place: the summed sketches are the batch's
         S_sq = self._sketch_squares()  # (L,) float64 ||S_l||^2: the norm returned, and the finiteness check
         if not torch.isfinite(S_sq).all():
             raise FloatingPointError("summed sketch is not finite (or its squared norm overflows float64): "
@@ -270,17 +208,17 @@ class RowAdam:
     def _sketch_squares(self):
         return torch.stack([layer.sketch.double().square().sum() for layer in self.layers])  # (L,)
 
-    def _directions(self, step):
-        """(D of each layer, new v of each layer): `row_adam_direction`, layer by layer."""
+    def _directions(self, step):  # (D of each layer, new v of each layer)
         out = [row_adam_direction(l.sketch, v, step=step, beta2=self.beta2, eps=self.eps)
                for l, v in zip(self.layers, self.moments)]
         return [D for D, _ in out], [v for _, v in out]
 
     def _scale(self, D, per_layer):
-        """U = c D in place: c = update_ratio sqrt(sum ||W||^2 / sum ||D A||^2), 0 where D A = 0;
-        per layer, c_l = update_ratio ||W_l|| / ||D_l A_l|| (departure 3)."""
+        """U = c D in place, c = update_ratio sqrt(sum ||W||^2 / sum ||D A||^2) (0 where D A = 0), or
+        c_l per layer (departure 3); ||D A||^2 = sum((D (A A^T)) * D) in float64, no (n, k) block."""
         W_sq = torch.stack([local_rows(l.module.weight)[0].double().square().sum() for l in self.layers])  # (L,)
-        DA_sq = torch.stack([da_squared(D_l, l.signs) for l, D_l in zip(self.layers, D)])  # (L,)
+        A = [l.projection.double() for l in self.layers]  # (r, k) each
+        DA_sq = torch.stack([((D_l.double() @ (a @ a.t())) * D_l.double()).sum() for D_l, a in zip(D, A)])  # (L,)
         if not per_layer:
             W_sq, DA_sq = W_sq.sum().expand(len(D)), DA_sq.sum().expand(len(D))
         c = torch.where(DA_sq > 0, self.update_ratio * (W_sq / DA_sq.clamp(min=torch.finfo(torch.float64).tiny)).sqrt(),
@@ -288,23 +226,20 @@ class RowAdam:
         return [D_l.mul_(c_l.to(D_l.dtype)) for D_l, c_l in zip(D, c)]
 
     def _check_dtypes(self):
-        """Refuse weights whose dtype changed since the constructor (a cast of the model)."""
-        for layer, dtype in zip(self.layers, self._dtypes):
-            now = layer.module.weight.dtype
-            if now != dtype:
-                _check_master_dtype(layer, now, self.update_ratio)  # bf16 and fp16: the reason below
-                raise TypeError(f"{layer.name}: the weight is {now}, but was {dtype} when RowAdam was built: the "
-                                f"model was cast since; cast it back (nothing was changed)")
+        for layer, dtype in zip(self.layers, self._dtypes):  # a cast of the model since the constructor
+            if layer.module.weight.dtype != dtype:
+                _check_master_dtype(layer, layer.module.weight.dtype, self.update_ratio)  # bf16, fp16: the reason
+                raise TypeError(f"{layer.name}: the weight is {layer.module.weight.dtype}, but was {dtype} when RowAdam "
+                                f"was built: the model was cast since; cast it back (nothing was changed)")
 
     def _check_a_backward_ran(self, group):
-        """Refuse a batch that no backward reached (`LayerSketch.backwards`); with `group` (whole
-        sketches summed over it) the counts are summed, so every process refuses or none."""
-        total = sum(int(l.backwards) for l in self.layers)
+        """Refuse a batch no backward reached (`LayerSketch.backwards`); with `group`, whole sketches
+        summed over it, the counts are summed, so every process refuses or none."""
+        total = torch.tensor(sum(int(l.backwards) for l in self.layers), dtype=torch.int64)  # ()
         if group is not None:
-            total_t = torch.tensor(total, dtype=torch.int64, device=self.layers[0].sketch.device)  # ()
-            dist.all_reduce(total_t, group=group)
-            total = int(total_t)
-        if total == 0:
+            total = total.to(self.layers[0].sketch.device)
+            dist.all_reduce(total, group=group)
+        if int(total) == 0:
             raise ValueError("prepare(): no backward reached any sketch since the last merge() or discard(), so the "
                              "directions would be zero and merge() would still count an update; call "
                              "loss.backward() between merges (nothing was changed)")
@@ -371,8 +306,8 @@ class RowAdam:
         return v
 
     def load_state_dict(self, state: dict) -> None:
-        """Moments, counter and settings from `state_dict()`'s dict; the layers move to A_update.
-        A state of another projection (none recorded: version 1) is refused."""
+        """`state_dict()`'s moments, counter and settings; the layers move to A_update. Another
+        projection than sketch.PROJECTION (none recorded: version 1) is refused."""
         projection = int(state.get("projection", 1))
         if projection != PROJECTION:
             raise ValueError(f"this state was saved under projection {projection}; this release makes A by "
@@ -383,18 +318,15 @@ class RowAdam:
         if list(state["moments"]) != [l.name for l in self.layers]:
             raise ValueError("checkpoint holds a different set of target layers")
         local = {n: (m.to_local() if hasattr(m, "to_local") else m) for n, m in state["moments"].items()}
-        for l, v in zip(self.layers, self.moments):
-            if local[l.name].shape != v.shape:
-                raise ValueError(f"{l.name}: moment shape {tuple(local[l.name].shape)} != {tuple(v.shape)}")
+        if any(local[l.name].shape != v.shape for l, v in zip(self.layers, self.moments)):
+            raise ValueError(f"moment shapes {[tuple(m.shape) for m in local.values()]} differ from this model's")
         if self.directions is not None:
             raise RuntimeError("cannot load state over a prepared update: discard() first")
         for l, v in zip(self.layers, self.moments):
             v.copy_(local[l.name])
-        self.beta2, self.eps, self.update_ratio = state["beta2"], state["eps"], state["update_ratio"]
-        self.update = state["update"]
+        self.beta2, self.eps, self.update_ratio, self.update = (state[k] for k in ("beta2", "eps", "update_ratio", "update"))
         self._zero_sketches()
         self._refresh(self.update)
-
 
 def _check_master_dtype(layer, dtype, update_ratio):
     if dtype not in (torch.float32, torch.float64):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import rowadam
 import sync
-from rowadam import RowAdam, avoid_bf16_ties_, check_direction_inputs, entry_magnitude, local_rows, merge_rows
+from rowadam import RowAdam, avoid_bf16_ties_, check_direction_inputs, local_rows, merge_rows
 from sketch import MASK32, ROUND_KEY, SIGNS_PER_WORD, check_signs, mix32, projection_from_signs, projection_seed
 
 SIGN_BATCH = 2**20  # hashed words per batch of make_signs_many (its int64 work: a few 8 MiB tensors)
@@ -215,6 +215,11 @@ def _sum_squares(t, block=SUM_BLOCK):
         total += torch.dot(part, part)
         del part  # before the next block is made: one block at a time
     return total
+
+
+def entry_magnitude(rank: int, dtype) -> float:
+    """|A's entries| as `sketch.projection_from_signs` rounds them in `dtype` (1/sqrt(rank))."""
+    return float(projection_from_signs(torch.ones(rank, 1, dtype=torch.int8), dtype)[0, 0])
 
 
 def merge_layers(weights, factors, signs, magnitude: float, *, avoid_ties=True):

@@ -255,7 +255,7 @@ def test_layers_merged_together_equal_merge_rows_each(budget, monkeypatch):
     factors = (torch.randn(L, d, r, generator=g) * 1e-3).to(torch.bfloat16)
     factors[:, :3] = 0  # rows the merge leaves alone
     signs = [sketch.make_signs(r, k, seed) for seed in range(L)]
-    magnitude = rowadam.entry_magnitude(r, torch.float32)
+    magnitude = batched.entry_magnitude(r, torch.float32)
     before, expect = [w.clone() for w in weights], [w.clone() for w in weights]
     for w, f, s in zip(expect, factors, signs):
         rowadam.merge_rows(w, f, sketch.projection_from_signs(s))
