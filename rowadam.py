@@ -1,10 +1,9 @@
 """
 rowadam.py: RowAdam, and the low-rank merge of its update into fp32 master weights.
 
-Dense Adam keeps two fp32 moments per weight. RowAdam keeps one second moment per output row of
-each target layer and turns its sketch S = G A^T (sketch.py) into a direction merged into the
-full weight. No first moment: A is redrawn every update, so sketch columns of two updates do
-not line up; rows do.
+Dense Adam keeps two fp32 moments per weight; RowAdam one second moment per output row of each
+target layer, turning its sketch S = G A^T (sketch.py) into a direction merged into the full
+weight. No first moment: A is redrawn every update, so sketch columns do not line up; rows do.
 
 Use
 ---
@@ -21,8 +20,8 @@ Use
         raise
     factors = opt.merge(alpha)                     # W -= F A_0, F = bf16(alpha U); v set; update 1; S = 0; A_1
 
-`loss_fn` (ppo.py's loss) and `choose_alpha` (kl_control.py's probe and solve_alpha) are the
-caller's; tests/test_rowadam.py::test_the_use_block_runs runs it; sync.py sends `factors`.
+`loss_fn` (ppo.py's) and `choose_alpha` (kl_control.py's probe and solve_alpha) are the caller's;
+tests/test_rowadam.py::test_the_use_block_runs runs it; sync.py sends `factors` to the engines.
 
 The math (arXiv:2610.06647, the method section on RowAdam), per layer, at update t
 --------------------------------------------------------------------------------
@@ -33,40 +32,33 @@ The math (arXiv:2610.06647, the method section on RowAdam), per layer, at update
     D     <- s[:, None] S;  D <- D ||S||_F / ||D||_F          keep the layer's sketch norm
     c     =  update_ratio sqrt( sum_layers ||W||_F^2 / sum_layers ||D A||_F^2 )
     W     <- W - F A_t,  F = bf16(alpha c D)                  alpha from kl_control.py
-Code -> paper: `D` (`row_adam_direction`) is its U; `U = c D` (`directions`) its eta U, c in
-the role of eta; `F` its alpha eta U; `moments` v; t sketch.py's update counter. `merge` does
-the last line (`merge_rows`: F A in float64, rounded once) and moves every layer to A_{t+1}.
+Code -> paper: `D` (`row_adam_direction`) is its U; `U = c D` (`directions`) its eta U (c is
+eta); `F` its alpha eta U; `moments` v; t sketch.py's update counter. `merge_rows` forms F A in
+float64, rounded once (any chunking or shard: the same bits), then every layer moves to A_{t+1}.
 
 Defaults: beta2 = 0.95, eps = 1e-8, factor dtype bf16, the paper's; update_ratio = 1e-2
 (`UPDATE_RATIO`, departure 4; the paper's is `update_ratio=6e-5`).
 
 Departures from the paper (numbered; reason; test)
 -------------------------------------------------
-1. Row-sharded state (infra/batched.py's `BatchedRowAdam`, sketch.py departure 1): a process
-   holds its rows of S, U, v, W; whole-layer sums and minima are reduced in float64 (memory:
-   d/world rows). tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.
-2. No bf16 ties in the masters: a moved fp32 weight halfway between two bf16 values moves one
-   ulp toward zero (`avoid_bf16_ties_`), so an engine holds it as bf16 + int16 (sync.py).
-   tests/test_rowadam.py::test_merge_moves_bf16_ties_one_ulp_toward_zero.
-3. `prepare(per_layer=True)`: c_l = update_ratio ||W_l|| / ||D_l A_l|| per layer, for models from
-   random weights (kl_control.py's start='scratch').
+1. Row-sharded S, U, v, W under FSDP2 (infra/batched.py's `BatchedRowAdam`), row sums reduced in
+   float64: d/world rows a process. tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.
+2. A moved fp32 weight halfway between two bf16 values moves one ulp toward zero, so an engine holds
+   bf16 + int16 (sync.py). tests/test_rowadam.py::test_merge_moves_bf16_ties_one_ulp_toward_zero.
+3. `prepare(per_layer=True)`: c_l = update_ratio ||W_l|| / ||D_l A_l||, for models from random weights.
    tests/test_rowadam.py::test_per_layer_scale_gives_each_layer_its_share_of_its_weights.
-4. update_ratio 1e-2, not 6e-5: once the KL budget binds it sets the step and update_ratio only
-   caps it (alpha_max x update_ratio of ||W||); 6e-5 left alpha at its cap and the toy at chance
+4. update_ratio 1e-2, not 6e-5: once the KL budget binds it sets the step and update_ratio only caps
+   it (alpha_max x update_ratio of ||W||); 6e-5 left alpha at its cap and the toy at chance
    (bench/README.md, `defaults`). tests/test_kl_control.py::test_alpha_at_its_cap_is_warned_about_once.
 
 Implementation notes
 --------------------
-- S is the sketch of the mean-per-token loss, not divided again by the token count.
+- S is the mean-per-token loss's sketch, not divided again by the token count.
   tests/test_rowadam.py::test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss.
-- Means over rows are float64 sums divided by d as a tensor; ||D A||^2 = sum((D (A A^T)) * D);
-  F A is exact in float64 for r a power of 4, so any chunking or shard gives the same bits.
-  tests/test_rowadam.py::test_sharded_merge_equals_unsharded.
-- `prepare` changes nothing (`merge` commits, `discard` drops); every refusal changes nothing.
-  tests/test_rowadam.py::test_failures_change_nothing, tests/test_rowadam.py::test_bf16_weights_refused.
-- A zero sketch gives D = 0, c = 0. tests/test_rowadam.py::test_zero_sketch_gives_zero_direction.
-- Fast companion: infra/batched.py's `BatchedRowAdam`, the formulas over stacks of layers, the
-  same bits. tests/test_rowadam.py::test_batched_rowadam_equals_the_reference.
+- `prepare` changes nothing (`merge` commits, `discard` drops); a refusal changes nothing; a zero S
+  gives D = 0. tests/test_rowadam.py::test_failures_change_nothing, test_zero_sketch_gives_zero_direction.
+- Fast companion: infra/batched.py's `BatchedRowAdam`, the same bits over stacks of layers
+  (tests/test_rowadam.py::test_batched_rowadam_equals_the_reference; bench/README.md, `loop_phases`).
 
 Shape legend: d out rows, k in columns, r rank; n rows this process holds (n = d in one process).
 """
@@ -150,12 +142,11 @@ def local_rows(weight):
     return weight.to_local(), min(mesh.get_local_rank() * chunk, weight.shape[0])
 
 class RowAdam:
-    """RowAdam over `sketch.attach`'s layers: `prepare()` turns their sketches into `directions`
-    U, `merge(alpha)` writes `W -= bf16(alpha U) A_t`, commits v, counts the update, zeroes S and
-    moves every layer to A_{t+1}; `discard()` drops the batch. `prepare(group)` first sums whole
-    sketches over data-parallel processes (an all_reduce each, the paper's). Refused, changing
-    nothing: no backward since the last merge, a second prepare, a non-finite sum, a bad alpha,
-    weights cast from fp32. Row-sharded layers need infra/batched.py's `BatchedRowAdam`."""
+    """RowAdam over `sketch.attach`'s layers: `prepare()` makes `directions` U; `merge(alpha)` writes
+    W -= bf16(alpha U) A_t, commits v, counts the update, zeroes S, moves to A_{t+1}; `discard()`
+    drops the batch. `prepare(group)` first all_reduces whole sketches (data parallel, the paper's).
+    Refused, changing nothing: no backward since the last merge, a second prepare, a non-finite
+    sum, a bad alpha, a cast from fp32."""
 
     shards_rows = False  # whether this class reduces row-sharded layers' sums over their group
 
@@ -181,11 +172,11 @@ class RowAdam:
         self.directions = self._pending_moments = None  # U (n, r) each, and the new v, between prepare and merge
 
     rank = property(lambda self: self.layers[0].rank)
+    refresh = staticmethod(refresh)  # every layer to A_t (infra/batched.py's makes their signs together)
 
     @torch.no_grad()
     def prepare(self, group=None, *, per_layer=False) -> float:
-        """U = c D of every layer (this process's rows) into `directions`; returns ||S|| over all
-        layers. `per_layer`: c_l per layer (departure 3)."""
+        """U = c D of every layer into `directions` (c_l each with `per_layer`); returns ||S||."""
         if self.directions is not None:
             raise RuntimeError("prepare() was already called for this update and its directions are in "
                                "opt.directions: merge(alpha) them, or discard() the batch and run a new backward")
@@ -233,15 +224,13 @@ class RowAdam:
                                 f"was built: the model was cast since; cast it back (nothing was changed)")
 
     def _check_a_backward_ran(self, group):
-        """Refuse a batch no backward reached (`LayerSketch.backwards`); with `group`, whole sketches
-        summed over it, the counts are summed, so every process refuses or none."""
+        """Refuse a batch no backward reached; with `group` every process refuses or none."""
         total = torch.tensor(sum(int(l.backwards) for l in self.layers), dtype=torch.int64)  # ()
         if group is not None:
             total = total.to(self.layers[0].sketch.device)
             dist.all_reduce(total, group=group)
         if int(total) == 0:
-            raise ValueError("prepare(): no backward reached any sketch since the last merge() or discard(), so the "
-                             "directions would be zero and merge() would still count an update; call "
+            raise ValueError("prepare(): no backward reached any sketch since the last merge() or discard(): call "
                              "loss.backward() between merges (nothing was changed)")
 
     def discard(self) -> None:
@@ -255,46 +244,35 @@ class RowAdam:
 
     @torch.no_grad()
     def merge(self, alpha: float) -> list[torch.Tensor]:
-        """W -= bf16(alpha U) A_t on this process's rows of every weight; commit v, count the
-        update, zero S, move to A_{t+1}; return the factors F (n, r) as merged."""
+        """W -= F A_t, F = bf16(alpha U), on this process's rows; returns every F (n, r) as merged."""
         if self.directions is None:
             raise RuntimeError("merge() needs prepare() first")
         self._check_dtypes()
         alpha = float(alpha)
         if not math.isfinite(alpha) or alpha < 0:
             raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
-        factors = self._factors(alpha)  # F (n, r) each
+        factors, finite = self._factors(alpha)  # F (n, r) each; whether all are finite
         rows = [local_rows(layer.module.weight)[0] for layer in self.layers]  # (n, k) each
         for layer, w, f in zip(self.layers, rows, factors):
             if w.shape[0] != f.shape[0]:
-                raise RuntimeError(f"{layer.name}: {w.shape[0]} local weight rows but {f.shape[0]} sketch rows "
-                                   f"(attach(..., shard=...) must match the FSDP2 sharding)")
-        if not self._finite(factors):  # a finite alpha can still overflow F
+                raise RuntimeError(f"{layer.name}: {w.shape[0]} weight rows here but {f.shape[0]} sketch rows: shard both alike")
+        if not finite:  # a finite alpha can still overflow F
             raise ValueError(f"alpha = {alpha:g} makes F = alpha U overflow {self.factor_dtype}: nothing was merged")
-        self._merge(rows, factors)
-        self._commit(self._pending_moments)
+        self._merge(rows, factors, self._pending_moments)
         self.directions = self._pending_moments = None
         self.update += 1
         self._zero_sketches()
-        self._refresh(self.update)
+        self.refresh(self.layers, self.update)
         return factors
 
     def _factors(self, alpha):
-        return [(alpha * U).to(self.factor_dtype) for U in self.directions]  # F = bf16(alpha U)
+        factors = [(alpha * U).to(self.factor_dtype) for U in self.directions]  # F = bf16(alpha U)
+        return factors, bool(torch.stack([torch.isfinite(f).all() for f in factors]).all())
 
-    def _finite(self, factors) -> bool:
-        return bool(torch.stack([torch.isfinite(f).all() for f in factors]).all())
-
-    def _merge(self, rows, factors):
-        for layer, w, f in zip(self.layers, rows, factors):
+    def _merge(self, rows, factors, moments):
+        for layer, w, f, v, new in zip(self.layers, rows, factors, self.moments, moments):
             merge_rows(w, f, layer.projection)  # W -= F A_t
-
-    def _commit(self, moments):
-        for v, new in zip(self.moments, moments):
             v.copy_(new)
-
-    def _refresh(self, update):
-        refresh(self.layers, update)
 
     def state_dict(self) -> dict:
         """Moments by layer name, counter, settings and the projection rule (sketch.PROJECTION)."""
@@ -306,15 +284,13 @@ class RowAdam:
         return v
 
     def load_state_dict(self, state: dict) -> None:
-        """`state_dict()`'s moments, counter and settings; the layers move to A_update. Another
-        projection than sketch.PROJECTION (none recorded: version 1) is refused."""
+        """`state_dict()`'s moments, counter, settings; refused if of another projection (none: 1)."""
         projection = int(state.get("projection", 1))
         if projection != PROJECTION:
             raise ValueError(f"this state was saved under projection {projection}; this release makes A by "
                              f"projection {PROJECTION} only (sketch.PROJECTION): resume it with the release that saved it")
         if state["rank"] != self.rank or state["base_seed"] != self.base_seed:
-            raise ValueError(f"checkpoint has rank {state['rank']}, seed {state['base_seed']}; "
-                             f"this optimizer has rank {self.rank}, seed {self.base_seed}")
+            raise ValueError(f"checkpoint has rank {state['rank']}, seed {state['base_seed']}; this has {self.rank}, {self.base_seed}")
         if list(state["moments"]) != [l.name for l in self.layers]:
             raise ValueError("checkpoint holds a different set of target layers")
         local = {n: (m.to_local() if hasattr(m, "to_local") else m) for n, m in state["moments"].items()}
@@ -326,10 +302,9 @@ class RowAdam:
             v.copy_(local[l.name])
         self.beta2, self.eps, self.update_ratio, self.update = (state[k] for k in ("beta2", "eps", "update_ratio", "update"))
         self._zero_sketches()
-        self._refresh(self.update)
+        self.refresh(self.layers, self.update)
 
 def _check_master_dtype(layer, dtype, update_ratio):
     if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"{layer.name}: weight is {dtype}; RowAdam merges into fp32 master weights (a relative "
-                        f"update of ~{update_ratio:g} and less is mostly below bf16's resolution of ~4e-3 and "
-                        f"would be rounded away): keep the weights fp32 (nothing was changed)")
+        raise TypeError(f"{layer.name}: weight is {dtype}; RowAdam merges into fp32 master weights (an update of "
+                        f"~{update_ratio:g} is below bf16's resolution, ~4e-3): keep the weights fp32 (nothing was changed)")

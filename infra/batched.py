@@ -345,24 +345,18 @@ class BatchedRowAdam(RowAdam):
         for (members, *_), F_g in zip(self._groups, self._stacked):
             for j, i in enumerate(members):
                 factors[i] = F_g[j]  # (n, r), in the layers' order
-        return factors
+        return factors, bool(torch.stack([torch.isfinite(F_g).all() for F_g in self._stacked]).all())
 
-    def _finite(self, factors) -> bool:
-        return bool(torch.stack([torch.isfinite(F_g).all() for F_g in self._stacked]).all())
-
-    def _merge(self, rows, factors):
-        """W -= F A_t, the layers of one weight shape together (`merge_layers`: merge_rows' bits)."""
+    def _merge(self, rows, factors, moments):
+        """W -= F A_t, the layers of one weight shape together (`merge_layers`: merge_rows' bits); v committed."""
         magnitude = entry_magnitude(self.rank, self.layers[0].sketch.dtype)  # |A's entries| as the layers form A
         for (members, *_), F_g in zip(self._groups, self._stacked):
             merge_layers([rows[i] for i in members], F_g, [self.layers[i].signs for i in members], magnitude)
-        self._stacked = None
-
-    def _commit(self, moments):
         for (_, _, v, _, _), new in zip(self._groups, moments):
             v.copy_(new)
+        self._stacked = None
 
-    def _refresh(self, update):
-        refresh(self.layers, update)  # A_update, every layer's signs made together
+    refresh = staticmethod(refresh)  # every layer's signs made together
 
     def _saved(self, layer, v):
         return v if layer.shard is None else layer.shard.saved(v, layer.module.weight, layer.rows)
