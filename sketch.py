@@ -16,8 +16,8 @@ Use
     sketches = {layer.name: layer.sketch for layer in layers}  # (d, r) fp32 each: what RowAdam reads
     sketch.detach(model)                           # nn.Linear's forward and the requires_grad flags again
 
-`model`: a Hugging Face causal LM with fp32 weights, `ids` (B, T) (tests/test_sketch.py runs this).
-Any other module names its targets (`targets=("fc1", "fc2")` or a `{name: module}` mapping).
+`model`: a Hugging Face causal LM with fp32 weights, `ids` (B, T) (tests/test_sketch.py runs this);
+any other module names its targets (`targets=("fc1", "fc2")` or a `{name: module}` mapping).
 
 The math (arXiv:2610.06647, the method section on the low-rank gradient sketch)
 -----------------------------------------------------------------------------
@@ -33,8 +33,8 @@ Projection version 2 (`PROJECTION`; version 1, a host draw, is refused where rec
 The update counter t, one for the project: the updates merged so far, from 0; update t uses A_t,
 then every layer moves to A_{t+1} (`refresh`). A step counted from 1 (Adam's) is t + 1.
 
-Defaults: rank r = 256 (`PAPER_RANK`, Table 1's LoGRA runs), capped by `default_rank`
-(departure 3); targets the paper's attention/MLP projections (`TARGETS`; departure 2).
+Defaults: r = 256 (`PAPER_RANK`, Table 1's LoGRA runs), capped by `default_rank` (departure 3);
+targets: the paper's attention/MLP projections (`TARGETS`; departure 2).
 
 Departures from the paper (numbered; reason; test)
 -------------------------------------------------
@@ -48,17 +48,16 @@ Departures from the paper (numbered; reason; test)
 
 Implementation notes
 --------------------
-- All parameters frozen; backward reaches the targets through a Hugging Face embedding's output
-  marked as requiring grad, or through a leaf copy of a plain module's input (no dX).
-  tests/test_sketch.py, test_plain_module_sketches_equal_dense.
-- A refused attach changes nothing. tests/test_sketch.py, test_refused_attach_changes_nothing.
-- A model moved after attach is refused; a cast (FSDP2's bf16 compute) is not.
-  tests/test_sketch.py, test_a_moved_model_is_refused_and_a_cast_one_still_sketches.
-- `backwards` counts passes since `zero_()` on the host, so RowAdam refuses a batch no backward
-  reached. tests/test_sketch.py, test_backwards_counts_the_passes_since_zero.
-- `dY^T P` is one GEMM in the activations' dtype (`sketch_product`), added to S, never `addmm_`:
-  one process and a reduce-scatter add the same products. No grad: a plain `F.linear`.
-- Fast companion: infra/batched.py (every layer's signs at once, sketches as one stack).
+- All parameters frozen; backward reaches a target through a Hugging Face embedding's output
+  made to require grad, or a leaf copy of a plain module's input, no dX (tests/test_sketch.py,
+  test_tiny_qwen2_sketches_equal_dense; test_plain_module_sketches_equal_dense). A refused attach
+  changes nothing (tests/test_sketch.py, test_refused_attach_changes_nothing); a moved model is
+  refused, a cast (FSDP2's bf16 compute) still sketches (tests/test_sketch.py,
+  test_a_moved_model_is_refused_and_a_cast_one_still_sketches).
+- `backwards` counts passes since `zero_()`: RowAdam refuses a batch none reached.
+  tests/test_sketch.py, test_backwards_counts_the_passes_since_zero.
+- `dY^T P` is one GEMM in the activations' dtype (`sketch_product`), added to S (never `addmm_`:
+  one process and a reduce-scatter add the same products). Fast companion: infra/batched.py.
 
 Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
 """
@@ -79,8 +78,7 @@ import torch.nn.functional as F
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 PAPER_RANK = 256  # Table 1's LoGRA rank
 PROJECTION = 2  # the rule that makes A's signs ("The math"), recorded in checkpoints and payloads
-# Module-path parts that FSDP1, activation checkpointing and torch.compile insert: not in a seed.
-WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")  # FSDP1, checkpointing, compile
 
 def clean_name(name: str) -> str:
     """`model._orig_mod.layers.0._checkpoint_wrapped_module.mlp.up_proj` -> `model.layers.0.mlp.up_proj`."""
@@ -100,19 +98,15 @@ SIGNS_PER_WORD = 16  # the 16 high bits of each hashed word give 16 signs
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijection of 32-bit words in an int64 tensor (the `lowbias32` form of C. Wellons' hash prospector)."""
-    x = x ^ (x >> 16)
-    x = (x * MIX_MULTIPLIERS[0]) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * MIX_MULTIPLIERS[1]) & MASK32
+    for shift, multiplier in zip((16, 15), MIX_MULTIPLIERS):
+        x = ((x ^ (x >> shift)) * multiplier) & MASK32
     return x ^ (x >> 15)
 
 def check_signs(rank: int, width: int, seed: int) -> None:
-    if rank <= 0 or width <= 0:
-        raise ValueError(f"projection needs rank > 0 and width > 0, got rank={rank}, width={width}")
+    if rank <= 0 or width <= 0 or rank * -(-width // SIGNS_PER_WORD) > 2**32:
+        raise ValueError(f"projection needs rank > 0 and width > 0 and at most 2^32 counters, got {rank} x {width}")
     if not 0 <= seed < 2**64:
         raise ValueError(f"a projection seed is a 64-bit unsigned integer, got {seed}")
-    if rank * -(-width // SIGNS_PER_WORD) > 2**32:
-        raise ValueError(f"rank {rank} x width {width} needs more than 2^32 counters: a smaller rank")
 
 def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor:
     """sqrt(r) A (rank, width) as int8 +-1, projection version `PROJECTION` ("The math")."""
@@ -227,12 +221,10 @@ class LayerSketch:
     def projection_as(self, dtype) -> torch.Tensor:
         return projection_from_signs(self.signs, dtype)  # (r, k) A_t in `dtype`
 
-    def all_rows(self, local: torch.Tensor) -> torch.Tensor:
-        """All d rows (d, r) of a row-sharded (n, r) tensor such as U or F, or `local` itself."""
+    def all_rows(self, local: torch.Tensor) -> torch.Tensor:  # all d rows (d, r) of a row-sharded (n, r) U or F
         return local if self.shard is None else self.shard.gather(local, self.rows)
 
-    def forward(self, x):
-        """The target's forward while attached: `sketched_linear` on its weight, A_t and S."""
+    def forward(self, x):  # the target's forward while attached
         m = self.module
         if m.weight.device != self.sketch.device:  # torch.device objects: compared without a sync
             raise RuntimeError(f"{self.name}: the weight is on {m.weight.device} but its sketch and signs are on "
@@ -297,8 +289,6 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
         raise RuntimeError("model already has sketches attached; call detach(model) first")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank <= 0):
         raise ValueError(f"rank must be a positive int (or None: default_rank's rule), got {rank!r}")
-    if update < 0:
-        raise ValueError(f"update must be >= 0, got {update}")
     found = target_modules(model, targets)
     members = {id(m) for m in model.modules()}
     for name, module in found.items():
@@ -328,7 +318,7 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
         s = torch.zeros(rows, rank, device=weight.device, dtype=acc)  # (d, r) S, or this process's (n, r)
         signs = torch.empty((), dtype=torch.int8, device=weight.device).expand(rank, module.in_features)  # shape
         layers.append(LayerSketch(clean, module, signs, s, seed, update, shard))
-    refresh(layers, update)  # the signs of A_update
+    refresh(layers, update)  # the signs of A_update (refuses update < 0)
 
     # -- the changes, none of which can fail
     for layer in layers:

@@ -12,10 +12,10 @@ Each is the per-layer reference's bits, proven by a test:
 
 `BatchedRowAdam` is the only RowAdam that takes row-sharded layers (infra/row_shard.py): its
 whole-layer sums and minima are this process's float64 partials, reduced over the group
-(rowadam.py departure 1); its c sums layer after layer in float64, the reference's c sums a
-stack of per-layer totals, so the two agree to float64 rounding in c (tested). Measured
-(prepare 3.7 -> 2.2 ms, merge 2.8 -> 1.9 ms on examples/minimal_loop.py's toy): bench/README.md,
-`loop_phases`. train.py, infra/, examples/ and bench/ use these.
+(rowadam.py departure 1). Its sums over layers run in another order than the reference's, so
+`prepare`'s returned ||S|| agrees to float64 rounding; directions, factors, weights and moments
+are bitwise (tested). Measured: bench/README.md, `loop_phases` and "Moved from rowadam.py's
+docstring". train.py, infra/, examples/ and bench/ use these.
 
 Shape legend: d out rows, k in columns, r rank; n rows of this process; L layers of one shape.
 """
