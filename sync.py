@@ -148,9 +148,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rowadam import MERGE_ELEMENTS, entry_magnitude, local_rows, merge_layers, merge_rows, rows_per_chunk
-from sketch import (PROJECTION, TARGETS, clean_name, make_signs_many, projection_from_signs, projection_seed,
-                    shape_groups, target_modules)
+from rowadam import local_rows, merge_rows, rows_per_chunk
+from sketch import PROJECTION, TARGETS, clean_name, make_signs, projection_from_signs, projection_seed, target_modules
 
 MAGIC = b"LOGRASYN"
 VERSION = 1
@@ -795,35 +794,14 @@ class EngineWeights:
             self.update, self._merged = self.update + 1, set()
 
     def _merge_factors(self, payload: Payload) -> None:
-        """W -= F @ A_update on every target of a factor payload, exactly as the trainer merges
-        (rowadam.merge_layers): the fp32 masters rebuilt from bf16 + int16, merged, split again.
-        A_update's signs of every target are made together on the weights' device; targets of one
-        shape small enough are merged together, a larger one (or one whose residual lives in host
-        memory) chunk by chunk."""
-        names = list(payload.factors)
-        slots = [self.slots[n] for n in names]
-        device = slots[0].param.device
-        signs = make_signs_many(self.rank, [s.weight.shape[1] for s in slots],
-                                [projection_seed(self.base_seed, payload.update, s.name) for s in slots], device=device)
-        magnitude = entry_magnitude(self.rank, torch.float32)  # |A's entries| as the trainer's fp32 A holds them
-        factors = [payload.factors[n].to(device) for n in names]  # (d, r) each
-        for same in shape_groups([s.weight for s in slots]):
-            group = [slots[i] for i in same]
-            per = MERGE_ELEMENTS // group[0].weight.numel()
-            if per < 2 or group[0].residual.device != device:
-                for i in same:
-                    self._merge_factor(slots[i], factors[i], projection_from_signs(signs[i]))
-                continue
-            for first in range(0, len(same), per):
-                part = same[first:first + per]
-                weights, residuals = [slots[i].weight for i in part], [slots[i].residual for i in part]
-                hi, lo = torch.stack(weights), torch.stack(residuals)  # (L, d, k) bf16 and int16
-                master = join_master(hi, lo)  # (L, d, k) fp32
-                merge_layers(list(master.unbind(0)), torch.stack([factors[i] for i in part]), [signs[i] for i in part],
-                             magnitude, avoid_ties=False)  # W -= F A
-                store_master(master, hi, lo)  # ties avoided here
-                torch._foreach_copy_(weights, list(hi.unbind(0)))
-                torch._foreach_copy_(residuals, list(lo.unbind(0)))
+        """W -= F @ A_update on every target of a factor payload, exactly as the trainer merges,
+        one target at a time (infra/batched.py's `BatchedEngineWeights` merges a shape's together)."""
+        for name, f in payload.factors.items():
+            slot = self.slots[name]
+            device = slot.param.device
+            signs = make_signs(self.rank, slot.weight.shape[1], projection_seed(self.base_seed, payload.update, slot.name),
+                               device=device)  # (r, k)
+            self._merge_factor(slot, f.to(device), projection_from_signs(signs))  # A_update in fp32, as the trainer's
 
     def _merge_factor(self, slot: _Slot, f: torch.Tensor, a: torch.Tensor) -> None:
         """W -= F @ A on one target, chunk by chunk, `a` A_update (r, k) in fp32: rebuild the

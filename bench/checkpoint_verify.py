@@ -26,7 +26,7 @@ from infra import lifecycle  # noqa: E402
 from infra import policy  # noqa: E402
 import ppo  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
-import rowadam  # noqa: E402
+from infra.batched import BatchedRowAdam  # noqa: E402
 import sketch  # noqa: E402
 from infra import tasks  # noqa: E402
 import train  # noqa: E402
@@ -68,7 +68,7 @@ def tiny_checkpoint(run_dir):
     cfg = train.PRESETS["tiny"]
     model = policy.build_model(cfg.model, tasks.Arithmetic(cfg.seed, cfg.eval_problems).vocab_size, cfg.seed)
     layers = sketch.attach(model, rank=cfg.sketch_rank, seed=cfg.seed)
-    opt = rowadam.RowAdam(layers, seed=cfg.seed, update_ratio=cfg.update_ratio)
+    opt = BatchedRowAdam(layers, seed=cfg.seed, update_ratio=cfg.update_ratio)
     state = lifecycle.run_state(model, opt, True, ppo.RunningBaseline(weight=0.1), kl_control.Mismatch(momentum=0.7), 1)
     checkpoint.save(run_dir, state, 1, rank=0, world=1)
     return "checkpoint-1"

@@ -75,7 +75,8 @@ import minimal_loop  # noqa: E402
 import ppo  # noqa: E402
 import sketch  # noqa: E402
 import rowadam  # noqa: E402
-from rowadam import RowAdam  # noqa: E402
+from infra import batched  # noqa: E402
+from infra.batched import BatchedRowAdam as RowAdam  # noqa: E402  rowadam.RowAdam over stacks: its bits
 
 LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)  # AdamW's sweep, widened while its best is at an edge
 CHOOSE, REPORT = (0, 1, 2, 3, 4), (5, 6, 7, 8, 9)  # seeds that choose AdamW's rate; seeds reported
@@ -814,7 +815,7 @@ def why_run(env, kind, seed, value=None):
         elif kind == "sketch":
             ra.prepare()
             for layer, u in zip(ra.layers, ra.directions) if per_layer else ():
-                ua = rowadam._da_squared([layer], u[None]).item()  # ||U A||^2 of this layer
+                ua = batched._da_squared([layer], u[None]).item()  # ||U A||^2 of this layer
                 u.mul_(value * layer.module.weight.norm().item() / math.sqrt(ua) if ua else 0.0)
             ra.merge(1.0)
         elif kind == "adamw":

@@ -165,7 +165,7 @@ def kernels(w, device):
     s_ref = (dy.double().t() @ x.detach().double()) @ a.double().t()  # G A^T, G = dY^T X
     p = x.detach() @ a_act.t()  # (N, r) bf16: the P that forward keeps
     fp32_product = dy.float().t() @ p.float()  # the product in fp32, as before projection 2's release
-    kind = "fp32 out" if sketch._has_fp32_out_mm(device) else "rounded to bf16"  # sketch.sketch_product's path
+    kind = "fp32 out" if sketch._FP32_OUT_MM.get(torch.device(device).type) else "rounded to bf16"  # sketch_product's path
     figures = {"sketch_rel_err": rel(s, s_ref), "sketch_rel_err_fp32_product": rel(fp32_product, s_ref),
                "sketch_product": kind, "input_grad_rel_err": rel(x.grad, dy.double() @ weight.double())}
     v = torch.rand(d, device=device) * s.square().mean()
@@ -327,6 +327,8 @@ def fsdp2(w, device):
     import rowadam
     import sketch
     from infra import policy
+    from infra.batched import BatchedRowAdam
+    from infra.row_shard import RowShard
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
@@ -353,13 +355,13 @@ def fsdp2(w, device):
         mask[:, 0] = False
         sketches = []
         for model, group in ((sharded, dist.group.WORLD), (plain, None)):
-            layers = sketch.attach(model, rank=r, seed=0, group=group)
+            layers = sketch.attach(model, rank=r, seed=0, shard=None if group is None else RowShard(group))
             logits = model(input_ids=ids).logits.float()
             torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
             sketches.append((model, layers))
         (model, layers), (_, plain_layers) = sketches
         figures = {"sketch_rel_err": max(rel(a.sketch, b.sketch) for a, b in zip(layers, plain_layers))}
-        opt = rowadam.RowAdam(layers, seed=0, update_ratio=1e-3)
+        opt = BatchedRowAdam(layers, seed=0, update_ratio=1e-3)
         opt.prepare()
         kl1 = probe_decoder.fast_probe(model, layers, opt.directions, ids, mask, max_responses=2).kl1
         alpha = kl_control.solve_alpha(kl1, budget=1e-3)

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kl_control  # noqa: E402
 from infra import probe_decoder  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
-import rowadam  # noqa: E402
+from infra.batched import BatchedRowAdam  # noqa: E402
 import sketch  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def prepared(dtype, batch, length, update_ratio, rank=32, seed=0):
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=g)
     logits = model(input_ids=ids).logits
     F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-    opt = rowadam.RowAdam(layers, seed=seed, update_ratio=update_ratio, factor_dtype=dtype)
+    opt = BatchedRowAdam(layers, seed=seed, update_ratio=update_ratio, factor_dtype=dtype)
     opt.prepare()
     mask = torch.zeros_like(ids)
     mask[:, length // 4:] = 1
@@ -153,7 +153,7 @@ def trained(seeds=(0, 1, 2), batches=3, budgets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2)):
             for budget in budgets:
                 model = copy.deepcopy(base)  # every budget from the same policy and the same sketches
                 layers = sketch.attach(model, rank=cfg.sketch_rank, seed=seed)
-                opt = rowadam.RowAdam(layers, seed=seed, update_ratio=cfg.update_ratio)
+                opt = BatchedRowAdam(layers, seed=seed, update_ratio=cfg.update_ratio)
                 logp = ppo.response_logprobs(model(input_ids=ro.ids).logits, ro.ids, cfg.temperature)
                 loss, _ = ppo.policy_loss(logp, advantages, ro.mask, rollout_logprobs=ro.logprobs,
                                           num_tokens=ppo.global_token_count(ro.mask))

@@ -51,6 +51,9 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
     import sketch
     from rowadam import RowAdam
 
+    if os.path.exists(os.path.join(tree, "infra", "batched.py")):  # its companion, as train.py runs RowAdam
+        from infra.batched import BatchedRowAdam as RowAdam
+
     sys.path.insert(1, os.path.join(ROOT, "examples"))
     import minimal_loop
 

@@ -36,9 +36,10 @@ sys.path.insert(0, ROOT)
 
 import kl_control  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
-import rowadam  # noqa: E402
 import sketch  # noqa: E402
 from infra import engine_sync  # noqa: E402
+from infra.batched import BatchedRowAdam  # noqa: E402
+from infra.row_shard import RowShard  # noqa: E402
 from infra import memory_plan  # noqa: E402
 from infra import policy  # noqa: E402
 from infra import probe_decoder  # noqa: E402
@@ -107,8 +108,8 @@ def loss_of(model, ids):
 
 def logra_step(model_cfg, r, rank):
     model = build(model_cfg, "logra")
-    layers = sketch.attach(model, rank=r, seed=0, group=dist.group.WORLD)
-    opt = rowadam.RowAdam(layers, seed=0, update_ratio=6e-5)
+    layers = sketch.attach(model, rank=r, seed=0, shard=RowShard(dist.group.WORLD))
+    opt = BatchedRowAdam(layers, seed=0, update_ratio=6e-5)
     ids, mask = batch(model_cfg, rank)
     loss_of(model, ids).backward()
     persistent = nbytes(p for p in model.parameters()) + nbytes(l.sketch for l in layers) + nbytes(opt._u) \

@@ -30,7 +30,7 @@ from infra.probe_decoder import fast_probe  # noqa: E402
 import ppo  # noqa: E402
 from infra import metrics  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
-import rowadam  # noqa: E402
+from infra.batched import BatchedRowAdam  # noqa: E402
 import sketch  # noqa: E402
 
 MIB = 2**20
@@ -124,7 +124,7 @@ LOGRA_PHASES = {"backward": [], "prepare": [], "probe": [], "merge": []}
 def logra(base, rank):
     model = copy.deepcopy(base)
     layers = sketch.attach(model, rank=rank, seed=0)
-    opt = rowadam.RowAdam(layers, seed=0)
+    opt = BatchedRowAdam(layers, seed=0)
 
     def step(ids, mask, adv, probe=True):
         # The whole update as train.py runs it: backward into the sketches, RowAdam, the KL

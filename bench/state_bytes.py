@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import report  # noqa: E402  (bench/report.py)
-import rowadam  # noqa: E402
+from infra.batched import BatchedRowAdam  # noqa: E402
 import sketch  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def main():
 
     # LoGRA: sketches, projections, moments and directions.
     layers = sketch.attach(model, rank=args.rank, seed=0)
-    opt = rowadam.RowAdam(layers, seed=0)
+    opt = BatchedRowAdam(layers, seed=0)
     loss_of(model, ids).backward()
     opt.prepare()
     s_bytes = nbytes(l.sketch for l in layers)

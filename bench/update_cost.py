@@ -42,7 +42,7 @@ import kl_control  # noqa: E402
 from infra import probe_decoder  # noqa: E402
 import ppo  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
-import rowadam  # noqa: E402
+from infra.batched import BatchedRowAdam  # noqa: E402
 import sketch  # noqa: E402
 import sync  # noqa: E402
 
@@ -108,7 +108,7 @@ def one(width, method, reps):
     try:
         if method == "logra":
             layers = sketch.attach(model, rank=rank, seed=0)
-            opt = rowadam.RowAdam(layers, seed=0)
+            opt = BatchedRowAdam(layers, seed=0)
             state = [p for p in model.parameters()] + [l.sketch for l in layers] + [l.signs for l in layers] \
                 + opt.moments + opt._u
         else:

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import kl_control  # noqa: E402
 import ppo  # noqa: E402
 import sketch  # noqa: E402
-from rowadam import RowAdam  # noqa: E402
+from infra.batched import BatchedRowAdam  # noqa: E402  rowadam.RowAdam over stacks of layers: its bits
 from infra.probe_decoder import fast_probe  # noqa: E402  (kl_control.probe's fast path)
 
 VOCAB, PROMPT, RESPONSE, GOOD = 32, 4, 6, 7
@@ -112,7 +112,7 @@ def train(method: str, *, updates: int, batch: int, seed: int, log=print, lr: fl
     model = tiny_model(seed, hidden=hidden, num_layers=num_layers, init_std=init_std)
     if method == "logra":
         layers = sketch.attach(model, seed=seed)  # every weight frozen; the targets sketched
-        opt = RowAdam(layers)
+        opt = BatchedRowAdam(layers)
     else:
         targets = [m.weight for m in sketch.target_modules(model).values()]  # what LoGRA trains, no more
         for p in model.parameters():

@@ -116,7 +116,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import kl_control  # noqa: E402
 from infra.probe_decoder import fast_probe  # noqa: E402
 import sketch  # noqa: E402
-from rowadam import RowAdam  # noqa: E402
+from infra.batched import BatchedRowAdam  # noqa: E402  rowadam.RowAdam over stacks of layers: its bits
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -157,7 +157,7 @@ class LoGRAGRPOTrainer(GRPOTrainer):
                                                              horizon=self.state.max_steps)  # the run's steps
             settings = {} if s["update_ratio"] is None else {"update_ratio": s["update_ratio"]}
             self.logra = kl_control.LoGRAOptimizer(
-                model, RowAdam(layers, **settings), temperature=self.temperature,
+                model, BatchedRowAdam(layers, **settings), temperature=self.temperature,
                 keep_positions=512, group=dist.group.WORLD if self.accelerator.num_processes > 1 else None,
                 log=lambda name, value: self._metrics["train"][name].append(value), probe=fast_probe, **schedule)
             self.optimizer = self.logra  # accelerate wraps it next; self.logra stays ours

@@ -48,6 +48,7 @@ import torch
 
 import sync
 from infra import metrics
+from infra.batched import BatchedEngineWeights
 from infra.errors import RunError
 
 
@@ -162,7 +163,7 @@ class HFEngine:
 
     def __init__(self, model, *, base_seed, sketch_rank, eos, pad, exact=True):
         self.model = model.eval()
-        self.weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank, exact=exact)
+        self.weights = BatchedEngineWeights(model, base_seed=base_seed, rank=sketch_rank, exact=exact)
         self.eos, self.pad = eos, pad
 
     @torch.no_grad()

@@ -32,7 +32,6 @@ import sys
 import torch
 
 import kl_control
-import sketch
 from infra import checkpoint, launch, metrics, planning, run_dir as run_dirs
 from infra.errors import os_advice, os_cause
 from infra.options import Config
@@ -137,7 +136,7 @@ def load_run_state(path: str, model, opt, logra: bool, baseline, mismatch, layou
 
     state = run_state(model, opt, logra, baseline, mismatch, 0)  # the template, filled in place
     if logra and "optimizer.projection" not in checkpoint.saved_keys(path):
-        del state["optimizer"]["projection"]  # saved before projections had versions: RowAdam reads it as 1
+        del state["optimizer"]["projection"]  # saved before projections had versions: RowAdam refuses it as 1
     try:
         checkpoint.load(path, state)
     except Exception as e:  # DCP raises the same on every rank
@@ -147,7 +146,10 @@ def load_run_state(path: str, model, opt, logra: bool, baseline, mismatch, layou
                                          f"{type(e).__name__}: {words}") from e
     set_model_state_dict(model, state["model"])
     if logra:
-        opt.load_state_dict(state["optimizer"])
+        try:
+            opt.load_state_dict(state["optimizer"])
+        except ValueError as e:  # another projection, rank, seed or set of layers: one line
+            raise checkpoint.CheckpointError(f"{os.path.basename(path)}: {e}") from e
     else:
         set_optimizer_state_dict(model, opt, state["optimizer"])
     baseline.load_state_dict(json.loads(state["run"]["baseline"]))
@@ -199,11 +201,6 @@ class Run:
             self.log(f"{'resumed' if explicit else 'continued'} {self.run_dir} at update {self.start} "
                      f"({os.path.basename(opened.resume)}, verified{'; ' + moved if moved else ''})"
                      f"{'' if explicit else ' (another --run-dir starts anew)'}")
-            saved_under = getattr(self.opt, "resumed_projection", None) if self.logra else None
-            if saved_under is not None and saved_under != sketch.PROJECTION:
-                self.log(f"{os.path.basename(opened.resume)} was saved under projection {saved_under}; from update "
-                         f"{self.start} on A is drawn by projection {sketch.PROJECTION} (sketch.py: nothing the "
-                         f"checkpoint holds depends on A)")
         if self.rank == 0:
             self.metrics_log = metrics.Log(self.run_dir, start=self.start, config=self.cfg.record(),
                                            wandb_project=wandb)

@@ -55,7 +55,7 @@ import kl_control
 import rowadam
 import sketch
 import sync
-from infra import probe_decoder
+from infra import batched, probe_decoder
 
 GPU_BYTES = 80 * 10**9  # the paper's H100 80GB (assumption 1)
 TABLE2 = {"1.5b": (13.21, 7.18)}  # the paper's Table 2: average GiB per GPU, LoRA and LoGRA at rank 256
@@ -149,7 +149,7 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     adam_transient = max(4 * target_rows, full_sync_bytes)
     logra_state = 4 * n_sum * r * 2 + 4 * n_sum + r * sum(k for _, k in shapes)  # S, U, v, signs
     factors = 2 * n_sum * r  # F (n, r) bf16, until the sync has sent it
-    # prepare: ||W||^2 summed a layer at a time in float64 blocks of rowadam.SUM_BLOCK entries;
+    # prepare: ||W||^2 summed a layer at a time in float64 blocks of batched.SUM_BLOCK entries;
     # A A^T of a batch of layers of one shape from their signs in fp32 (the stacked signs, their
     # fp32 copy, the fp32 Gram and its two float64 copies); then D, D (A A^T) and their product
     # in float64 beside the Gram (measured: bench/memory_check.py)
@@ -157,9 +157,9 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     for d, k in shapes:
         counts[ceil(d), k] = counts.get((ceil(d), k), 0) + 1
     # layers of one shape whose Gram matrices A A^T prepare forms at once, and whose merge is one batch
-    gram_batch = {s: min(c, max(1, rowadam.GRAM_ELEMENTS // (r * s[1]))) for s, c in counts.items()}
+    gram_batch = {s: min(c, max(1, batched.GRAM_ELEMENTS // (r * s[1]))) for s, c in counts.items()}
     merge_batch = {s: min(c, rowadam.MERGE_ELEMENTS // (s[0] * s[1])) for s, c in counts.items()}
-    prepare = max(max(8 * min(rowadam.SUM_BLOCK, n * k),  # ||W||^2 in float64 blocks
+    prepare = max(max(8 * min(batched.SUM_BLOCK, n * k),  # ||W||^2 in float64 blocks
                       # a batch's stacked signs and their fp32 copy, fp32 Gram and its two float64 copies; then
                       # D, D (A A^T) and their product in float64 beside the Gram
                       g * (5 * r * k + 20 * r * r), g * (8 * r * r + 24 * n * r))
@@ -183,14 +183,14 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     else:  # forward-mode AD through the model's own eager attention
         per_entry = 2 * compute_bytes + (8 if compute_bytes < 4 else 0) + 12
     probe_attention = mask * config.num_attention_heads * per_entry + mask * compute_bytes
-    # The merge (rowadam.merge_layers), per shape: layers whose MERGE_ELEMENTS entries fit stacked (their
+    # The merge (batched.merge_layers), per shape: layers whose MERGE_ELEMENTS entries fit stacked (their
     # W copy, F A in float64 and its fp32 rounding, A in float64 and F in float64), a larger layer
     # in chunks of rows (A in float64, a chunk's F and F A in float64 and fp32); then the signs of
-    # A_{t+1}, made in batches of sketch.SIGN_BATCH words (int64 work and its sign table lookup).
+    # A_{t+1}, made in batches of batched.SIGN_BATCH words (int64 work and its sign table lookup).
     words = {}  # hashed words of A's signs per width: r ceil(k / 16) a layer
     for (n, k), c in counts.items():
         words[k] = words.get(k, 0) + c * r * -(-k // sketch.SIGNS_PER_WORD)
-    sign_words = max(min(w, max(sketch.SIGN_BATCH, r * -(-k // sketch.SIGNS_PER_WORD))) for k, w in words.items())
+    sign_words = max(min(w, max(batched.SIGN_BATCH, r * -(-k // sketch.SIGNS_PER_WORD))) for k, w in words.items())
     merge = max(max((16 * L * n * k + 8 * L * r * k + 8 * L * n * r) if L >= 2 else
                     (8 * r * k + 12 * min(rowadam.rows_per_chunk(k), n) * k + 8 * n * r)
                     for (n, k), L in merge_batch.items()),

@@ -36,9 +36,10 @@ import time
 import torch
 import torch.distributed as dist
 
-import rowadam
 import sketch
 from infra import architectures, checkpoint, launch, lora, metrics, tasks
+from infra.batched import BatchedRowAdam
+from infra.row_shard import RowShard
 from infra.architectures import ArchitectureError
 from infra.errors import RunError
 
@@ -213,8 +214,9 @@ def make_optimizer(model, optimizer: str, *, sketch_rank: int, seed: int, update
         architectures.enable_checkpointing(model)
     if optimizer == "logra":
         sharded = any(hasattr(module.weight, "to_local") for module in sketch.target_modules(model).values())
-        layers = sketch.attach(model, rank=sketch_rank, seed=seed, group=dist.group.WORLD if sharded else None)
-        return rowadam.RowAdam(layers, seed=seed, update_ratio=update_ratio), layers
+        layers = sketch.attach(model, rank=sketch_rank, seed=seed,
+                               shard=RowShard(dist.group.WORLD) if sharded else None)
+        return BatchedRowAdam(layers, seed=seed, update_ratio=update_ratio), layers
     if optimizer == "lora":  # its adapters, at its own learning rate (lora.py)
         trained, lr = [p for p in model.parameters() if p.requires_grad], lora_lr
     else:

@@ -40,6 +40,7 @@ import torch
 
 import sync
 from infra import architectures
+from infra.batched import BatchedEngineWeights
 from infra.vllm_channel import LOCAL_HOST, WeightChannel
 
 CPU_MAX_SEQS = 256  # requests a CPU engine runs at once (vLLM's own CPU default)
@@ -173,7 +174,7 @@ class WorkerExtension:
                     kind = cpu_gemm_kind(module)
                     kernels[kind] = kernels.get(kind, 0) + 1
         self.logra_cpu_layers = _restore_cpu_weights(model, layers) if self.device.type == "cpu" else []
-        self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank, layout="vllm",
+        self.logra_weights = BatchedEngineWeights(model, base_seed=base_seed, rank=sketch_rank, layout="vllm",
                                                 residual_device="cpu" if residual_on_host else None,
                                                 engine_layers=layers, exact=exact)
         store = WeightChannel.join_store(host, port, timeout)

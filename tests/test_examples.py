@@ -38,7 +38,7 @@ def test_minimal_loop_moves_the_weights_as_logra_merges():
     that the bf16-tie rule may add)."""
     model = minimal_loop.tiny_model(0)
     layers = minimal_loop.sketch.attach(model, seed=0)
-    opt = minimal_loop.RowAdam(layers)
+    opt = minimal_loop.BatchedRowAdam(layers)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     merged = {}
     real_merge = opt.merge

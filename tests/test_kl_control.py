@@ -8,6 +8,7 @@ import inspect
 import math
 import os
 import re
+import types
 import warnings
 
 import numpy as np
@@ -366,7 +367,7 @@ def test_probe_errors():
     h.remove()
     assert_unchanged(model, snap)
     # The plain probe takes whole directions on one process: row-sharded layers are refused.
-    sharded = [dataclasses.replace(l, group="a process group") for l in layers]
+    sharded = [dataclasses.replace(l, shard=types.SimpleNamespace(group="a process group")) for l in layers]
     with pytest.raises(ValueError, match="one process"):
         kl_control.probe(model, sharded, opt.directions, ids, mask)
     assert_unchanged(model, snap)

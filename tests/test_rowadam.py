@@ -17,6 +17,8 @@ import rowadam
 import sketch
 import sync
 from distributed import run_gloo
+from infra import batched
+from infra.row_shard import RowShard, row_shard
 from tiny import tiny_batch, tiny_qwen2, use_block
 
 F64 = torch.float64
@@ -239,7 +241,7 @@ def test_sharded_merge_equals_unsharded():
 
 @pytest.mark.parametrize("budget", [None, 10 * 24, 2])  # all layers in one batch; two a batch; row chunks
 def test_layers_merged_together_equal_merge_rows_each(budget, monkeypatch):
-    """rowadam.merge_layers (what RowAdam.merge and the engines run): several layers of one shape
+    """infra/batched.py's merge_layers (what train.py's RowAdam and engines run): several layers of one shape
     merged with one batch of float64 operations, or in batches of two, or (a budget below one
     layer) each in row chunks, give bitwise merge_rows layer by layer, bf16 ties and rows of
     zero factors (left as they were, ties included) among them."""
@@ -253,14 +255,38 @@ def test_layers_merged_together_equal_merge_rows_each(budget, monkeypatch):
     factors = (torch.randn(L, d, r, generator=g) * 1e-3).to(torch.bfloat16)
     factors[:, :3] = 0  # rows the merge leaves alone
     signs = [sketch.make_signs(r, k, seed) for seed in range(L)]
-    magnitude = rowadam.entry_magnitude(r, torch.float32)
+    magnitude = batched.entry_magnitude(r, torch.float32)
     before, expect = [w.clone() for w in weights], [w.clone() for w in weights]
     for w, f, s in zip(expect, factors, signs):
         rowadam.merge_rows(w, f, sketch.projection_from_signs(s))
-    rowadam.merge_layers(weights, factors, signs, magnitude)
+    batched.merge_layers(weights, factors, signs, magnitude)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(weights, expect))
     # the test can fail: the moved rows moved, the others (ties and all) are as they were
     assert all(not torch.equal(w[3:], b[3:]) and torch.equal(bits(w[:3]), bits(b[:3])) for w, b in zip(weights, before))
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_batched_rowadam_equals_the_reference(per_layer):
+    """infra/batched.py's BatchedRowAdam (train.py's: stacks of layers, make_signs_many,
+    merge_layers) against rowadam.RowAdam's per-layer loop over three updates: bitwise the same
+    directions, factors, weights, moments and projections; the ||S|| that prepare returns sums the
+    layers in another order, so it agrees to float64 rounding."""
+    model = tiny_qwen2()
+    twin = copy.deepcopy(model)
+    ref_layers, fast_layers = sketch.attach(model, rank=8, seed=5), sketch.attach(twin, rank=8, seed=5)
+    ref, fast = rowadam.RowAdam(ref_layers), batched.BatchedRowAdam(fast_layers)
+    for step in range(3):
+        for m in (model, twin):
+            lm_loss(m, tiny_batch(seed=step)).backward()
+        norms = ref.prepare(per_layer=per_layer), fast.prepare(per_layer=per_layer)
+        assert norms[0] > 0 and math.isclose(*norms, rel_tol=1e-12)
+        assert all(torch.equal(a, b) for a, b in zip(ref.directions, fast.directions))
+        assert all(torch.equal(a, b) for a, b in zip(ref.merge(0.7), fast.merge(0.7)))
+        assert all(torch.equal(bits(a.module.weight.detach()), bits(b.module.weight.detach()))
+                   for a, b in zip(ref_layers, fast_layers))
+        assert all(torch.equal(a, b) for a, b in zip(ref.moments, fast.moments))
+        assert all(torch.equal(a.signs, b.signs) for a, b in zip(ref_layers, fast_layers))
+    assert ref.state_dict().keys() == fast.state_dict().keys() and fast.update == 3
 
 
 def bits(x):
@@ -529,13 +555,13 @@ def _directions_across_ranks(group):
     """This process's rows of every layer's D and new v, by the sharded path over `group`."""
     sketches, moments = direction_inputs()
     rows = [S.shape[0] for S in sketches]
-    shards = [sketch.row_shard(d, group) for d in rows]  # (first row, row count) of each layer
+    shards = [row_shard(d, group) for d in rows]  # (first row, row count) of each layer
     mine = [S[a:a + n] for S, (a, n) in zip(sketches, shards)]
     v = [m[a:a + n] for m, (a, n) in zip(moments, shards)]
     # each layer a stack of one: its own shape (row_adam_groups reduces all stacks in each collective)
-    D, new_v = rowadam.row_adam_groups([S[None] for S in mine], [m[None] for m in v],
-                                       [torch.tensor([d], dtype=torch.float64) for d in rows], group=group,
-                                       **DIRECTION_ARGS)
+    D, new_v = batched.row_adam_groups([S[None] for S in mine], [m[None] for m in v],
+                                     [torch.tensor([d], dtype=torch.float64) for d in rows], group=group,
+                                     **DIRECTION_ARGS)
     return [D_l[0] for D_l in D], [v_l[0] for v_l in new_v]
 
 
@@ -549,8 +575,8 @@ def _fsdp_updates(rank, per_layer=False):
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    layers = sketch.attach(model, rank=8, seed=3, group=torch.distributed.group.WORLD)
-    opt = rowadam.RowAdam(layers, seed=3, update_ratio=1e-3)
+    layers = sketch.attach(model, rank=8, seed=3, shard=RowShard(torch.distributed.group.WORLD))
+    opt = batched.BatchedRowAdam(layers, seed=3, update_ratio=1e-3)
     for step in range(2):
         lm_loss(model, tiny_batch(seed=10 + 2 * step + rank)).backward()  # each rank its own data
         opt.prepare(per_layer=per_layer)
@@ -638,7 +664,7 @@ def test_row_sharded_state_equals_one_process_bitwise(two_ranks, per_layer):
     got = two_ranks[0]["fsdp per layer" if per_layer else "fsdp"]
     model = tiny_qwen2()
     layers = sketch.attach(model, rank=8, seed=3)
-    opt = rowadam.RowAdam(layers, seed=3, update_ratio=1e-3)
+    opt = batched.BatchedRowAdam(layers, seed=3, update_ratio=1e-3)
     with one_thread():
         for step in range(2):
             for r in range(2):

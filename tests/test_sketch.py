@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sketch
-from infra import architectures
+from infra import architectures, batched
 from tiny import tiny_batch, tiny_qwen2, use_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -414,6 +414,25 @@ def reference_signs(rank, width, seed):
                                                (5, 40, sketch.projection_seed(0, 3, "model.layers.1.mlp.up_proj"))])
 def test_signs_follow_the_documented_rule(rank, width, seed):
     assert torch.equal(sketch.make_signs(rank, width, seed), reference_signs(rank, width, seed))
+
+
+@pytest.mark.parametrize("sign_batch", [None, 64])  # one batch per width; batches of a few projections
+def test_signs_made_together_equal_one_at_a_time(sign_batch, monkeypatch):
+    """infra/batched.py's make_signs_many (what train.py's refresh and the engines run) is
+    sketch.make_signs one projection at a time, bit for bit: widths that are and are not
+    multiples of 16, seeds of 0, 1 and 64 bits, one batch or many; its refresh is sketch.refresh's."""
+    if sign_batch is not None:
+        monkeypatch.setattr(batched, "SIGN_BATCH", sign_batch)
+    widths, seeds = [17, 32, 17, 100, 32, 5, 17], [0, 1, 2**64 - 1, 7, 2**40 + 3, 9, 11]
+    together = batched.make_signs_many(6, widths, seeds)
+    assert all(torch.equal(t, sketch.make_signs(6, w, s)) for t, w, s in zip(together, widths, seeds))
+    with pytest.raises(ValueError, match="64-bit unsigned"):
+        batched.make_signs_many(4, [8, 8], [1, 2**64])
+    model, twin = tiny_qwen2(), tiny_qwen2()
+    ref, fast = sketch.attach(model, rank=8, seed=3), sketch.attach(twin, rank=8, seed=3)
+    sketch.refresh(ref, 4)
+    batched.refresh(fast, 4)
+    assert all(torch.equal(a.signs, b.signs) and a.update == b.update == 4 for a, b in zip(ref, fast))
 
 
 def test_sign_errors():

@@ -15,6 +15,7 @@ import rowadam
 import sketch
 import sync
 from distributed import run_gloo
+from infra import batched
 from standin import vllm_standin
 from tiny import tiny_batch, tiny_qwen2, use_block
 
@@ -744,3 +745,30 @@ def test_changes_gathered_from_row_shards_equal_the_whole_weights(tmp_path):
         for r in range(2):
             positions, values = got[r][i]
             assert torch.equal(positions, want) and torch.equal(values, after.flatten()[want]), (case, r)
+
+
+@pytest.mark.parametrize("budget", [None, 2])  # a shape's targets stacked; each in row chunks
+def test_batched_engine_merge_equals_the_reference(budget, monkeypatch):
+    """infra/batched.py's BatchedEngineWeights (the engines train.py starts: signs made together,
+    a shape's targets merged as one stack) holds bitwise sync.EngineWeights' masters and bf16
+    weights, one target at a time, over three updates, in both layouts; and the trainer's."""
+    if budget is not None:
+        monkeypatch.setattr(rowadam, "MERGE_ELEMENTS", budget)
+    model, layers, opt, engine_model = trainer(update_ratio=1e-2)
+    start = sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
+    engines = {}
+    for kind in (sync.EngineWeights, batched.BatchedEngineWeights):
+        engines[kind] = [kind(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK),
+                         kind(vllm_standin(copy.deepcopy(engine_model)), base_seed=SEED, rank=RANK, layout="vllm")]
+        for e in engines[kind]:
+            e.load_full(start)
+    for i in range(3):
+        payload = sync.decode(sync.encode(step(model, layers, opt, i)))
+        for kind in engines:
+            for e in engines[kind]:
+                e.apply(payload)
+    for ref, fast in zip(*engines.values()):
+        assert ref.fingerprint() == fast.fingerprint() and ref.update == fast.update == 3
+        for l in layers:
+            assert torch.equal(ref.master(l.name), fast.master(l.name))
+            assert torch.equal(fast.master(l.name), l.module.weight.detach()), l.name
