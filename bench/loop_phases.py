@@ -6,6 +6,7 @@ the same for the method files of another git revision, in the same run.
     python bench/loop_phases.py --batch 32              # one batch size
     python bench/loop_phases.py --against HEAD          # before (HEAD's method files) / after (the work tree)
     python bench/loop_phases.py --compiled              # and the probe's decoder compiled (torch.compile)
+    python bench/loop_phases.py --alone                 # and the method files alone (a copier's: no infra/)
     python bench/loop_phases.py --markdown              # and write the table into bench/README.md
 
 The batch: examples/minimal_loop.py's toy (a 2-layer width-64 Qwen2), B responses of 6 tokens
@@ -41,8 +42,10 @@ ADAMW = ("forward + backward", "step")
 
 
 def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5) -> dict:
-    """Median milliseconds of each phase of `method`'s update ("logra", "logra-compiled" or
-    "adamw"), importing the method files from `tree`, and the first update's seconds."""
+    """Median milliseconds of each phase of `method`'s update ("logra", "logra-compiled",
+    "logra-alone" or "adamw"), importing the method files from `tree`, and the first update's
+    seconds. "logra-alone": the method files as a copier has them, without their infra/ companions
+    (rowadam.RowAdam and kl_control.probe, the reference path)."""
     sys.path.insert(0, tree)
     import torch
 
@@ -51,7 +54,8 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
     import sketch
     from rowadam import RowAdam
 
-    if os.path.exists(os.path.join(tree, "infra", "batched.py")):  # its companion, as train.py runs RowAdam
+    alone = method == "logra-alone"
+    if not alone and os.path.exists(os.path.join(tree, "infra", "batched.py")):  # the companion train.py runs
         from infra.batched import BatchedRowAdam as RowAdam
 
     sys.path.insert(1, os.path.join(ROOT, "examples"))
@@ -62,6 +66,8 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
     # The fast probe: kl_control's own in a tree from before issue 71, else infra/probe_decoder.py's
     if hasattr(kl_control, "written_decoder"):
         fast = kl_control
+    elif alone:
+        fast = None
     else:
         sys.path.insert(1, ROOT)
         from infra import probe_decoder as fast
@@ -88,7 +94,8 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
         if method != "adamw":
             opt.prepare()
             laps.append(time.perf_counter())
-            probe = fast.fast_probe(model, layers, opt.directions, ids, mask, keep_positions=ids.numel())
+            probe = (fast.fast_probe if fast else kl_control.probe)(model, layers, opt.directions, ids, mask,
+                                                                    keep_positions=ids.numel())
             laps.append(time.perf_counter())
             alpha = kl_control.solve_alpha(probe.kl1, budget=kl_control.budget_for(probe))
             laps.append(time.perf_counter())
@@ -130,6 +137,8 @@ def main():
     p.add_argument("--against", metavar="REV", help="also time the method files of this git revision (before)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compiled", action="store_true", help="also the work tree with the probe's decoder compiled")
+    p.add_argument("--alone", action="store_true",
+                   help="also the work tree's method files alone, without their infra/ companions (a copier's)")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     if "--worker" in sys.argv:
         tree, batch, method = p.parse_args().worker
@@ -148,6 +157,7 @@ def main():
         # (row's name, tree, LoGRA's worker): the trees as they are, and the work tree's probe compiled
         forms = [(name, tree, "logra") for name, tree in trees.items()]
         forms += [("this, probe compiled", ROOT, "logra-compiled")] if args.compiled else []
+        forms += [("this, method files alone", ROOT, "logra-alone")] if args.alone else []
         for batch in args.batch:
             runs = {(name, m): [] for name, _, logra in forms for m in (logra, "adamw")}
             for _ in range(args.rounds):  # alternating, so that a slower spell of the machine hits all
@@ -171,6 +181,9 @@ def main():
             + (f"; `{args.against}`: the method files of that revision" if args.against else "")
             + ("; probe compiled: the work tree with written_decoder under torch.compile (inductor, static "
                "shapes, an empty compile cache)" if args.compiled else "")
+            + ("; method files alone: rowadam.RowAdam and kl_control.probe (the reference path a copier of the "
+               "method files runs), where the other rows run train.py's companions, infra/batched.py's "
+               "BatchedRowAdam and infra/probe_decoder.py's fast_probe" if args.alone else "")
             + ". The realised KL only measures and is not counted in the update. First update: the seconds of each "
               "process's first (unmeasured) update, LoGRA's with its realised KL; where compiled, it compiles.")
     print("\n" + table + "\n\n" + note)
