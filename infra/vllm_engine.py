@@ -51,8 +51,7 @@ from collections import deque
 
 import torch
 
-import sync
-from infra import heal
+from infra import heal, wire
 from infra.engine import EngineError, EngineLost, Rollout
 from infra.vllm_channel import LOCAL_HOST, WeightChannel
 
@@ -423,7 +422,7 @@ class VLLMEngine:
     def _push(self, command, payload) -> int:
         """A payload over the weight channel, every wait bounded: the broadcasts watch the
         engine process (one that dies mid-sync is noticed at once), then the reply."""
-        buf = sync.encode(payload).to(self.device)
+        buf = wire.encode(payload).to(self.device)
         what, deadline, early = f"for '{command}'", time.monotonic() + self.proc.timeout, []
         try:
             self.proc.conn.send((command, ()))

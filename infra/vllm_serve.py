@@ -39,7 +39,9 @@ import sys
 import torch
 
 import sync
-from infra import architectures
+from infra import architectures, wire
+from infra.checksum import checksums
+from infra.sparse_delta import SparseEngineWeights
 from infra.vllm_channel import LOCAL_HOST, WeightChannel
 
 CPU_MAX_SEQS = 256  # requests a CPU engine runs at once (vLLM's own CPU default)
@@ -173,9 +175,9 @@ class WorkerExtension:
                     kind = cpu_gemm_kind(module)
                     kernels[kind] = kernels.get(kind, 0) + 1
         self.logra_cpu_layers = _restore_cpu_weights(model, layers) if self.device.type == "cpu" else []
-        self.logra_weights = sync.EngineWeights(model, base_seed=base_seed, rank=sketch_rank, layout="vllm",
-                                                residual_device="cpu" if residual_on_host else None,
-                                                engine_layers=layers, exact=exact)
+        kind = sync.EngineWeights if exact else SparseEngineWeights  # a master to merge factors, or none
+        self.logra_weights = kind(model, base_seed=base_seed, rank=sketch_rank, layout="vllm", checksums=checksums,
+                                  residual_device="cpu" if residual_on_host else None, engine_layers=layers)
         store = WeightChannel.join_store(host, port, timeout)
         self.logra_channel = WeightChannel(store, 1, self.device, timeout)
         return kernels
@@ -183,13 +185,13 @@ class WorkerExtension:
     def logra_apply(self) -> int:
         """Receive one delta payload (factors, or sparse) from the trainer and merge it; returns the
         engine's update count."""
-        payload = sync.decode(self.logra_channel.recv())
+        payload = wire.decode(self.logra_channel.recv())
         self.logra_weights.apply(payload)
         self._logra_repack(payload)
         return self.logra_weights.update
 
     def logra_load_full(self) -> int:
-        payload = sync.decode(self.logra_channel.recv())
+        payload = wire.decode(self.logra_channel.recv())
         self.logra_weights.load_full(payload)
         self._logra_repack(payload)
         return self.logra_weights.update
@@ -197,7 +199,7 @@ class WorkerExtension:
     def _logra_repack(self, payload) -> None:
         """On CPUs, re-pack the GEMMs of the layers this payload changed (one decoder layer's,
         for a streamed sync), not every layer's after every payload."""
-        changed = {id(self.logra_weights.slots[name].param) for name in payload.factors}
+        changed = {id(self.logra_weights.slots[name].param) for name in payload.layers}
         _refresh_cpu_kernels([m for m in self.logra_cpu_layers if id(m.weight) in changed])
 
     def logra_fingerprint(self) -> dict:
