@@ -54,8 +54,7 @@ import kl_control
 import ppo
 import sketch
 import sync
-from infra import (engine_sync, group_advantages, launch, lifecycle, metrics, planning, policy, task_data, tasks,
-                   vllm_engine)
+from infra import engine_sync, group_advantages, launch, lifecycle, metrics, planning, policy, task_data, tasks, vllm_engine
 from infra.engine import HFEngine, evaluate, rollout_slots
 from infra.errors import RunError
 from infra.options import Config
