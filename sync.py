@@ -121,11 +121,8 @@ class _Slot:
 
 
 def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """fp32 master (c, k) from its bf16 rounding `hi` and int16 residual `lo` (in fp32 ulps).
-
-    fp32 bit patterns of one sign are ordered like integers, so the residual is a plain
-    integer difference of raw words, also across binade boundaries.
-    """
+    """fp32 master (c, k) from its bf16 rounding `hi` and int16 residual `lo` (in fp32 ulps): fp32
+    words of one sign are ordered like integers, also across binades."""
     return hi.to(torch.float32).view(torch.int32).add_(lo.to(hi.device)).view(torch.float32)
 
 
@@ -137,15 +134,9 @@ def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def store_master(master: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
-    """Write an fp32 master (c, k) as its bf16 `weight` and int16 `residual` in place, a value
-    on a bf16 tie first moved one ulp toward zero (rowadam.avoid_bf16_ties_, the same rule), so
-    that weight + residual is exactly the tie-free master. `master` is consumed.
-
-    In integer arithmetic on the fp32 words, which for either sign round the magnitude:
-    hi = (bits + 0x7FFF) with the low 16 bits cleared is the nearest bf16, a tie toward zero;
-    bits - hi lies in [-32767, 32768], and 32768 (a tie) becomes 32767: the ulp moved.
-    Six passes over the chunk where the tie rule, a rounding and a subtraction took ten.
-    """
+    """Write an fp32 master (c, k) as its bf16 `weight` and int16 `residual` in place, a bf16 tie
+    first moved one ulp toward zero (rowadam.avoid_bf16_ties_'s rule); `master` is consumed. On
+    the fp32 words: hi = (bits + 0x7FFF) & ~0xFFFF, bits - hi in [-32767, 32768], a tie -> 32767."""
     bits = master.view(torch.int32)
     hi = bits.add(0x7FFF).bitwise_and_(-0x10000)  # bf16 values as fp32 words
     weight.copy_(hi.view(torch.float32))  # exact: every value is a bf16
