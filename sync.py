@@ -148,65 +148,33 @@ def bf16_ties(w: torch.Tensor) -> int:
     return int(((w.contiguous().view(torch.int32) & 0xFFFF) == 0x8000).sum())
 
 
-def _target_blocks(model, layout, engine_layers=None):
-    """[(clean sub-layer name, parameter, first row, rows)] of every target in `model`.
-    `engine_layers` (layout "vllm"): vLLM's layer names and the trainer layers each holds, in
-    row order (infra/architectures.py); a layer holding one target is taken whole."""
-    if layout not in ("hf", "vllm") or (layout == "vllm" and not engine_layers):
-        raise ValueError(f"layout must be 'hf' or 'vllm' (with its engine_layers), got {layout!r}")
-    blocks = []
-    for name, module in model.named_modules():
-        last = name.rsplit(".", 1)[-1]
-        prefix = clean_name(name)[: -len(last)]
-        if layout == "hf" and last in TARGETS:
-            blocks.append((prefix + last, module.weight, 0, module.weight.shape[0]))
-        elif layout == "vllm" and last in engine_layers:
-            if getattr(module, "tp_size", 1) != 1:
-                raise NotImplementedError(f"{name}: tensor-parallel vLLM layers are not supported: run one "
-                                          f"engine per GPU, as the paper does")
-            parts = tuple(engine_layers[last])
-            sizes = list(getattr(module, "output_sizes", [module.weight.shape[0]])) if len(parts) > 1 \
-                else [module.weight.shape[0]]  # one target: the whole layer (Phi-3's fused qkv_proj)
-            if len(sizes) != len(parts) or sum(sizes) != module.weight.shape[0]:
-                raise ValueError(f"{name}: output_sizes {sizes} do not split {module.weight.shape[0]} rows into {parts}")
-            row = 0
-            for part, size in zip(parts, sizes):
-                blocks.append((prefix + part, module.weight, row, size))
-                row += size
-    if not blocks:
-        raise ValueError(f"no target layers found in {type(model).__name__} for layout {layout!r}")
-    return blocks
-
-
 class EngineWeights:
-    """The rollout engine's target weights: vLLM's (or the HF model's) bf16 weight, plus an
-    int16 residual that makes it the trainer's exact fp32 master (departure 1).
+    """The rollout engine's target weights: the HF model's bf16 weights, plus an int16 residual
+    that makes each the trainer's exact fp32 master (departure 1). Each payload holds every
+    target, in order (infra/engine_weights.py: vLLM's layout, streamed syncs)."""
 
-    `residual_device`: where the residuals live (default: beside the weights; "cpu": pinned
-    host memory, merged chunk by chunk). Payloads arrive in order; a full sync may arrive one
-    decoder layer per payload, and deltas are refused until every layer has been received.
-    """
+    exact = True  # keeps the fp32 master (infra/sparse_delta.py's engine does not)
 
-    exact = True  # keeps the fp32 master; infra/sparse_delta.SparseEngineWeights does not
-    takes = "delta"  # the payloads `apply` merges
-
-    def __init__(self, model, *, base_seed, rank, layout="hf", update=0, residual_device=None, engine_layers=None,
-                 checksums=None):
+    def __init__(self, model, *, base_seed, rank, update=0, checksums=None):
         self.base_seed, self.rank, self.update = base_seed, rank, update
         self.checksums = checksums or word_checksums  # infra/checksum.checksums: the same, in blocks
         self.slots = {}
-        self._loading = {}  # name -> update of a full sync that has not reached every layer yet
-        self._merged = set()  # layers that merged the current update's delta (a streamed update)
-        for name, param, row, rows in _target_blocks(model, layout, engine_layers):
+        for name, param, row, rows in self._blocks(model):
             if rank > param.shape[1]:
                 raise ValueError(f"{name}: rank {rank} exceeds in_features {param.shape[1]}")
             if param.dtype != torch.bfloat16:
                 raise TypeError(f"{name}: engine weights must be bf16, got {param.dtype}")
-            device = torch.device(residual_device) if residual_device is not None else param.device
-            pin = device.type == "cpu" and param.device.type == "cuda"
-            residual = torch.zeros(rows, param.shape[1], dtype=torch.int16, device=device,
-                                   pin_memory=pin) if self.exact else None  # (d, k): the weights start as their own masters
-            self.slots[name] = _Slot(name, param, row, rows, residual)
+            self.slots[name] = _Slot(name, param, row, rows, self._residual(param, rows))
+        if not self.slots:
+            raise ValueError(f"no target layers found in {type(model).__name__}")
+
+    def _blocks(self, model):
+        """[(clean name, parameter, first row, rows)] of every target: one target a module."""
+        return [(clean_name(n), m.weight, 0, m.weight.shape[0]) for n, m in model.named_modules()
+                if n.rsplit(".", 1)[-1] in TARGETS]
+
+    def _residual(self, param, rows):  # (d, k) int16 zeros: the weights start as their own masters
+        return torch.zeros(rows, param.shape[1], dtype=torch.int16, device=param.device)
 
     def state_bytes(self) -> int:
         """Bytes this object adds to the engine (the residuals), wherever they live."""
@@ -218,65 +186,32 @@ class EngineWeights:
         return join_master(slot.weight, slot.residual) if self.exact else slot.weight.float()
 
     def _check(self, payload, kind):
-        """Everything a payload must satisfy, checked before anything changes."""
-        if payload.kind == "sparse" and kind == "delta":
-            raise ValueError("this engine merges factors into its exact masters (exact=True): a sparse delta "
-                             "would leave its residuals behind")
-        if payload.kind != kind:
-            raise ValueError(f"expected a {kind} payload, got {payload.kind}")
-        if payload.base_seed != self.base_seed or payload.rank != self.rank:
-            raise ValueError(f"payload has seed {payload.base_seed}, rank {payload.rank}; engine expects "
-                             f"seed {self.base_seed}, rank {self.rank}")
+        """What a payload must be, checked before anything changes."""
+        if payload.kind != kind or (payload.base_seed, payload.rank) != (self.base_seed, self.rank):
+            raise ValueError(f"a {payload.kind} payload of seed {payload.base_seed}, rank {payload.rank}: this "
+                             f"engine expects a {kind} payload of seed {self.base_seed}, rank {self.rank}")
+        if kind == "delta" and payload.update != self.update:
+            raise ValueError(f"payload for update {payload.update}: engine expects update {self.update}")
         if kind == "delta" and payload.projection != PROJECTION:
             raise ValueError(f"the factors of update {payload.update} were merged with projection {payload.projection} "
-                             f"and this engine makes A by projection {PROJECTION} (sketch.PROJECTION): the trainer and "
-                             f"its engines must run one release of LoGRA; nothing was merged")
-        unknown = sorted(set(payload.layers) - set(self.slots))[:3]
-        if unknown or not payload.layers:
-            raise ValueError(f"payload layers differ from the engine's: unknown {unknown}, "
-                             f"{len(payload.layers)} layers")
-        again = sorted(set(payload.layers) & self._merged)[:3] if kind != "full" else []
-        if again:
-            raise ValueError(f"payload for update {payload.update} already merged (duplicate) for {again}")
+                             f"and this engine makes A by projection {PROJECTION} (sketch.PROJECTION)")
+        if set(payload.layers) != set(self.slots):
+            raise ValueError(f"payload layers differ from the engine's: {sorted(set(payload.layers) ^ set(self.slots))[:3]}")
         for name, t in payload.layers.items():
-            slot = self.slots[name]
-            want = (slot.rows, self.rank) if kind == "delta" else tuple(slot.weight.shape)
-            if tuple(t.shape) != want:
-                raise ValueError(f"{name}: tensor shape {tuple(t.shape)}, expected {want}")
-        # Every layer's values finite (a sparse delta's: its values): one host read for the whole payload
-        finite = torch.stack([torch.isfinite(t if isinstance(t, torch.Tensor) else t.values).all()
-                              for t in payload.layers.values()])  # (layers,)
-        if not bool(finite.all()):
-            name = list(payload.layers)[int(finite.to(torch.int8).argmin())]
-            raise ValueError(f"{name}: non-finite values in the payload")
-        for name, t in payload.layers.items():
-            if kind == "full" and self.exact and t.dtype == torch.float32 and bf16_ties(t):
-                raise ValueError(f"{name}: {bf16_ties(t)} fp32 values lie exactly on a bf16 tie, which the engine's "
-                                 f"bf16 + int16 state cannot hold; call rowadam.avoid_bf16_ties_ on the trainer's "
-                                 f"weights before a full fp32 sync")
+            want = (self.slots[name].rows, self.rank) if kind == "delta" else tuple(self.slots[name].weight.shape)
+            if tuple(t.shape) != want or not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} (expected {want}) or non-finite values")
+            if kind == "full" and t.dtype == torch.float32 and bf16_ties(t):
+                raise ValueError(f"{name}: fp32 values on a bf16 tie, which bf16 + int16 cannot hold: call "
+                                 f"rowadam.avoid_bf16_ties_ on the trainer's weights first")
 
     @torch.no_grad()
     def apply(self, payload: Payload) -> None:
-        """Merge W -= F @ A_update into the payload's targets: all of them, or some (one decoder
-        layer per payload); once every target has merged it, the engine expects the next
-        update. Only the current update number is accepted, each layer once."""
-        if self._loading:
-            raise ValueError(f"a full sync is incomplete ({len(self.slots) - len(self._loading)} of "
-                             f"{len(self.slots)} layers missing): no delta can be merged")
-        if self._merged and payload.kind != "full" and payload.update != self.update:
-            raise ValueError(f"update {self.update} is incomplete ({len(self.slots) - len(self._merged)} layers "
-                             f"missing): payload for update {payload.update} refused")
-        if payload.update != self.update:
-            what = "already merged (duplicate)" if payload.update < self.update else "skips updates"
-            raise ValueError(f"payload for update {payload.update} {what}: engine expects update {self.update}")
-        self._check(payload, self.takes)  # all checked before any change
-        self._write(payload)
-        self._merged.update(payload.layers)
-        if len(self._merged) == len(self.slots):
-            self.update, self._merged = self.update + 1, set()
-
-    def _write(self, payload: Payload) -> None:
+        """Merge W -= F @ A_update into every target, A_update from the seed; the engine then
+        expects the next update."""
+        self._check(payload, "delta")
         self._merge_factors(payload)
+        self.update += 1
 
     def _merge_factors(self, payload: Payload) -> None:
         """W -= F @ A_update on every target of a factor payload, exactly as the trainer merges
@@ -322,22 +257,12 @@ class EngineWeights:
 
     @torch.no_grad()
     def load_full(self, payload: Payload) -> None:
-        """Replace target weights from a full payload: all of them, or some (a streamed sync,
-        one decoder layer per payload); once every target has arrived with the same update
-        number, the engine expects that update's delta next. fp32 payloads set the exact
-        master (no bf16 ties allowed), bf16 ones a master equal to the bf16 weight."""
+        """Replace every target weight: fp32 ones set the exact master (no bf16 ties allowed),
+        bf16 ones a master equal to the bf16 weight; the engine then expects update `payload.update`."""
         self._check(payload, "full")
-        if self._merged and self.exact:
-            raise ValueError(f"update {self.update} is half merged: finish it before a full sync")
-        self._merged = set()  # no master: full weights replace a half-written sparse update
-        if self._loading and set(self._loading.values()) != {payload.update}:
-            raise ValueError(f"a full sync for update {payload.update} arrived while one for update "
-                             f"{next(iter(self._loading.values()))} is incomplete")
         for name, w in payload.layers.items():
             self._load(self.slots[name], w)
-            self._loading[name] = payload.update
-        if len(self._loading) == len(self.slots):
-            self.update, self._loading = payload.update, {}
+        self.update = payload.update
 
     def _load(self, slot: _Slot, w: torch.Tensor) -> None:
         if w.dtype == torch.bfloat16:  # the master is the bf16 weight itself: residual 0

@@ -223,6 +223,7 @@ def engine_weights(w, device):
     import sync
     from infra import wire
     from infra.checksum import checksums
+    from infra.engine_weights import StreamedEngineWeights
 
     trainer = qwen2(dict(w, vocab=256), 1, torch.float32, device)
     modules = sketch.target_modules(trainer)
@@ -233,7 +234,7 @@ def engine_weights(w, device):
     for where in (None, "cpu"):  # residuals beside the weights, and in pinned host memory (27B)
         engine_model = qwen2(dict(w, vocab=256), 1, torch.bfloat16, device)
         engine_model.load_state_dict({k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()})
-        engine = sync.EngineWeights(engine_model, base_seed=0, rank=r, residual_device=where, checksums=checksums)
+        engine = StreamedEngineWeights(engine_model, base_seed=0, rank=r, residual_device=where, checksums=checksums)
         masters = {n: m.weight.detach().clone() for n, m in modules.items()}
         # the start: the trainer's fp32 masters, exactly (engine_sync.start's full sync)
         engine.load_full(wire.decode(wire.encode(sync.full_payload(masters, update=0, base_seed=0, rank=r,

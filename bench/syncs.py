@@ -57,6 +57,7 @@ import sketch  # noqa: E402
 import sync  # noqa: E402
 from infra import wire  # noqa: E402
 from infra.checksum import checksums  # noqa: E402
+from infra.engine_weights import StreamedEngineWeights  # noqa: E402
 import train  # noqa: E402
 
 RUNS = (("logra", "factors"), ("logra", "delta"), ("logra", "full"), ("adam", "full"), ("adam", "delta"),
@@ -111,8 +112,8 @@ def merge_timings(reps: int, rank: int) -> str:
 
     torch.manual_seed(0)
     widths = {k: v for k, v in train.PRESETS["smollm2-135m"].model.items() if k != "model_type"}
-    engine = sync.EngineWeights(LlamaForCausalLM(LlamaConfig(**widths)).to(torch.bfloat16), base_seed=0, rank=rank,
-                                   checksums=checksums)
+    engine = StreamedEngineWeights(LlamaForCausalLM(LlamaConfig(**widths)).to(torch.bfloat16), base_seed=0,
+                                   rank=rank, checksums=checksums)
     full = {n: s.weight.clone() for n, s in engine.slots.items()}
     g = torch.Generator().manual_seed(0)
     times = {k: [] for k in ("encode", "decode", "apply", "load_full")}

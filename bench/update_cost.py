@@ -46,6 +46,7 @@ import sketch  # noqa: E402
 import sync  # noqa: E402
 from infra import wire  # noqa: E402
 from infra.checksum import checksums  # noqa: E402
+from infra.engine_weights import StreamedEngineWeights  # noqa: E402
 
 GIB = 2**30
 RESPONSES, MICRO, PROBED, KL_POSITIONS = 32, 2, 2, 256  # per rank, as in the paper's Table 1
@@ -161,8 +162,8 @@ def one(width, method, reps):
         del model, opt, state, modules
         layers = targets = None  # the last references to the trainer's tensors
         phase = "engine"
-        engine = sync.EngineWeights(build(width).to(torch.bfloat16), base_seed=0, rank=rank, update=update,
-                                   checksums=checksums)
+        engine = StreamedEngineWeights(build(width).to(torch.bfloat16), base_seed=0, rank=rank, update=update,
+                                       checksums=checksums)
         payload = wire.decode(buf)
         if method == "logra":
             _, engine_time = timed(lambda: engine.apply(payload))

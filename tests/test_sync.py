@@ -17,6 +17,7 @@ import sync
 from distributed import run_gloo
 from infra import checksum as fast_checksum, engine_sync, sparse_delta, wire
 from infra.architectures import SEPARATE
+from infra.engine_weights import StreamedEngineWeights
 from infra.sparse_delta import SparseEngineWeights
 from standin import vllm_standin
 from tiny import tiny_batch, tiny_qwen2, use_block
@@ -88,8 +89,8 @@ def test_200_payloads_track_the_trainer_in_both_layouts():
     model, layers, opt, hf_engine_model = trainer()
     fused_model = vllm_standin(hf_engine_model)
     naive = {l.name: w.clone() for l, w in zip(layers, (l.module.weight.detach().to(torch.bfloat16) for l in layers))}
-    engines = [sync.EngineWeights(hf_engine_model, base_seed=SEED, rank=RANK),
-               sync.EngineWeights(fused_model, base_seed=SEED, rank=RANK, layout="vllm", engine_layers=SEPARATE.engine)]
+    engines = [sync.EngineWeights(hf_engine_model, base_seed=SEED, rank=RANK),  # the reference, HF layout
+               StreamedEngineWeights(fused_model, base_seed=SEED, rank=RANK, layout="vllm", engine_layers=SEPARATE.engine)]
     start = sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
     for e in engines:
         e.load_full(wire.decode(wire.encode(start)))  # start-up resync over the buffer path
@@ -130,9 +131,39 @@ def assert_unchanged(engine, snap):
         assert torch.equal(engine.master(n), m) and torch.equal(engine_weight(engine, n), w)
 
 
+def test_the_reference_engine_refuses_what_it_cannot_merge_and_changes_nothing():
+    """sync.EngineWeights (one payload holds every target, in order): a payload of another
+    update, kind, seed, a missing target, a wrong shape, a non-finite value, an fp32 bf16 tie
+    are refused before anything changes; the good payload then merges as the trainer did."""
+    model, layers, opt, engine_model = trainer()
+    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+    engine.load_full(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32))
+    good = step(model, layers, opt, 0)
+    snap = snapshot(engine)
+    first, f = next(iter(good.layers.items()))
+    tie = {n: w.clone() for n, w in masters(layers).items()}
+    tie[first].view(-1)[0] = torch.tensor(1.0 + 2**-8)  # exactly halfway between two bf16 values
+    for bad in [sync.Payload(1, SEED, RANK, good.layers), sync.Payload(0, SEED + 1, RANK, good.layers),
+                sync.Payload(0, SEED, RANK, good.layers, kind="full"),
+                sync.Payload(0, SEED, RANK, {n: t for n, t in good.layers.items() if n != first}),
+                sync.Payload(0, SEED, RANK, {**good.layers, first: f[:, :2]}),
+                sync.Payload(0, SEED, RANK, {**good.layers, first: torch.full_like(f, float("nan"))}),
+                sync.Payload(0, SEED, RANK, good.layers, projection=1)]:
+        with pytest.raises(ValueError):
+            engine.apply(bad)
+        assert_unchanged(engine, snap)
+    with pytest.raises(ValueError, match="bf16 tie"):
+        engine.load_full(sync.full_payload(tie, update=0, base_seed=SEED, rank=RANK, dtype=torch.float32))
+    assert_unchanged(engine, snap)
+    engine.apply(good)
+    assert engine.update == 1
+    for l in layers:
+        assert torch.equal(engine.master(l.name), l.module.weight.detach()), l.name
+
+
 def test_bad_payloads_are_rejected_and_change_nothing():
     model, layers, opt, engine_model = trainer(update_ratio=1e-3)
-    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+    engine = StreamedEngineWeights(engine_model, base_seed=SEED, rank=RANK)
     engine.load_full(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32))
     payloads = [step(model, layers, opt, i) for i in range(4)]
     engine.apply(payloads[0])
@@ -206,7 +237,7 @@ def test_fused_row_offsets_for_real_configs():
                                        num_key_value_heads=4, num_hidden_layers=2),
     }
     for cfg in configs.values():
-        engine = sync.EngineWeights(vllm_standin(config=cfg, device="meta"), base_seed=0, rank=256, layout="vllm", engine_layers=SEPARATE.engine)
+        engine = StreamedEngineWeights(vllm_standin(config=cfg, device="meta"), base_seed=0, rank=256, layout="vllm", engine_layers=SEPARATE.engine)
         hd = cfg.hidden_size // cfg.num_attention_heads  # 128 for both
         q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
         expect = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv), "o_proj": (0, cfg.hidden_size),
@@ -221,16 +252,16 @@ def test_a_tensor_parallel_vllm_layer_is_refused():
     cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=2)
     model = vllm_standin(config=cfg, device="meta")
-    sync.EngineWeights(model, base_seed=0, rank=8, layout="vllm", engine_layers=SEPARATE.engine)  # tensor parallel size 1: accepted
+    StreamedEngineWeights(model, base_seed=0, rank=8, layout="vllm", engine_layers=SEPARATE.engine)  # tensor parallel size 1: accepted
     model.model.layers[1].mlp.down_proj.tp_size = 2
     with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp\.down_proj: tensor-parallel"):
-        sync.EngineWeights(model, base_seed=0, rank=8, layout="vllm", engine_layers=SEPARATE.engine)
+        StreamedEngineWeights(model, base_seed=0, rank=8, layout="vllm", engine_layers=SEPARATE.engine)
 
 
 def test_fused_weights_match_hf_layout_blocks():
     hf = tiny_qwen2().to(torch.bfloat16)
-    fused = sync.EngineWeights(vllm_standin(hf), base_seed=0, rank=4, layout="vllm", engine_layers=SEPARATE.engine)
-    plain = sync.EngineWeights(hf, base_seed=0, rank=4)
+    fused = StreamedEngineWeights(vllm_standin(hf), base_seed=0, rank=4, layout="vllm", engine_layers=SEPARATE.engine)
+    plain = StreamedEngineWeights(hf, base_seed=0, rank=4)
     assert set(fused.slots) == set(plain.slots)
     for name in plain.slots:
         assert torch.equal(engine_weight(fused, name), engine_weight(plain, name))
@@ -249,7 +280,7 @@ def _two_process(rank, world, out_dir):
             wire.send(step(model, layers, opt, i, trainers), None, 1)
             prints.append(sync.fingerprint(layers))
     else:
-        engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+        engine = StreamedEngineWeights(engine_model, base_seed=SEED, rank=RANK)
         engine.load_full(wire.recv(None, 0))
         for _ in range(5):
             engine.apply(wire.recv(None, 0))
@@ -269,7 +300,7 @@ def test_two_process_sync(tmp_path):
 
 def test_fingerprint_mismatch_names_the_layer():
     _, layers, _, engine_model = trainer()
-    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+    engine = StreamedEngineWeights(engine_model, base_seed=SEED, rank=RANK)
     fp = engine.fingerprint()
     with torch.no_grad():
         engine.slots["model.layers.1.self_attn.v_proj"].param[3, 5] += 1.0
@@ -347,8 +378,8 @@ def test_compact_state_is_the_masters_bits_over_1000_updates():
     ties = sum(sync.bf16_ties(m.weight) for m in modules.values())
     assert ties > 1000
     hf = copy.deepcopy(model).to(torch.bfloat16)
-    engines = [sync.EngineWeights(hf, base_seed=SEED, rank=RANK),
-               sync.EngineWeights(vllm_standin(hf), base_seed=SEED, rank=RANK, layout="vllm", engine_layers=SEPARATE.engine)]
+    engines = [StreamedEngineWeights(hf, base_seed=SEED, rank=RANK),
+               StreamedEngineWeights(vllm_standin(hf), base_seed=SEED, rank=RANK, layout="vllm", engine_layers=SEPARATE.engine)]
     start = {n: m.weight.detach().clone() for n, m in modules.items()}
     with pytest.raises(ValueError, match="bf16 tie"):  # refused, and nothing changed
         engines[0].load_full(sync.full_payload(start, update=0, base_seed=SEED, rank=RANK, dtype=torch.float32))
@@ -412,8 +443,8 @@ def test_store_master_is_the_tie_rule_then_the_split():
 
 def test_streamed_full_sync_equals_one_payload():
     model, layers, opt, engine_model = trainer()
-    one = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
-    streamed = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    one = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    streamed = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
     for i in range(3):  # move the trainer first
         step(model, layers, opt, i)
     weights = {n: w.clone() for n, w in masters(layers).items()}
@@ -439,8 +470,8 @@ def test_streamed_update_equals_one_payload():
     """An update sent one decoder layer per payload (the trainer gathers F layer by layer)
     merges to the same bits as one payload; a half-merged update refuses anything else."""
     model, layers, opt, engine_model = trainer()
-    one = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
-    parts = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    one = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    parts = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
     start = sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
     one.load_full(start)
     parts.load_full(start)
@@ -677,7 +708,7 @@ def test_bad_sparse_deltas_are_refused_and_change_nothing():
     with pytest.raises(ValueError, match="no fp32 master"):
         engine.apply(factors[1])
     unchanged()
-    exact = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    exact = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
     with pytest.raises(ValueError, match="residuals behind"):
         exact.apply(payloads[0])
     with pytest.raises(ValueError, match="holds Sparse deltas"):
