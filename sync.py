@@ -25,48 +25,42 @@ Use
     sync.check_fingerprints(sync.fingerprint(layers), engine.fingerprint())  # equal, or it raises
 
 `model` a Hugging Face causal LM with fp32 weights, `engine_model` a bf16 copy of it (an
-engine's weights), `ids` a batch, `loss_fn(model, ids)` a loss, `alpha` a step (kl_control.py).
+engine's weights), `ids` a batch, `loss_fn(model, ids)` a loss, `alpha` a step (kl_control.py);
 tests/test_sync.py::test_the_use_block_runs runs this block on the tiny Qwen2.
 
 The math (arXiv:2610.06647, the method section on seed-based sync)
 --------
-The trainer sends `alpha eta U` (here `F`; rowadam.py's `U = c D` is the paper's `eta U`) and a
-seed for `A`: O(d r) values instead of a (d, k) delta. At update t, per target layer:
+The trainer sends `alpha eta U` (here F; rowadam.py's `U = c D` is the paper's `eta U`) and a
+seed for A: O(d r) values instead of a (d, k) delta. At update t, per target layer:
 
     F     = bf16(alpha eta U)                   (d, r), what the trainer merged and sends
     A_t   = sketch.make_projection(r, k, projection_seed(base_seed, t, name))     (r, k)
-    W    <- W - F @ A_t                         the engine, in the trainer's row chunks
-    W     = bf16(W) + j ulp(W)                  j an int16: the engine's master (departure 1)
-    merge: W = join(bf16, j);  W -= F @ A_t;  bf16, j = split(W)
-    fingerprint = ( sum_i x_i,  sum_i x_i (i mod 65521 + 1) )      x_i: the bf16 words
+    W     = bf16(W) + j ulp(W)                  the engine's master, j an int16 (departure 1)
+    merge: W = join(bf16, j);  W -= F @ A_t;  bf16, j = split(W)       in the trainer's row chunks
+    fingerprint = (sum_i x_i, sum_i x_i (i mod 65521 + 1))            x_i: the 16-bit words of bf16(W)
 
 The fingerprint's sums add up over row shards (FSDP2) and name the first layer that differs.
 Shape legend: d out rows, k in columns, r rank.
 
 Defaults
 --------
-Factors in bf16, as the engines merge them (fp32 would double the payload). CHECK_WORDS (2^20)
-bounds a checksum's int64 work (32 MiB; infra/memory_plan.py counts it); 65521 is the largest
-prime below 2^16 (Adler-32's modulus).
+Factors in bf16, as the engines merge them (fp32 would double the payload); 65521, the largest
+prime below 2^16 (Adler-32's modulus), cycles the checksum's weights.
 
 Departures from the paper
 -------------------------
 1. The engine keeps the trainer's fp32 master as bf16 + an int16 residual: a relative step of
-   6e-5 is far below bf16's resolution and a plain bf16 merge drifts (2 bytes a weight, not 4).
-   Tests: test_200_payloads_track_the_trainer_in_both_layouts, test_compact_state_is_the_masters_bits_over_1000_updates.
-2. Not the paper's: the exact sparse bf16 delta (`--sync delta`, PULSE, arXiv:2602.03839), an
-   engine without a master (infra/sparse_delta.py). Test: test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer.
+   6e-5 is far below bf16's resolution, so a plain bf16 merge drifts (test_200_payloads_track_the_trainer_in_both_layouts).
+2. Not the paper's: the exact sparse bf16 delta (`--sync delta`, PULSE, arXiv:2602.03839) for an
+   engine without a master (infra/sparse_delta.py; test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer).
 
 Implementation notes
 --------------------
-- Companions: the wire format and its checksums (infra/wire.py: one flat uint8 buffer, refused
-  when corrupted before anything changes), the sparse delta (infra/sparse_delta.py), the
-  trainer's streamed syncs (infra/engine_sync.py). Everything is checked before a change.
-- Factors of another projection rule (sketch.PROJECTION) are refused: A would differ.
-- The engine makes A_t's signs of a payload's targets at once (sketch.make_signs_many) and
-  merges targets of one shape together (rowadam.merge_layers, the trainer's bits).
-- vLLM fuses q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`): layout "vllm" applies each
-  factor to its own row block (`engine_layers`, infra/architectures.py); tensor parallel refused.
+- Companions (train.py's path): infra/wire.py (the one uint8 buffer and its checks),
+  infra/checksum.py (the checksum in bounded blocks), infra/engine_weights.py (vLLM's layout,
+  host residuals, streamed syncs), infra/engine_sync.py (the trainer's side under FSDP2).
+- Everything is checked before anything changes; factors of another projection rule
+  (sketch.PROJECTION) are refused, since A would differ.
 """
 
 from dataclasses import dataclass, field
@@ -153,8 +147,6 @@ class EngineWeights:
     that makes each the trainer's exact fp32 master (departure 1). Each payload holds every
     target, in order (infra/engine_weights.py: vLLM's layout, streamed syncs)."""
 
-    exact = True  # keeps the fp32 master (infra/sparse_delta.py's engine does not)
-
     def __init__(self, model, *, base_seed, rank, update=0, checksums=None):
         self.base_seed, self.rank, self.update = base_seed, rank, update
         self.checksums = checksums or word_checksums  # infra/checksum.checksums: the same, in blocks
@@ -176,27 +168,18 @@ class EngineWeights:
     def _residual(self, param, rows):  # (d, k) int16 zeros: the weights start as their own masters
         return torch.zeros(rows, param.shape[1], dtype=torch.int16, device=param.device)
 
-    def state_bytes(self) -> int:
-        """Bytes this object adds to the engine (the residuals), wherever they live."""
-        return sum(s.residual.numel() * s.residual.element_size() for s in self.slots.values() if self.exact)
-
     def master(self, name: str) -> torch.Tensor:
         """The fp32 master of one target (d, k), rebuilt (for checks; the merges work in chunks)."""
-        slot = self.slots[name]
-        return join_master(slot.weight, slot.residual) if self.exact else slot.weight.float()
+        return join_master(self.slots[name].weight, self.slots[name].residual)
 
     def _check(self, payload, kind):
         """What a payload must be, checked before anything changes."""
-        if payload.kind != kind or (payload.base_seed, payload.rank) != (self.base_seed, self.rank):
-            raise ValueError(f"a {payload.kind} payload of seed {payload.base_seed}, rank {payload.rank}: this "
-                             f"engine expects a {kind} payload of seed {self.base_seed}, rank {self.rank}")
-        if kind == "delta" and payload.update != self.update:
-            raise ValueError(f"payload for update {payload.update}: engine expects update {self.update}")
-        if kind == "delta" and payload.projection != PROJECTION:
-            raise ValueError(f"the factors of update {payload.update} were merged with projection {payload.projection} "
-                             f"and this engine makes A by projection {PROJECTION} (sketch.PROJECTION)")
-        if set(payload.layers) != set(self.slots):
-            raise ValueError(f"payload layers differ from the engine's: {sorted(set(payload.layers) ^ set(self.slots))[:3]}")
+        got = (payload.kind, payload.base_seed, payload.rank, payload.projection)
+        want = (kind, self.base_seed, self.rank, PROJECTION if kind == "delta" else payload.projection)
+        odd = sorted(set(payload.layers) ^ set(self.slots))[:3]  # layers missing or unknown
+        if got != want or odd or (kind == "delta" and payload.update != self.update):
+            raise ValueError(f"a payload (kind, seed, rank, projection) {got} of update {payload.update}, layers "
+                             f"{odd} not the engine's: it expects {want} of update {self.update}")
         for name, t in payload.layers.items():
             want = (self.slots[name].rows, self.rank) if kind == "delta" else tuple(self.slots[name].weight.shape)
             if tuple(t.shape) != want or not bool(torch.isfinite(t).all()):

@@ -27,6 +27,7 @@ class StreamedEngineWeights(EngineWeights):
     """sync.EngineWeights with vLLM's layout (`layout="vllm"`, `engine_layers`), residuals where
     `residual_device` says, and payloads that may hold some of the targets (a streamed sync)."""
 
+    exact = True  # keeps the fp32 master (infra/sparse_delta.py's engine does not)
     takes = "delta"  # the payloads `apply` merges (infra/sparse_delta.py's engine: "sparse")
 
     def __init__(self, model, *, base_seed, rank, layout="hf", update=0, residual_device=None, engine_layers=None,
@@ -62,6 +63,10 @@ class StreamedEngineWeights(EngineWeights):
                     blocks.append((prefix + part, module.weight, row, size))
                     row += size
         return blocks
+
+    def state_bytes(self) -> int:
+        """Bytes this object adds to the engine (the residuals), wherever they live."""
+        return sum(s.residual.numel() * s.residual.element_size() for s in self.slots.values() if self.exact)
 
     def _residual(self, param, rows):
         if not self.exact:

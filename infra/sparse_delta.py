@@ -232,5 +232,8 @@ class SparseEngineWeights(StreamedEngineWeights):
             else:
                 weight.index_copy_(0, t.positions.to(weight.device), t.values.to(weight.device))
 
+    def master(self, name: str) -> torch.Tensor:
+        return self.slots[name].weight.float()  # no master: the bf16 weight
+
     def _load(self, slot, w: torch.Tensor) -> None:
         slot.weight.copy_(w)  # no master: the bf16 weight, rounded to nearest even from fp32
