@@ -1,11 +1,11 @@
 """
 sync.py: seed-based weight sync from the trainer to the rollout engines.
 
-After update t is merged, the trainer sends each rollout engine, per target layer, only the
-bf16 factor `F` (d, r) that RowAdam merged, plus the seed. The engine regenerates `A_t` from
-sketch.py's seed rule and merges `W -= F @ A_t` itself, exactly as the trainer did, so that its
-bf16 weights stay bf16 of the trainer's fp32 master: `sum_layers 2 d r` bytes, about r/k of a
-full bf16 sync. Fingerprints (two integer checksums per target) confirm it after every sync.
+After update t is merged, the trainer sends each engine, per target layer, only the bf16 factor
+F (d, r) that RowAdam merged, and the seed. The engine regenerates A_t by sketch.py's seed rule
+and merges W -= F @ A_t itself, exactly as the trainer did: its bf16 weights stay bf16 of the
+trainer's fp32 master, for 2 d r bytes a layer, about r/k of a bf16 sync. Fingerprints (two
+integer checksums per target) confirm it after every sync.
 
 Use
 ---
@@ -24,14 +24,13 @@ Use
     engine.apply(payload)                                            # the engine: W -= F A_0, A_0 from the seed
     sync.check_fingerprints(sync.fingerprint(layers), engine.fingerprint())  # equal, or it raises
 
-`model` a Hugging Face causal LM with fp32 weights, `engine_model` a bf16 copy of it (an
-engine's weights), `ids` a batch, `loss_fn(model, ids)` a loss, `alpha` a step (kl_control.py);
-tests/test_sync.py::test_the_use_block_runs runs this block on the tiny Qwen2.
+`model` a Hugging Face causal LM in fp32, `engine_model` a bf16 copy, `ids` a batch, `loss_fn`
+a loss, `alpha` a step (kl_control.py); tests/test_sync.py::test_the_use_block_runs runs it.
 
 The math (arXiv:2610.06647, the method section on seed-based sync)
 --------
-The trainer sends `alpha eta U` (here F; rowadam.py's `U = c D` is the paper's `eta U`) and a
-seed for A: O(d r) values instead of a (d, k) delta. At update t, per target layer:
+The trainer sends alpha eta U (here F; rowadam.py's `U = c D` is the paper's eta U) and a seed
+for A: O(d r) values instead of a (d, k) delta. At update t, per target layer:
 
     F     = bf16(alpha eta U)                   (d, r), what the trainer merged and sends
     A_t   = sketch.make_projection(r, k, projection_seed(base_seed, t, name))     (r, k)
@@ -39,13 +38,8 @@ seed for A: O(d r) values instead of a (d, k) delta. At update t, per target lay
     merge: W = join(bf16, j);  W -= F @ A_t;  bf16, j = split(W)       in the trainer's row chunks
     fingerprint = (sum_i x_i, sum_i x_i (i mod 65521 + 1))            x_i: the 16-bit words of bf16(W)
 
-The fingerprint's sums add up over row shards (FSDP2) and name the first layer that differs.
-Shape legend: d out rows, k in columns, r rank.
-
-Defaults
---------
-Factors in bf16, as the engines merge them (fp32 would double the payload); 65521, the largest
-prime below 2^16 (Adler-32's modulus), cycles the checksum's weights.
+Defaults: factors in bf16, as the engines merge them (fp32 would double the payload); 65521,
+the largest prime below 2^16 (Adler-32's modulus). Shapes: d out rows, k in columns, r rank.
 
 Departures from the paper
 -------------------------
@@ -54,13 +48,10 @@ Departures from the paper
 2. Not the paper's: the exact sparse bf16 delta (`--sync delta`, PULSE, arXiv:2602.03839) for an
    engine without a master (infra/sparse_delta.py; test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer).
 
-Implementation notes
---------------------
-- Companions (train.py's path): infra/wire.py (the one uint8 buffer and its checks),
-  infra/checksum.py (the checksum in bounded blocks), infra/engine_weights.py (vLLM's layout,
-  host residuals, streamed syncs), infra/engine_sync.py (the trainer's side under FSDP2).
-- Everything is checked before anything changes; factors of another projection rule
-  (sketch.PROJECTION) are refused, since A would differ.
+Implementation notes: train.py runs the companions: infra/wire.py (one checked uint8 buffer),
+infra/checksum.py (the checksum in bounded blocks), infra/engine_weights.py (vLLM's layout, host
+residuals, streamed syncs), infra/engine_sync.py (the trainer's side, FSDP2). Every payload is
+checked before anything changes; factors of another projection rule (sketch.PROJECTION) too.
 """
 
 from dataclasses import dataclass, field
@@ -70,7 +61,6 @@ import torch
 from rowadam import MERGE_ELEMENTS, entry_magnitude, local_rows, merge_layers, merge_rows, rows_per_chunk
 from sketch import (PROJECTION, TARGETS, clean_name, make_signs_many, projection_from_signs, projection_seed,
                     shape_groups, target_modules)
-
 
 CHECK_MOD = 65521  # positional weights of the checksum cycle through 1..65521
 
@@ -98,8 +88,7 @@ def full_payload(weights: dict, *, update: int, base_seed: int, rank: int, dtype
     return Payload(update, base_seed, rank, {n: w.detach().to(dtype) for n, w in weights.items()}, kind="full")
 
 
-# -----------------------------------------------------------------------------
-# The engine's master: bf16 + int16 (departure 1)
+# --- The engine's master: bf16 + int16 (departure 1) --------------------------------------------
 
 @dataclass
 class _Slot:
@@ -247,11 +236,7 @@ class EngineWeights:
             self._load(self.slots[name], w)
         self.update = payload.update
 
-    def _load(self, slot: _Slot, w: torch.Tensor) -> None:
-        if w.dtype == torch.bfloat16:  # the master is the bf16 weight itself: residual 0
-            slot.weight.copy_(w)
-            slot.residual.zero_()
-            return
+    def _load(self, slot: _Slot, w: torch.Tensor) -> None:  # bf16 w: the master w itself, residual 0
         step = rows_per_chunk(w.shape[1])
         for start in range(0, slot.rows, step):
             chunk = w[start:start + step].to(slot.param.device, torch.float32)  # (c, k)
@@ -263,8 +248,7 @@ class EngineWeights:
         return dict(zip(self.slots, self.checksums(s.weight for s in self.slots.values())))
 
 
-# -----------------------------------------------------------------------------
-# Fingerprints: what the trainer and an engine hold, compared after every sync
+# --- Fingerprints: what the trainer and an engine hold, compared after every sync ---------------
 
 def word_checksums(tensors) -> list[tuple[int, int]]:
     """(sum_i x_i, sum_i x_i (i mod 65521 + 1)) in int64 over each tensor's 16-bit words x_i, word
@@ -284,19 +268,14 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
 def fingerprint(layers_or_model, checksums=word_checksums) -> dict:
     """Checksums of bf16(W) per target, from a model or from sketch.attach's layers (one process;
     under FSDP2, infra/engine_sync.fingerprint sums the row shards)."""
-    if isinstance(layers_or_model, torch.nn.Module):
-        mods = target_modules(layers_or_model)
-    else:
-        mods = {l.name: l.module for l in layers_or_model}
+    model = isinstance(layers_or_model, torch.nn.Module)
+    mods = target_modules(layers_or_model) if model else {l.name: l.module for l in layers_or_model}
     names = sorted(mods)
     return dict(zip(names, checksums(mods[n].weight.detach().to(torch.bfloat16) for n in names)))
 
 
 def check_fingerprints(trainer: dict, engine: dict) -> None:
-    """Raise naming the first layer whose checksums differ."""
-    if set(trainer) != set(engine):
-        raise RuntimeError(f"trainer and engine hold different layers: "
-                           f"{sorted(set(trainer) ^ set(engine))[:3]}")
-    for name in sorted(trainer):
-        if tuple(trainer[name]) != tuple(engine[name]):
+    """Raise naming the first layer whose checksums differ (or that one side lacks)."""
+    for name in sorted(set(trainer) | set(engine)):
+        if tuple(trainer.get(name, ())) != tuple(engine.get(name, ())):
             raise RuntimeError(f"engine weights differ from the trainer's at {name}: resync with a full payload")
