@@ -1,9 +1,9 @@
 """
 infra/checksum.py: sync.py's checksum, (sum_i x_i, sum_i x_i (i mod 65521 + 1)) over a tensor's
 16-bit words x_i in int64, computed in blocks of CHECK_WORDS words (a bounded int64 work beside
-the weight, where sync.checksums' word by word reference holds three int64 copies of it) and
+the weight, where sync.word_checksums' word by word reference holds three int64 copies of it) and
 read from the device once for many tensors (`checksums`). The payloads' checks (infra/wire.py),
-the engines' fingerprints (`sync.EngineWeights(..., checksums=checksums)`) and the trainer's
+the engines' fingerprints (`EngineWeights(..., checksums=checksums)`) and the trainer's
 under FSDP2 (`checksum_rows` at a shard's row offset: the sums add up over row shards) use it.
 Integer sums: equal to the reference in any order (tests/test_sync.py,
 test_checksum_against_a_word_by_word_recomputation).

@@ -36,7 +36,7 @@ Shape legend: B batch (prompts), T prompt + response tokens.
 Implementation notes
 --------------------
 - vLLM tensor parallelism inside an engine is not supported (Table 1's setup runs one vLLM
-  engine per GPU); a sharded vLLM layer raises in `sync.EngineWeights`.
+  engine per GPU); a sharded vLLM layer raises in infra/engine_weights.py.
 """
 
 import contextlib
@@ -330,7 +330,7 @@ class VLLMEngine:
 
     `sketch_rank`: the rank r of the payloads' factors.
     `gpu`: index of the engine's GPU among those this process sees (None: a CPU engine).
-    `exact`: keep the exact-merge residuals (sync.EngineWeights) that factor payloads need;
+    `exact`: keep the exact-merge residuals (infra/engine_weights.py) that factor payloads need;
     False for an engine that takes only sparse deltas and full weights, and keeps none.
     `residual_on_host`: keep the exact-merge residuals in pinned host memory instead of on
     the engine's GPU (the 27B preset: they do not fit beside the weights).
