@@ -53,7 +53,7 @@ import kl_control
 import ppo
 import sketch
 import sync
-from infra import engine_sync, launch, lifecycle, metrics, planning, policy, task_data, tasks, vllm_engine
+from infra import engine_sync, group_advantages, launch, lifecycle, metrics, planning, policy, task_data, tasks, vllm_engine
 from infra.probe_decoder import fast_probe
 from infra.engine import HFEngine, evaluate, rollout_slots
 from infra.errors import RunError
@@ -191,8 +191,8 @@ def run(argv=None):
         if cfg.advantage == "running":
             advantages = r.baseline.advantages(rewards)  # (B,)
         else:  # a group's responses are contiguous rows of one rank (rollout_slots)
-            advantages = ppo.GROUP_ADVANTAGES[cfg.advantage](rewards, cfg.group_size)
-        flat = ppo.zero_variance_groups(rewards, cfg.group_size) if cfg.group_size > 1 else None
+            advantages = group_advantages.GROUP_ADVANTAGES[cfg.advantage](rewards, cfg.group_size)
+        flat = group_advantages.zero_variance_groups(rewards, cfg.group_size) if cfg.group_size > 1 else None
 
         # --- loss, backward into the sketches (LoGRA) or into .grad (AdamW, LoRA) ------------
         num_tokens = ppo.global_token_count(rollout.mask)

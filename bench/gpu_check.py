@@ -221,6 +221,9 @@ def engine_weights(w, device):
     import rowadam
     import sketch
     import sync
+    from infra import wire
+    from infra.checksum import checksums
+    from infra.engine_weights import StreamedEngineWeights
 
     trainer = qwen2(dict(w, vocab=256), 1, torch.float32, device)
     modules = sketch.target_modules(trainer)
@@ -231,10 +234,10 @@ def engine_weights(w, device):
     for where in (None, "cpu"):  # residuals beside the weights, and in pinned host memory (27B)
         engine_model = qwen2(dict(w, vocab=256), 1, torch.bfloat16, device)
         engine_model.load_state_dict({k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()})
-        engine = sync.EngineWeights(engine_model, base_seed=0, rank=r, residual_device=where)
+        engine = StreamedEngineWeights(engine_model, base_seed=0, rank=r, residual_device=where, checksums=checksums)
         masters = {n: m.weight.detach().clone() for n, m in modules.items()}
         # the start: the trainer's fp32 masters, exactly (engine_sync.start's full sync)
-        engine.load_full(sync.decode(sync.encode(sync.full_payload(masters, update=0, base_seed=0, rank=r,
+        engine.load_full(wire.decode(wire.encode(sync.full_payload(masters, update=0, base_seed=0, rank=r,
                                                                    dtype=torch.float32))))
         g = torch.Generator().manual_seed(1)
         factors = {n: (torch.randn(m.shape[0], r, generator=g) * 1e-4).to(torch.bfloat16).to(device)
@@ -244,7 +247,7 @@ def engine_weights(w, device):
                 a = sketch.make_projection(r, wt.shape[1], sketch.projection_seed(0, update, name), device=device)
                 rowadam.merge_rows(wt, factors[name], a)
             t0 = time.time()
-            engine.apply(sync.decode(sync.encode(sync.Payload(update, 0, r, factors))))
+            engine.apply(wire.decode(wire.encode(sync.Payload(update, 0, r, factors))))
             if device == "cuda":
                 torch.cuda.synchronize()
             seconds = time.time() - t0

@@ -44,6 +44,7 @@ from infra import memory_plan  # noqa: E402
 from infra import policy  # noqa: E402
 from infra import probe_decoder  # noqa: E402
 import sync  # noqa: E402
+from infra import wire  # noqa: E402
 import train  # noqa: E402
 
 WORLD, MICRO, TOKENS = 2, 2, 64
@@ -131,10 +132,10 @@ def logra_step(model_cfg, r, rank):
         mark("merge")
         by_name = {l.name: (l, f) for l, f in zip(layers, factors)}
         sizes = {n: 2 * r * layer.module.weight.shape[0] for n, (layer, _) in by_name.items()}
-        for names in sync.payload_groups(sync.layer_groups(by_name), sizes.get, sync.FACTOR_PAYLOAD_BYTES):
+        for names in engine_sync.payload_groups(engine_sync.layer_groups(by_name), sizes.get, engine_sync.FACTOR_PAYLOAD_BYTES):
             # what engine_sync.factors sends, without an engine
             part = {n: by_name[n][0].all_rows(by_name[n][1]) for n in names}
-            sync.encode(sync.Payload(0, 0, r, part))
+            wire.encode(sync.Payload(0, 0, r, part))
         mark("sync")
         del factors, by_name, part
     return persistent, max(phases.values()), phases
@@ -156,9 +157,9 @@ def adam_step(model_cfg, r, rank):
     existing = [*model.parameters(), *model.buffers(), *(m.weight.grad for m in modules.values()), *state]
     with LiveBytes(existing) as live:
         opt.step()
-        for names in sync.layer_groups(modules):  # engine_sync.full, without an engine
+        for names in engine_sync.layer_groups(modules):  # engine_sync.full, without an engine
             weights = {n: engine_sync.target_weight(modules[n]) for n in names}
-            sync.encode(sync.full_payload(weights, update=1, base_seed=0, rank=r))
+            wire.encode(sync.full_payload(weights, update=1, base_seed=0, rank=r))
         del weights
     return persistent, live.peak
 

@@ -5,7 +5,7 @@ real updates of a real model, projected to the paper's 7B and 27B.
     python bench/syncs.py [--markdown]                                 # sizes and the engine's merge
     python bench/syncs.py --checkpoint DIR [--out DIR] [--updates 5] [--markdown]   # and the runs
 
-Sizes (block `syncs_sizes`, seconds). The factor payload of one update from `sync.encode` of zero
+Sizes (block `syncs_sizes`, seconds). The factor payload of one update from `wire.encode` of zero
 factors with the paper presets' target shapes (d, r) (built on the meta device), against a full
 sync's bytes: the bf16 target weights, and the whole model's bf16 parameters for reference.
 Then, in this process at SmolLM2-135M's widths (random weights, its preset's rank 64): encode,
@@ -55,6 +55,9 @@ import real_model  # noqa: E402  (bench/real_model.py: its checkpoint and task)
 import report  # noqa: E402  (bench/report.py)
 import sketch  # noqa: E402
 import sync  # noqa: E402
+from infra import wire  # noqa: E402
+from infra.checksum import checksums  # noqa: E402
+from infra.engine_weights import StreamedEngineWeights  # noqa: E402
 import train  # noqa: E402
 
 RUNS = (("logra", "factors"), ("logra", "delta"), ("logra", "full"), ("adam", "full"), ("adam", "delta"),
@@ -95,7 +98,7 @@ def sizes() -> str:
         for r in (64, 256):
             zeros = {n: torch.zeros(d, r, dtype=torch.bfloat16) for n, (d, k) in shapes.items()}  # (d, r) each
             payload = sync.Payload(0, 0, r, zeros)
-            size = sync.encode(payload).numel()
+            size = wire.encode(payload).numel()
             rows.append([name, r, f"{size / MIB:.1f} MiB", f"{full_targets / GIB:.2f} GiB",
                          f"1/{full_targets / size:.1f}", f"{whole / GIB:.2f} GiB", f"1/{whole / size:.1f}"])
     return report.table(["preset", "r", "factor payload per update", "full sync, targets", "ratio",
@@ -109,7 +112,8 @@ def merge_timings(reps: int, rank: int) -> str:
 
     torch.manual_seed(0)
     widths = {k: v for k, v in train.PRESETS["smollm2-135m"].model.items() if k != "model_type"}
-    engine = sync.EngineWeights(LlamaForCausalLM(LlamaConfig(**widths)).to(torch.bfloat16), base_seed=0, rank=rank)
+    engine = StreamedEngineWeights(LlamaForCausalLM(LlamaConfig(**widths)).to(torch.bfloat16), base_seed=0,
+                                   rank=rank, checksums=checksums)
     full = {n: s.weight.clone() for n, s in engine.slots.items()}
     g = torch.Generator().manual_seed(0)
     times = {k: [] for k in ("encode", "decode", "apply", "load_full")}
@@ -117,9 +121,9 @@ def merge_timings(reps: int, rank: int) -> str:
         factors = {n: (torch.randn(s.rows, rank, generator=g) * 1e-4).to(torch.bfloat16)  # (d, r)
                    for n, s in engine.slots.items()}
         t0 = time.perf_counter()
-        buf = sync.encode(sync.Payload(engine.update, 0, rank, factors))
+        buf = wire.encode(sync.Payload(engine.update, 0, rank, factors))
         t1 = time.perf_counter()
-        payload = sync.decode(buf)
+        payload = wire.decode(buf)
         t2 = time.perf_counter()
         engine.apply(payload)
         t3 = time.perf_counter()

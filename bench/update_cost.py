@@ -45,6 +45,9 @@ import report  # noqa: E402  (bench/report.py)
 from infra.batched import BatchedRowAdam  # noqa: E402
 import sketch  # noqa: E402
 import sync  # noqa: E402
+from infra import wire  # noqa: E402
+from infra.checksum import checksums  # noqa: E402
+from infra.engine_weights import StreamedEngineWeights  # noqa: E402
 
 GIB = 2**30
 RESPONSES, MICRO, PROBED, KL_POSITIONS = 32, 2, 2, 256  # per rank, as in the paper's Table 1
@@ -135,13 +138,13 @@ def one(width, method, reps):
                 del probe
                 phase = "payload"
                 payload = sync.Payload(opt.update - 1, 0, rank, {l.name: f for l, f in zip(layers, factors)})
-                buf, laps["payload (encode)"] = timed(lambda: sync.encode(payload))
+                buf, laps["payload (encode)"] = timed(lambda: wire.encode(payload))
             else:
                 phase = "step"
                 _, laps["step"] = timed(lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
                 phase = "payload"
                 weights = {n: m.weight for n, m in modules.items()}
-                buf, laps["payload (encode)"] = timed(lambda: sync.encode(sync.full_payload(
+                buf, laps["payload (encode)"] = timed(lambda: wire.encode(sync.full_payload(
                     weights, update=rep + 1, base_seed=0, rank=rank)))
             if rep:
                 for k, v in laps.items():
@@ -159,8 +162,9 @@ def one(width, method, reps):
         del model, opt, state, modules
         layers = targets = None  # the last references to the trainer's tensors
         phase = "engine"
-        engine = sync.EngineWeights(build(width).to(torch.bfloat16), base_seed=0, rank=rank, update=update)
-        payload = sync.decode(buf)
+        engine = StreamedEngineWeights(build(width).to(torch.bfloat16), base_seed=0, rank=rank, update=update,
+                                       checksums=checksums)
+        payload = wire.decode(buf)
         if method == "logra":
             _, engine_time = timed(lambda: engine.apply(payload))
         else:

@@ -8,7 +8,7 @@ Each is the per-layer reference's bits, proven by a test:
 | `row_adam_groups` | `rowadam.row_adam_direction` | tests/test_rowadam.py::test_directions_across_ranks_equal_the_plain_formulas |
 | `merge_layers` | `rowadam.merge_rows` | tests/test_rowadam.py::test_layers_merged_together_equal_merge_rows_each |
 | `BatchedRowAdam` | `rowadam.RowAdam` | tests/test_rowadam.py::test_batched_rowadam_equals_the_reference |
-| `BatchedEngineWeights` | `sync.EngineWeights` | tests/test_sync.py::test_batched_engine_merge_equals_the_reference |
+| `merge_layers`, `make_signs_many` in infra/engine_weights.py's `StreamedEngineWeights` | `sync.EngineWeights` | tests/test_sync.py::test_batched_engine_merge_equals_the_reference |
 
 `BatchedRowAdam` is the only RowAdam that takes row-sharded layers (infra/row_shard.py): its
 whole-layer sums and minima are this process's float64 partials, reduced over the group
@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 import rowadam
-import sync
 from rowadam import RowAdam, avoid_bf16_ties_, check_direction_inputs, local_rows, merge_rows
 from sketch import MASK32, ROUND_KEY, SIGNS_PER_WORD, check_signs, mix32, projection_from_signs, projection_seed
 
@@ -361,37 +360,3 @@ class BatchedRowAdam(RowAdam):
     def _saved(self, layer, v):
         return v if layer.shard is None else layer.shard.saved(v, layer.module.weight, layer.rows)
 
-
-# -----------------------------------------------------------------------------
-# The engine's merge over stacks of layers
-
-class BatchedEngineWeights(sync.EngineWeights):
-    """`sync.EngineWeights` whose factor merge makes every target's signs at once and merges the
-    targets of one shape together where they fit rowadam.MERGE_ELEMENTS (`merge_layers`, the
-    trainer's bits), a larger one (or one whose residual lives in host memory) chunk by chunk."""
-
-    def _merge_factors(self, payload) -> None:
-        names = list(payload.factors)
-        slots = [self.slots[n] for n in names]
-        device = slots[0].param.device
-        signs = make_signs_many(self.rank, [s.weight.shape[1] for s in slots],
-                                [projection_seed(self.base_seed, payload.update, s.name) for s in slots], device=device)
-        magnitude = entry_magnitude(self.rank, torch.float32)  # |A's entries| as the trainer's fp32 A holds them
-        factors = [payload.factors[n].to(device) for n in names]  # (d, r) each
-        for same in shape_groups([s.weight for s in slots]):
-            group = [slots[i] for i in same]
-            per = rowadam.MERGE_ELEMENTS // group[0].weight.numel()
-            if per < 2 or group[0].residual.device != device:
-                for i in same:
-                    self._merge_factor(slots[i], factors[i], projection_from_signs(signs[i]))
-                continue
-            for first in range(0, len(same), per):
-                part = same[first:first + per]
-                weights, residuals = [slots[i].weight for i in part], [slots[i].residual for i in part]
-                hi, lo = torch.stack(weights), torch.stack(residuals)  # (L, d, k) bf16 and int16
-                master = sync.join_master(hi, lo)  # (L, d, k) fp32
-                merge_layers(list(master.unbind(0)), torch.stack([factors[i] for i in part]), [signs[i] for i in part],
-                             magnitude, avoid_ties=False)  # W -= F A
-                sync.store_master(master, hi, lo)  # ties avoided here
-                torch._foreach_copy_(weights, list(hi.unbind(0)))
-                torch._foreach_copy_(residuals, list(lo.unbind(0)))

@@ -46,9 +46,10 @@ import math
 
 import torch
 
-import sync
-from infra import metrics
-from infra.batched import BatchedEngineWeights
+from infra import metrics, wire
+from infra.checksum import checksums
+from infra.engine_weights import StreamedEngineWeights
+from infra.sparse_delta import SparseEngineWeights
 from infra.errors import RunError
 
 
@@ -163,7 +164,8 @@ class HFEngine:
 
     def __init__(self, model, *, base_seed, sketch_rank, eos, pad, exact=True):
         self.model = model.eval()
-        self.weights = BatchedEngineWeights(model, base_seed=base_seed, rank=sketch_rank, exact=exact)
+        kind = StreamedEngineWeights if exact else SparseEngineWeights  # a master to merge factors, or none
+        self.weights = kind(model, base_seed=base_seed, rank=sketch_rank, checksums=checksums)
         self.eos, self.pad = eos, pad
 
     @torch.no_grad()
@@ -200,13 +202,13 @@ class HFEngine:
 
     def apply(self, payload) -> int:
         """Merge one payload, through the wire format; returns the bytes it took."""
-        buf = sync.encode(payload)
-        self.weights.apply(sync.decode(buf))
+        buf = wire.encode(payload)
+        self.weights.apply(wire.decode(buf))
         return buf.numel()
 
     def load_full(self, payload) -> int:
-        buf = sync.encode(payload)
-        self.weights.load_full(sync.decode(buf))
+        buf = wire.encode(payload)
+        self.weights.load_full(wire.decode(buf))
         return buf.numel()
 
     def fingerprint(self):

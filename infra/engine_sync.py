@@ -9,11 +9,11 @@ What it is
   first rollout (and, through heal.py's `attach`, after every engine restart).
 - `factors(...)`: LoGRA's sync, the paper's: the bf16 factors F the merge used, and the seed.
 - `delta(...)`: `--sync delta`, any optimizer: the bf16 elements the update changed
-  (sync.sparse_delta: the dense weight where that is no larger).
+  (infra/sparse_delta.py; the dense weight where that is no larger).
 - `full(...)`: full target weights: AdamW's and LoRA's sync, the paper's control for LoGRA
   (`--sync full`), and every start and resync.
-Each is streamed one decoder layer per payload (sync.layer_groups; LoGRA's factors, as many
-layers as fit in sync.FACTOR_PAYLOAD_BYTES), so neither side holds more than one layer's
+Each is streamed one decoder layer per payload (`layer_groups`; LoGRA's factors, as many
+layers as fit in FACTOR_PAYLOAD_BYTES), so neither side holds more than one layer's
 targets beyond its state; under FSDP2 every rank takes part (row shards are
 gathered for each payload only) and returns the bytes sent. `fingerprint` is the trainer's
 fingerprint of what the engines should hold: W, or LoRA's merged weight.
@@ -45,9 +45,15 @@ import torch.distributed as dist
 
 import ppo
 import rowadam
+import sketch
 import sync
 from infra import lora
+from infra.checksum import checksum_rows, checksums
 from infra.engine import EngineError, stable_seed
+from infra.sparse_delta import changed_elements, gather_changes
+from infra.wire import sparse_delta
+
+FACTOR_PAYLOAD_BYTES = 32 * 2**20  # bf16 factors per payload at most (one decoder layer's if larger)
 
 
 def exact(optimizer: str, mode: str) -> bool:
@@ -80,13 +86,13 @@ def start(engine, model, modules: dict, *, optimizer: str, mode: str, update: in
 
 def factors(engine, layers, merged, *, update: int, seed: int, rank: int) -> int:
     """The merged factors F (`merged`, one per sketched layer) to the engine, as many decoder
-    layers per payload as fit in sync.FACTOR_PAYLOAD_BYTES (one at the paper's scale): each
+    layers per payload as fit in FACTOR_PAYLOAD_BYTES (one at the paper's scale): each
     layer's rows are gathered across ranks (row-sharded F) for its payload only. Returns the
     bytes sent."""
     by_name = {layer.name: (layer, f) for layer, f in zip(layers, merged)}
     sent = 0
     nbytes = lambda n: 2 * rank * by_name[n][0].module.weight.shape[0]  # noqa: E731  (bf16 F, all rows)
-    for names in sync.payload_groups(sync.layer_groups(by_name), nbytes, sync.FACTOR_PAYLOAD_BYTES):
+    for names in payload_groups(layer_groups(by_name), nbytes, FACTOR_PAYLOAD_BYTES):
         part = {n: by_name[n][0].all_rows(by_name[n][1]) for n in names}  # (d, r) each
         sent += engine.apply(sync.Payload(update, seed, rank, part))
     return sent
@@ -99,13 +105,13 @@ def delta(engine, modules: dict, shadow: dict, base: dict, *, update: int, seed:
     sync, which the engine checks its weights against before it writes. Returns the bytes sent
     and the share of target elements that changed."""
     sent = changed = total = 0
-    for names in sync.layer_groups(modules):
+    for names in layer_groups(modules):
         part = {}
         for n in names:
             rows, offset, shape = engine_rows(modules[n])  # (n, k) bf16
-            changes = sync.gather_changes(*sync.changed_elements(shadow[n], rows, offset))  # (c,), (c,)
+            changes = gather_changes(*changed_elements(shadow[n], rows, offset))  # (c,), (c,)
             shadow[n].copy_(rows)
-            part[n] = sync.sparse_delta(shape, *changes, base[n], whole=lambda n=n: target_weight(modules[n]))
+            part[n] = sparse_delta(shape, *changes, base[n], whole=lambda n=n: target_weight(modules[n]))
             changed, total = changed + changes[0].numel(), total + shape[0] * shape[1]
         sent += engine.apply(sync.Payload(update, seed, rank, part, kind="sparse"))
     return sent, changed / total
@@ -116,7 +122,7 @@ def full(engine, modules: dict, *, update: int, seed: int, rank: int, dtype) -> 
     gathers (FSDP2) one weight at a time and neither side holds more than one layer's targets
     beyond its state. Returns the bytes sent."""
     sent = 0
-    for names in sync.layer_groups(modules):
+    for names in layer_groups(modules):
         weights = {n: target_weight(modules[n]) for n in names}
         sent += engine.load_full(sync.full_payload(weights, update=update, base_seed=seed, rank=rank, dtype=dtype))
     return sent
@@ -146,7 +152,58 @@ def engine_rows(module):
 
 def fingerprint(model, optimizer: str):
     """The trainer's fingerprint of what the engines should hold (sync.fingerprint)."""
-    return sync.fingerprint(model, weight=lora.merged_weight if optimizer == "lora" else None)
+    return fingerprint_of(model, weight=lora.merged_weight if optimizer == "lora" else None)
+
+
+def fingerprint_of(layers_or_model, dtype=torch.bfloat16, group=None, weight=None) -> dict:
+    """sync.fingerprint's checksums of bf16(W) per target, from a model or from sketch.attach's layers.
+
+    Under FSDP2 each trainer process sums its row shard (at its global row offset) and one
+    all_reduce adds the shards, so every process returns the whole model's fingerprint.
+    `weight(module)`: the whole weight the engines should hold instead (LoRA's merged one,
+    formed on every process, one target at a time).
+    """
+    if isinstance(layers_or_model, torch.nn.Module):
+        mods = sketch.target_modules(layers_or_model)
+    else:
+        mods = {l.name: l.module for l in layers_or_model}
+    names = sorted(mods)
+    if weight is not None:
+        return dict(zip(names, checksums(weight(mods[n]).detach().to(dtype) for n in names)))
+    device = rowadam.local_rows(mods[names[0]].weight)[0].device
+    sums = torch.zeros(len(names), 2, dtype=torch.int64, device=device)  # on the device: NCCL reduces it
+    for i, name in enumerate(names):
+        rows, offset = rowadam.local_rows(mods[name].weight)
+        sums[i] = checksum_rows(rows.detach().to(dtype), offset)
+    if dist.is_available() and dist.is_initialized() and any(hasattr(mods[n].weight, "to_local") for n in names):
+        dist.all_reduce(sums, group=group)
+    return {n: tuple(s.tolist()) for n, s in zip(names, sums)}
+
+
+def layer_groups(names) -> list[list[str]]:
+    """Target names grouped by decoder layer (`model.layers.<i>.`), in layer order: the units
+    of a streamed full sync, so that neither side holds more than one layer's targets."""
+    groups = {}
+    for name in names:
+        parts = name.split(".")
+        key = int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+        groups.setdefault(key, []).append(name)
+    return [groups[k] for k in sorted(groups)]
+
+
+def payload_groups(groups: list[list[str]], nbytes, cap: int) -> list[list[str]]:
+    """Consecutive `groups` (layer_groups') joined while their `nbytes(name)` add up to at most
+    `cap`, at least one group each: a sync whose payloads are small (LoGRA's factors on a small
+    model) goes in fewer round trips, and one at the paper's scale stays one layer a payload."""
+    joined, size = [], cap + 1
+    for names in groups:
+        n = sum(nbytes(name) for name in names)
+        if size + n > cap:
+            joined.append([])
+            size = 0
+        joined[-1] += names
+        size += n
+    return joined
 
 
 # -----------------------------------------------------------------------------

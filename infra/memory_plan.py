@@ -54,8 +54,11 @@ import torch
 import kl_control
 import rowadam
 import sketch
-import sync
 from infra import batched, probe_decoder
+from infra.checksum import CHECK_WORDS
+from infra.engine_sync import FACTOR_PAYLOAD_BYTES
+from infra.sparse_delta import CODE_CHUNK
+from sync import CHECK_MOD
 
 GPU_BYTES = 80 * 10**9  # the paper's H100 80GB (assumption 1)
 TABLE2 = {"1.5b": (13.21, 7.18)}  # the paper's Table 2: average GiB per GPU, LoRA and LoGRA at rank 256
@@ -196,11 +199,11 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
                     for (n, k), L in merge_batch.items()),
                 56 * sign_words)
     # one payload's gathered F (one decoder layer's, or as many as fit in FACTOR_PAYLOAD_BYTES),
-    # then the larger of its encoded payload and the checksum's work (sync.checksum: a block of
+    # then the larger of its encoded payload and the checksum's work (infra/checksum.py: a block of
     # words as int64, and the int64 column sums and their weights)
-    words = min(sync.CHECK_WORDS, d_max * r)
-    payload = 2 * layer_rows * r * max(1, min(layers, sync.FACTOR_PAYLOAD_BYTES // (2 * layer_rows * r)))
-    factor_sync_bytes = payload + max(payload, 8 * words + 16 * sync.CHECK_MOD)
+    words = min(CHECK_WORDS, d_max * r)
+    payload = 2 * layer_rows * r * max(1, min(layers, FACTOR_PAYLOAD_BYTES // (2 * layer_rows * r)))
+    factor_sync_bytes = payload + max(payload, 8 * words + 16 * CHECK_MOD)
     # The realised KL: the probe keeps the policy's logits at its first positions (compute
     # dtype) until after the merge; then the same positions' new logits and one block of
     # float64 work (kl_control.KL_CHUNK_POSITIONS positions of two log-softmaxes and a product).
@@ -225,31 +228,31 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     kv_on_gpu = gpu_bytes - engine_weights - residual - transfer - overhead
     on_host = kv_on_gpu < MIN_KV_CACHE
     engine_gpu = engine_weights + transfer + (0 if on_host else residual)
-    # Checking a target's base checksum (sync.checksum) before a write: its int64 words and
-    # their weights, in blocks of at most sync.CHECK_WORDS words
-    check_work = 16 * min(sync.CHECK_WORDS, max(d * k for d, k in shapes))
+    # Checking a target's base checksum (infra/checksum.py) before a write: its int64 words and
+    # their weights, in blocks of at most CHECK_WORDS words
+    check_work = 16 * min(CHECK_WORDS, max(d * k for d, k in shapes))
     # --sync full (and AdamW's and LoRA's default): one decoder layer's bf16 payload
     full_transfer = 2 * layer_targets + check_work
     # --sync delta, every element of one decoder layer changed at worst (one payload a decoder
     # layer): the payload's bf16 values and positions (the smaller code is at most the bitmap,
     # 1/8 byte an element), the positions decoded as int64, and the larger of the base
-    # checksum's work and the position code's (sync.CODE_CHUNK bytes at a time: the bitmap's
+    # checksum's work and the position code's (CODE_CHUNK bytes at a time: the bitmap's
     # bits as uint8 and bool and the int64 positions found, 80 bytes a byte; a gaps-coded
     # target has at most 1/8 as many positions as elements, so that its varints' ends and its
     # positions take less than a bitmap-coded target's positions)
-    code_work = 80 * sync.CODE_CHUNK
+    code_work = 80 * CODE_CHUNK
     delta_transfer = 2 * layer_targets + -(-layer_targets // 8) + 8 * layer_targets + max(check_work, code_work)
     # The delta's trainer: the bf16 shadow of its rows of every target (what the engines hold).
     # Transient, every entry changed at worst: the layer's gathered positions (int64) and values
     # (bf16), held until its payload is encoded, and on top of them the larger of one target's
     # gather (its new bf16 rows, change mask, own and padded changes; every rank's changes
     # gathered, d k) and the encoding (the layer's blobs and its payload, the largest weight's
-    # position code once more while it joins its blob, and the code's work: sync.CODE_CHUNK
+    # position code once more while it joins its blob, and the code's work: CODE_CHUNK
     # positions at a time, 64 bytes each at most).
     delta_shadow = 2 * target_rows
     gather = max((2 + 1 + 10 + 10) * ceil(d) * k + 10 * d * k for d, k in shapes)
     encoding = (2 * (2 * layer_targets + -(-layer_targets // 8)) + -(-max(d * k for d, k in shapes) // 8)
-                + 64 * sync.CODE_CHUNK)
+                + 64 * CODE_CHUNK)
     delta_sync_bytes = 10 * layer_targets + max(gather, encoding)
     return {
         "params": total, "target_params": targets, "layers": layers, "world": world, "sketch_rank": r,

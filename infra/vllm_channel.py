@@ -3,7 +3,7 @@ infra/vllm_channel.py: the weight channel between a trainer process and its vLLM
 
 What it is
 ----------
-`WeightChannel` is a two-member group for payload buffers (sync.encode's uint8 buffers): the
+`WeightChannel` is a two-member group for payload buffers (infra/wire.py's uint8 buffers): the
 trainer process is member 0, the engine's vLLM worker member 1, and one `broadcast` (with
 `send`/`recv` for a buffer of any length) carries a payload from the first to the second.
 NCCL between GPUs (vLLM's `PyNcclCommunicator` over a `StatelessProcessGroup`, imported only

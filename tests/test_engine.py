@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 import sync
+from infra import wire
 from infra.engine import HFEngine, top_p_filter
 from tiny import VOCAB, tiny_qwen2
 
@@ -68,7 +69,7 @@ def test_a_payload_merges_as_the_engine_weights_do():
                for name, slot in ref.slots.items()}
     sent = eng.apply(sync.Payload(0, 5, 4, factors))
     ref.apply(sync.Payload(0, 5, 4, factors))
-    assert sent == sync.encode(sync.Payload(0, 5, 4, factors)).numel() > 0
+    assert sent == wire.encode(sync.Payload(0, 5, 4, factors)).numel() > 0
     assert eng.fingerprint() == ref.fingerprint() and eng.weights.update == 1
     assert VOCAB == eng.model.config.vocab_size
 

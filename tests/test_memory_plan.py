@@ -79,7 +79,7 @@ def test_delta_and_full_sync_engines_against_shapes(preset):
     biggest = max(d * k for d, k in shapes)
     weights = 2 * sum(p.numel() for p in model.parameters())  # bf16 on the engine
     residual = 2 * sum(d * k for d, k in shapes)  # int16 per target weight
-    check = 16 * min(2**20, biggest)  # the base checksum's int64 work (sync.CHECK_WORDS words)
+    check = 16 * min(2**20, biggest)  # the base checksum's int64 work (infra/checksum.py's CHECK_WORDS words)
     widths = train.PRESETS[preset].model  # vLLM 0.34's own memory, as the 7B test counts it
     gib = 2**30
     overhead = 2 * 16384 * 3 * (widths["intermediate_size"] + widths["hidden_size"]) + 4 * 1024 * 152064 + gib * 3 // 2

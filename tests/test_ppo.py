@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 import ppo
 import sketch
 from distributed import run_gloo
+from infra import group_advantages
 from tiny import tiny_batch, tiny_qwen2, use_block
 
 F64 = torch.float64
@@ -303,13 +304,13 @@ def test_group_advantages_against_numpy(kind, G, rewards):
     import numpy as np
 
     r = torch.tensor(rewards, dtype=torch.float32)
-    got = ppo.GROUP_ADVANTAGES[kind](r, G)
+    got = group_advantages.GROUP_ADVANTAGES[kind](r, G)
     assert got.dtype == torch.float32 and got.shape == r.shape
     expect = numpy_group_advantages(kind, r.double().numpy(), G)
     np.testing.assert_allclose(got.double().numpy(), expect, rtol=1e-6, atol=1e-7)
     equal = (r.view(-1, G) == r.view(-1, G)[:, :1]).all(dim=1)
     assert torch.equal(got.view(-1, G)[equal], torch.zeros_like(got.view(-1, G)[equal]))  # exactly 0, no noise
-    assert int(ppo.zero_variance_groups(r, G)) == int(equal.sum())
+    assert int(group_advantages.zero_variance_groups(r, G)) == int(equal.sum())
     if kind != "grpo":  # the mean of a group's advantages is 0 (grpo's too; drgrpo and rloo exactly scaled)
         np.testing.assert_allclose(got.double().view(-1, G).sum(dim=1).numpy(), 0.0, atol=1e-6)
 
@@ -317,16 +318,16 @@ def test_group_advantages_against_numpy(kind, G, rewards):
 def test_rloo_is_a_scaled_drgrpo_and_grpo_unit_variance():
     r = torch.rand(40, generator=torch.Generator().manual_seed(0), dtype=F64)
     G = 5
-    torch.testing.assert_close(ppo.rloo_advantages(r, G), G / (G - 1) * ppo.drgrpo_advantages(r, G))
-    std = ppo.grpo_advantages(r, G).view(-1, G).std(dim=1)
+    torch.testing.assert_close(group_advantages.rloo_advantages(r, G), G / (G - 1) * group_advantages.drgrpo_advantages(r, G))
+    std = group_advantages.grpo_advantages(r, G).view(-1, G).std(dim=1)
     torch.testing.assert_close(std, torch.full_like(std, 1.0), rtol=1e-3, atol=0)  # eps 1e-4 against std ~0.3
 
 
 @pytest.mark.parametrize("kind", ["grpo", "drgrpo", "rloo"])
 def test_group_advantages_refuse_what_is_not_whole_groups(kind):
     with pytest.raises(ValueError, match="B a multiple of G: got B = 6, G = 4"):
-        ppo.GROUP_ADVANTAGES[kind](torch.ones(6), 4)
+        group_advantages.GROUP_ADVANTAGES[kind](torch.ones(6), 4)
     with pytest.raises(ValueError, match="G >= 2"):
-        ppo.GROUP_ADVANTAGES[kind](torch.ones(6), 1)
+        group_advantages.GROUP_ADVANTAGES[kind](torch.ones(6), 1)
     with pytest.raises(ValueError, match=r"must be \(B,\)"):
-        ppo.GROUP_ADVANTAGES[kind](torch.ones(2, 4), 2)
+        group_advantages.GROUP_ADVANTAGES[kind](torch.ones(2, 4), 2)

@@ -19,6 +19,7 @@ import sync
 from distributed import run_gloo
 from infra import batched
 from infra.row_shard import RowShard, row_shard
+from infra import wire
 from tiny import tiny_batch, tiny_qwen2, use_block
 
 F64 = torch.float64
@@ -371,7 +372,7 @@ def test_merge_of_alpha_zero_changes_no_weight_here_or_on_the_engine():
         opt.prepare()
         before, update = weights(layers), opt.update
         payload = sync.Payload(update, 5, 8, {l.name: f for l, f in zip(layers, opt.merge(alpha))})
-        engine.apply(sync.decode(sync.encode(payload)))
+        engine.apply(wire.decode(wire.encode(payload)))
         assert engine.update == opt.update
         for l, b in zip(layers, before):
             assert torch.equal(bits(engine.master(l.name)), bits(l.module.weight.detach())), (alpha, l.name)

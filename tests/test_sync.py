@@ -16,6 +16,10 @@ import sketch
 import sync
 from distributed import run_gloo
 from infra import batched
+from infra import checksum as fast_checksum, engine_sync, sparse_delta, wire
+from infra.architectures import SEPARATE
+from infra.engine_weights import StreamedEngineWeights
+from infra.sparse_delta import SparseEngineWeights
 from standin import vllm_standin
 from tiny import tiny_batch, tiny_qwen2, use_block
 
@@ -78,7 +82,7 @@ def test_the_use_block_runs():
         tol = 2 * torch.finfo(torch.float32).eps * before[name].abs().max().item()  # rounding, a tie's ulp
         torch.testing.assert_close(m.weight.detach().double(), expect, rtol=0, atol=tol)
     factor_bytes = sum(2 * m.out_features * 8 for m in sketch.target_modules(model).values())
-    sent = sync.encode(payload).numel()
+    sent = wire.encode(payload).numel()
     assert factor_bytes < sent < factor_bytes + 4096 < sum(2 * w.numel() for w in before.values())
 
 
@@ -86,13 +90,13 @@ def test_200_payloads_track_the_trainer_in_both_layouts():
     model, layers, opt, hf_engine_model = trainer()
     fused_model = vllm_standin(hf_engine_model)
     naive = {l.name: w.clone() for l, w in zip(layers, (l.module.weight.detach().to(torch.bfloat16) for l in layers))}
-    engines = [sync.EngineWeights(hf_engine_model, base_seed=SEED, rank=RANK),
-               sync.EngineWeights(fused_model, base_seed=SEED, rank=RANK, layout="vllm")]
+    engines = [sync.EngineWeights(hf_engine_model, base_seed=SEED, rank=RANK),  # the reference, HF layout
+               StreamedEngineWeights(fused_model, base_seed=SEED, rank=RANK, layout="vllm", engine_layers=SEPARATE.engine)]
     start = sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
     for e in engines:
-        e.load_full(sync.decode(sync.encode(start)))  # start-up resync over the buffer path
+        e.load_full(wire.decode(wire.encode(start)))  # start-up resync over the buffer path
     for i in range(200):
-        payload = sync.decode(sync.encode(step(model, layers, opt, i)))
+        payload = wire.decode(wire.encode(step(model, layers, opt, i)))
         for e in engines:
             e.apply(payload)
         for l in layers:  # the naive engine: bf16 W -= bf16(F @ A) in place
@@ -128,9 +132,39 @@ def assert_unchanged(engine, snap):
         assert torch.equal(engine.master(n), m) and torch.equal(engine_weight(engine, n), w)
 
 
+def test_the_reference_engine_refuses_what_it_cannot_merge_and_changes_nothing():
+    """sync.EngineWeights (one payload holds every target, in order): a payload of another
+    update, kind, seed, a missing target, a wrong shape, a non-finite value, an fp32 bf16 tie
+    are refused before anything changes; the good payload then merges as the trainer did."""
+    model, layers, opt, engine_model = trainer()
+    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+    engine.load_full(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32))
+    good = step(model, layers, opt, 0)
+    snap = snapshot(engine)
+    first, f = next(iter(good.layers.items()))
+    tie = {n: w.clone() for n, w in masters(layers).items()}
+    tie[first].view(-1)[0] = torch.tensor(1.0 + 2**-8)  # exactly halfway between two bf16 values
+    for bad in [sync.Payload(1, SEED, RANK, good.layers), sync.Payload(0, SEED + 1, RANK, good.layers),
+                sync.Payload(0, SEED, RANK, good.layers, kind="full"),
+                sync.Payload(0, SEED, RANK, {n: t for n, t in good.layers.items() if n != first}),
+                sync.Payload(0, SEED, RANK, {**good.layers, first: f[:, :2]}),
+                sync.Payload(0, SEED, RANK, {**good.layers, first: torch.full_like(f, float("nan"))}),
+                sync.Payload(0, SEED, RANK, good.layers, projection=1)]:
+        with pytest.raises(ValueError):
+            engine.apply(bad)
+        assert_unchanged(engine, snap)
+    with pytest.raises(ValueError, match="bf16 tie"):
+        engine.load_full(sync.full_payload(tie, update=0, base_seed=SEED, rank=RANK, dtype=torch.float32))
+    assert_unchanged(engine, snap)
+    engine.apply(good)
+    assert engine.update == 1
+    for l in layers:
+        assert torch.equal(engine.master(l.name), l.module.weight.detach()), l.name
+
+
 def test_bad_payloads_are_rejected_and_change_nothing():
     model, layers, opt, engine_model = trainer(update_ratio=1e-3)
-    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+    engine = StreamedEngineWeights(engine_model, base_seed=SEED, rank=RANK)
     engine.load_full(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32))
     payloads = [step(model, layers, opt, i) for i in range(4)]
     engine.apply(payloads[0])
@@ -140,21 +174,21 @@ def test_bad_payloads_are_rejected_and_change_nothing():
         engine.apply(payloads[3])
     with pytest.raises(ValueError, match="duplicate"):
         engine.apply(payloads[1])
-    good = sync.encode(payloads[2])
+    good = wire.encode(payloads[2])
     corrupt = good.clone()
     corrupt[-5] ^= 0x40
     with pytest.raises(ValueError, match="checksum"):
-        sync.decode(corrupt)
+        wire.decode(corrupt)
     with pytest.raises(ValueError, match="truncated|size mismatch"):
-        sync.decode(good[:-3])
+        wire.decode(good[:-3])
     with pytest.raises(ValueError, match="truncated"):
-        sync.decode(good[:40])
+        wire.decode(good[:40])
     with pytest.raises(ValueError, match="magic"):
-        sync.decode(torch.zeros(64, dtype=torch.uint8))
+        wire.decode(torch.zeros(64, dtype=torch.uint8))
     header = good.clone()
     header[20:24] = torch.tensor(list(b"}}}}"), dtype=torch.uint8)
     with pytest.raises(ValueError, match="malformed"):
-        sync.decode(header)
+        wire.decode(header)
     p = payloads[2]
     for bad, match in [
         (sync.Payload(2, SEED + 1, RANK, p.factors), "seed"),
@@ -165,30 +199,34 @@ def test_bad_payloads_are_rejected_and_change_nothing():
     ]:
         with pytest.raises(ValueError, match=match):
             engine.apply(bad)
-    # Factors merged with another projection (sketch.PROJECTION): one without the header's
-    # record, as a release before the versions encoded it, reads as projection 1 and is refused.
-    old = without_projection(good)
-    assert sync.decode(old).projection == 1 and sync.decode(good).projection == sketch.PROJECTION
+    # Factors merged with another projection (sketch.PROJECTION) are refused by the engine; a
+    # buffer without the header's record (projection 1, a release before the versions) by decode,
+    # in one line naming the version, full weights too.
+    other = sync.Payload(2, SEED, RANK, wire.decode(good).layers, projection=1)
     with pytest.raises(ValueError, match="merged with projection 1 and this engine makes A by projection 2"):
-        engine.apply(sync.decode(old))
+        engine.apply(other)
+    with pytest.raises(ValueError, match="projection 1 .* is refused") as refused:
+        wire.decode(without_projection(good))
+    assert "\n" not in str(refused.value) and wire.decode(good).projection == sketch.PROJECTION
     assert_unchanged(engine, snap)
-    engine.apply(sync.decode(good))  # the right one still goes through
+    engine.apply(wire.decode(good))  # the right one still goes through
     assert engine.update == 3
-    # Full weights do not depend on A: a full payload without the record still loads.
-    full = sync.encode(sync.full_payload(masters(layers), update=3, base_seed=SEED, rank=RANK, dtype=torch.float32))
-    engine.load_full(sync.decode(without_projection(full)))
+    full = wire.encode(sync.full_payload(masters(layers), update=3, base_seed=SEED, rank=RANK, dtype=torch.float32))
+    with pytest.raises(ValueError, match="projection 1 .* is refused"):
+        wire.decode(without_projection(full))
+    engine.load_full(wire.decode(full))
     assert engine.update == 3
 
 
 def without_projection(buf):
     """`buf` re-encoded with its header's `projection` removed (a payload of an earlier release)."""
-    n = len(sync.MAGIC)
+    n = len(wire.MAGIC)
     hlen = int.from_bytes(bytes(buf[n:n + 8].tolist()), "little")
     head = json.loads(bytes(buf[n + 8:n + 8 + hlen].tolist()))
     del head["projection"]
     text = json.dumps(head).encode()
-    text += b" " * (-(n + 8 + len(text)) % sync.ALIGN)
-    prefix = torch.frombuffer(bytearray(sync.MAGIC + len(text).to_bytes(8, "little") + text), dtype=torch.uint8)
+    text += b" " * (-(n + 8 + len(text)) % wire.ALIGN)
+    prefix = torch.frombuffer(bytearray(wire.MAGIC + len(text).to_bytes(8, "little") + text), dtype=torch.uint8)
     return torch.cat([prefix, buf[n + 8 + hlen:]])
 
 
@@ -200,7 +238,7 @@ def test_fused_row_offsets_for_real_configs():
                                        num_key_value_heads=4, num_hidden_layers=2),
     }
     for cfg in configs.values():
-        engine = sync.EngineWeights(vllm_standin(config=cfg, device="meta"), base_seed=0, rank=256, layout="vllm")
+        engine = StreamedEngineWeights(vllm_standin(config=cfg, device="meta"), base_seed=0, rank=256, layout="vllm", engine_layers=SEPARATE.engine)
         hd = cfg.hidden_size // cfg.num_attention_heads  # 128 for both
         q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
         expect = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv), "o_proj": (0, cfg.hidden_size),
@@ -215,16 +253,16 @@ def test_a_tensor_parallel_vllm_layer_is_refused():
     cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=2)
     model = vllm_standin(config=cfg, device="meta")
-    sync.EngineWeights(model, base_seed=0, rank=8, layout="vllm")  # tensor parallel size 1: accepted
+    StreamedEngineWeights(model, base_seed=0, rank=8, layout="vllm", engine_layers=SEPARATE.engine)  # tensor parallel size 1: accepted
     model.model.layers[1].mlp.down_proj.tp_size = 2
     with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp\.down_proj: tensor-parallel"):
-        sync.EngineWeights(model, base_seed=0, rank=8, layout="vllm")
+        StreamedEngineWeights(model, base_seed=0, rank=8, layout="vllm", engine_layers=SEPARATE.engine)
 
 
 def test_fused_weights_match_hf_layout_blocks():
     hf = tiny_qwen2().to(torch.bfloat16)
-    fused = sync.EngineWeights(vllm_standin(hf), base_seed=0, rank=4, layout="vllm")
-    plain = sync.EngineWeights(hf, base_seed=0, rank=4)
+    fused = StreamedEngineWeights(vllm_standin(hf), base_seed=0, rank=4, layout="vllm", engine_layers=SEPARATE.engine)
+    plain = StreamedEngineWeights(hf, base_seed=0, rank=4)
     assert set(fused.slots) == set(plain.slots)
     for name in plain.slots:
         assert torch.equal(engine_weight(fused, name), engine_weight(plain, name))
@@ -238,15 +276,15 @@ def _two_process(rank, world, out_dir):
     trainers = torch.distributed.new_group([0])  # the data-parallel group: the trainer alone
     prints = []
     if rank == 0:
-        sync.send(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32), None, 1)
+        wire.send(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32), None, 1)
         for i in range(5):
-            sync.send(step(model, layers, opt, i, trainers), None, 1)
+            wire.send(step(model, layers, opt, i, trainers), None, 1)
             prints.append(sync.fingerprint(layers))
     else:
-        engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
-        engine.load_full(sync.recv(None, 0))
+        engine = StreamedEngineWeights(engine_model, base_seed=SEED, rank=RANK)
+        engine.load_full(wire.recv(None, 0))
         for _ in range(5):
-            engine.apply(sync.recv(None, 0))
+            engine.apply(wire.recv(None, 0))
             prints.append(engine.fingerprint())
     torch.save(prints, os.path.join(out_dir, f"fp{rank}.pt"))
 
@@ -263,7 +301,7 @@ def test_two_process_sync(tmp_path):
 
 def test_fingerprint_mismatch_names_the_layer():
     _, layers, _, engine_model = trainer()
-    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK)
+    engine = StreamedEngineWeights(engine_model, base_seed=SEED, rank=RANK)
     fp = engine.fingerprint()
     with torch.no_grad():
         engine.slots["model.layers.1.self_attn.v_proj"].param[3, 5] += 1.0
@@ -271,21 +309,21 @@ def test_fingerprint_mismatch_names_the_layer():
         sync.check_fingerprints(fp, engine.fingerprint())
     # Checksums of row shards add up to the whole (FSDP2 fingerprints rely on it).
     w = torch.randn(37, 11).to(torch.bfloat16)
-    parts = [sync._checksum_rows(w[:19], 0).tolist(), sync._checksum_rows(w[19:], 19).tolist()]
+    parts = [fast_checksum.checksum_rows(w[:19], 0).tolist(), fast_checksum.checksum_rows(w[19:], 19).tolist()]
     assert tuple(map(sum, zip(*parts))) == sync.checksum(w)
 
 
 def test_factor_payloads_join_decoder_layers_while_they_fit():
     groups = [["a0", "b0"], ["a1", "b1"], ["a2", "b2"], ["a3", "b3"]]
     size = {"a0": 3, "b0": 3, "a1": 2, "b1": 2, "a2": 9, "b2": 9, "a3": 1, "b3": 1}.get
-    assert sync.payload_groups(groups, size, 10) == [["a0", "b0", "a1", "b1"], ["a2", "b2"], ["a3", "b3"]]
-    assert sync.payload_groups(groups, size, 100) == [sum(groups, [])]  # a small model: one payload
-    assert sync.payload_groups(groups, size, 1) == groups  # each larger than the cap: one layer each
-    assert sync.payload_groups([], size, 10) == []
+    assert engine_sync.payload_groups(groups, size, 10) == [["a0", "b0", "a1", "b1"], ["a2", "b2"], ["a3", "b3"]]
+    assert engine_sync.payload_groups(groups, size, 100) == [sum(groups, [])]  # a small model: one payload
+    assert engine_sync.payload_groups(groups, size, 1) == groups  # each larger than the cap: one layer each
+    assert engine_sync.payload_groups([], size, 10) == []
 
 
 def test_checksum_against_a_word_by_word_recomputation():
-    """sync.checksum sums columns of 65521 words at once: against numpy's word-by-word sums of
+    """infra/checksum.py sums columns of 65521 words at once: against numpy's word-by-word sums of
     the definition, on weights longer than a column and not a multiple of it, at row offsets
     whose first word falls mid-column, and in blocks smaller than the weight (CHECK_WORDS)."""
     import numpy as np
@@ -296,12 +334,16 @@ def test_checksum_against_a_word_by_word_recomputation():
         x = w.view(torch.int16).numpy().astype(np.int64).ravel()
         i = offset * shape[1] + np.arange(x.size, dtype=np.int64)
         want = (int(x.sum()), int((x * (i % 65521 + 1)).sum()))
-        assert tuple(sync._checksum_rows(w, offset).tolist()) == want, (shape, offset)
+        assert tuple(fast_checksum.checksum_rows(w, offset).tolist()) == want, (shape, offset)
+        if offset == 0:  # sync.checksum, the word by word reference, is the same sums
+            assert sync.checksum(w) == want == fast_checksum.checksum(w)
     w = (torch.randn(64, 70000, generator=g)).to(torch.bfloat16)
     whole = sync.checksum(w)
     import unittest.mock
-    with unittest.mock.patch.object(sync, "CHECK_WORDS", 3 * 65521):  # three columns a block
-        assert sync.checksum(w) == whole
+    with unittest.mock.patch.object(fast_checksum, "CHECK_WORDS", 3 * 65521):  # three columns a block
+        assert fast_checksum.checksum(w) == whole
+    ws = [w, w.float(), torch.zeros(0, 3), w[:7]]  # the fast path's one read for many: the reference's
+    assert fast_checksum.checksums(ws) == sync.word_checksums(ws)
 
 
 # ---------------------------------------------------------------------------
@@ -337,8 +379,8 @@ def test_compact_state_is_the_masters_bits_over_1000_updates():
     ties = sum(sync.bf16_ties(m.weight) for m in modules.values())
     assert ties > 1000
     hf = copy.deepcopy(model).to(torch.bfloat16)
-    engines = [sync.EngineWeights(hf, base_seed=SEED, rank=RANK),
-               sync.EngineWeights(vllm_standin(hf), base_seed=SEED, rank=RANK, layout="vllm")]
+    engines = [StreamedEngineWeights(hf, base_seed=SEED, rank=RANK),
+               StreamedEngineWeights(vllm_standin(hf), base_seed=SEED, rank=RANK, layout="vllm", engine_layers=SEPARATE.engine)]
     start = {n: m.weight.detach().clone() for n, m in modules.items()}
     with pytest.raises(ValueError, match="bf16 tie"):  # refused, and nothing changed
         engines[0].load_full(sync.full_payload(start, update=0, base_seed=SEED, rank=RANK, dtype=torch.float32))
@@ -365,7 +407,7 @@ def test_compact_state_is_the_masters_bits_over_1000_updates():
                 rowadam.merge_rows(m.weight.data, f, a)
             crossed += int((torch.frexp(before)[1] != torch.frexp(m.weight.detach().abs())[1]).sum())
             factors[name] = f
-        payload = sync.decode(sync.encode(sync.Payload(update, SEED, RANK, factors)))
+        payload = wire.decode(wire.encode(sync.Payload(update, SEED, RANK, factors)))
         for e in engines:
             e.apply(payload)
         if update % 50 == 49 or update < 3:
@@ -402,18 +444,18 @@ def test_store_master_is_the_tie_rule_then_the_split():
 
 def test_streamed_full_sync_equals_one_payload():
     model, layers, opt, engine_model = trainer()
-    one = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
-    streamed = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    one = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    streamed = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
     for i in range(3):  # move the trainer first
         step(model, layers, opt, i)
     weights = {n: w.clone() for n, w in masters(layers).items()}
     one.load_full(sync.full_payload(weights, update=3, base_seed=SEED, rank=RANK, dtype=torch.float32))
-    groups = sync.layer_groups(weights)
+    groups = engine_sync.layer_groups(weights)
     assert [len(g) for g in groups] == [7, 7] and groups[0][0].startswith("model.layers.0.")
     for n, names in enumerate(groups):
         part = sync.full_payload({k: weights[k] for k in names}, update=3, base_seed=SEED, rank=RANK,
                                  dtype=torch.float32)
-        streamed.load_full(sync.decode(sync.encode(part)))
+        streamed.load_full(wire.decode(wire.encode(part)))
         if n == 0:  # half a sync: no delta may be merged yet
             assert streamed.update == 0
             zeros = {k: torch.zeros(w.shape[0], RANK, dtype=torch.bfloat16) for k, w in weights.items()}
@@ -429,15 +471,15 @@ def test_streamed_update_equals_one_payload():
     """An update sent one decoder layer per payload (the trainer gathers F layer by layer)
     merges to the same bits as one payload; a half-merged update refuses anything else."""
     model, layers, opt, engine_model = trainer()
-    one = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
-    parts = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    one = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    parts = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
     start = sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
     one.load_full(start)
     parts.load_full(start)
     payloads = [step(model, layers, opt, i) for i in range(2)]
     for p in payloads:
         one.apply(p)
-        first, second = sync.layer_groups(p.factors)
+        first, second = engine_sync.layer_groups(p.factors)
         parts.apply(sync.Payload(p.update, SEED, RANK, {n: p.factors[n] for n in first}))
         assert parts.update == p.update  # not complete yet
         snap = snapshot(parts)
@@ -470,39 +512,39 @@ def leb128(values):
     return out
 
 
-@pytest.mark.parametrize("chunk", [sync.CODE_CHUNK, 5])  # 5: many chunks of either code
+@pytest.mark.parametrize("chunk", [sparse_delta.CODE_CHUNK, 5])  # 5: many chunks of either code
 @pytest.mark.parametrize("numel,share", [(5000, 0.0), (5000, 0.003), (5000, 0.03), (5000, 0.4), (7, 1.0),
                                          (2**21, 0.0005)])
 def test_position_codes_against_numpy_and_python(numel, share, chunk, monkeypatch):
     import numpy as np
 
-    monkeypatch.setattr(sync, "CODE_CHUNK", chunk)
+    monkeypatch.setattr(sparse_delta, "CODE_CHUNK", chunk)
 
     mask = np.random.default_rng(int(share * 1e4) + numel).random(numel) < share
     positions = torch.from_numpy(np.flatnonzero(mask))
     gaps = np.diff(np.flatnonzero(mask), prepend=-1) - 1
     reference = {"bitmap": np.packbits(mask, bitorder="little").tolist(), "gaps": leb128(gaps.tolist())}
-    code, data = sync.encode_index(positions, numel)
+    code, data = sparse_delta.encode_index(positions, numel)
     assert code == ("bitmap" if len(reference["gaps"]) > len(reference["bitmap"]) else "gaps")  # the smaller, gaps on a tie
     assert data.tolist() == reference[code]
     for other in reference:  # either code decodes to the positions
-        back = sync.decode_index(other, torch.tensor(reference[other], dtype=torch.uint8), len(positions), numel)
+        back = sparse_delta.decode_index(other, torch.tensor(reference[other], dtype=torch.uint8), len(positions), numel)
         assert torch.equal(back, positions)
     bad = torch.tensor(leb128([3, 200]), dtype=torch.uint8)
     with pytest.raises(ValueError, match="truncated"):
-        sync.decode_index("gaps", bad[:-1], 2, numel)
+        sparse_delta.decode_index("gaps", bad[:-1], 2, numel)
     with pytest.raises(ValueError, match="header says"):
-        sync.decode_index("gaps", torch.tensor(leb128([1, 2]), dtype=torch.uint8), 3, numel)
+        sparse_delta.decode_index("gaps", torch.tensor(leb128([1, 2]), dtype=torch.uint8), 3, numel)
     with pytest.raises(ValueError, match="outside|beyond"):
-        sync.decode_index("gaps", torch.tensor(leb128([numel]), dtype=torch.uint8), 1, numel)
+        sparse_delta.decode_index("gaps", torch.tensor(leb128([numel]), dtype=torch.uint8), 1, numel)
     for bad in ([3, 3], [4, 2], [-1, 2], [0, numel]):  # repeated, decreasing, negative, beyond the weight
         with pytest.raises(ValueError, match="increasing|outside"):
-            sync.encode_index(torch.tensor(bad), numel)
+            sparse_delta.encode_index(torch.tensor(bad), numel)
 
 
 def payload_data_bytes(buf: torch.Tensor) -> int:
     """The bytes of a payload after its header (encode's `data_bytes`), read from the buffer."""
-    head = len(sync.MAGIC) + 8 + int.from_bytes(bytes(buf[len(sync.MAGIC):len(sync.MAGIC) + 8].tolist()), "little")
+    head = len(wire.MAGIC) + 8 + int.from_bytes(bytes(buf[len(wire.MAGIC):len(wire.MAGIC) + 8].tolist()), "little")
     return buf.numel() - head
 
 
@@ -520,27 +562,27 @@ def test_a_delta_never_sends_more_than_the_full_weight(shape):
     model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.model.layers[0].q_proj = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16)
     name = "model.layers.0.q_proj"
-    full = payload_data_bytes(sync.encode(sync.full_payload({name: before}, update=0, base_seed=SEED, rank=1)))
-    assert full == 2 * numel + -2 * numel % sync.ALIGN
+    full = payload_data_bytes(wire.encode(sync.full_payload({name: before}, update=0, base_seed=SEED, rank=1)))
+    assert full == 2 * numel + -2 * numel % wire.ALIGN
     forms = set()
     for changed in sorted({0, 1, numel // 16, numel // 2, numel * 15 // 16 - 1, numel * 15 // 16,
                            numel * 15 // 16 + 1, numel - 1, numel}):
-        engine = sync.EngineWeights(model, base_seed=SEED, rank=1, exact=False)
+        engine = SparseEngineWeights(model, base_seed=SEED, rank=1)
         engine.load_full(sync.full_payload({name: before}, update=0, base_seed=SEED, rank=1))
         after = before.clone().flatten()
         chosen = torch.randperm(numel, generator=g)[:changed]
         after[chosen] = (after[chosen].float() + 1.0).to(torch.bfloat16)  # + 1 changes every bf16 value here
         after = after.view(shape)
-        delta = sync.sparse_delta(shape, *sync.changed_elements(before, after), sync.checksum(before),
+        delta = wire.sparse_delta(shape, *sparse_delta.changed_elements(before, after), sync.checksum(before),
                                   whole=lambda: after)
-        buf = sync.encode(sync.Payload(0, SEED, 1, {name: delta}, kind="sparse"))
+        buf = wire.encode(sync.Payload(0, SEED, 1, {name: delta}, kind="sparse"))
         assert payload_data_bytes(buf) <= full, (changed, payload_data_bytes(buf), full)
         forms.add("dense" if delta.positions is None else "sparse")
         if delta.positions is None:
             assert payload_data_bytes(buf) == full and changed >= numel * 7 // 8, changed
         else:
             assert len(delta.values) == changed
-        engine.apply(sync.decode(buf))
+        engine.apply(wire.decode(buf))
         assert torch.equal(engine_weight(engine, name), after), changed
     assert forms == {"dense", "sparse"}
 
@@ -555,7 +597,7 @@ class Shadow:
         part = {}
         for n, w in weights.items():
             new = w.detach().to(torch.bfloat16)
-            part[n] = sync.sparse_delta(tuple(w.shape), *sync.changed_elements(self.held[n], new),
+            part[n] = wire.sparse_delta(tuple(w.shape), *sparse_delta.changed_elements(self.held[n], new),
                                         sync.checksum(self.held[n]), whole=lambda new=new: new)
             self.held[n] = new.clone()
         return sync.Payload(update, SEED, RANK, part, kind="sparse")
@@ -592,14 +634,14 @@ def test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer(optimi
         return {n: m.weight.detach() for n, m in targets.items()}
 
     hf = copy.deepcopy(model).to(torch.bfloat16)
-    engines = [sync.EngineWeights(hf, base_seed=SEED, rank=RANK, exact=False),
-               sync.EngineWeights(vllm_standin(hf), base_seed=SEED, rank=RANK, layout="vllm", exact=False)]
+    engines = [SparseEngineWeights(hf, base_seed=SEED, rank=RANK),
+               SparseEngineWeights(vllm_standin(hf), base_seed=SEED, rank=RANK, layout="vllm", engine_layers=SEPARATE.engine)]
     start = sync.full_payload(weights(), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
     for e in engines:
-        e.load_full(sync.decode(sync.encode(start)))  # fp32 rounded to bf16: no master kept
+        e.load_full(wire.decode(wire.encode(start)))  # fp32 rounded to bf16: no master kept
         assert e.state_bytes() == 0
     shadow = Shadow(weights())
-    full = len(sync.encode(sync.full_payload(weights(), update=0, base_seed=SEED, rank=RANK)))
+    full = len(wire.encode(sync.full_payload(weights(), update=0, base_seed=SEED, rank=RANK)))
     shares, sizes = [], []
     for i in range(60):
         lm_loss(model, tiny_batch(seed=1000 + i)).backward()
@@ -610,8 +652,8 @@ def test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer(optimi
             opt.step()
             opt.zero_grad(set_to_none=True)
         now = weights()
-        buf = sync.encode(shadow.payload(now, i))
-        payload = sync.decode(buf)
+        buf = wire.encode(shadow.payload(now, i))
+        payload = wire.decode(buf)
         for e in engines:
             e.apply(payload)
         for n, w in now.items():
@@ -632,7 +674,7 @@ def test_bad_sparse_deltas_are_refused_and_change_nothing():
     numbers agree, the base does not), when it is truncated or corrupted, or when it goes to
     an engine that merges factors; an engine without a master refuses factors."""
     model, layers, opt, engine_model = trainer(update_ratio=1e-3)
-    engine = sync.EngineWeights(engine_model, base_seed=SEED, rank=RANK, exact=False)
+    engine = SparseEngineWeights(engine_model, base_seed=SEED, rank=RANK)
     engine.load_full(sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK))
     shadow = Shadow(masters(layers))
     payloads, factors, after = [], [], []
@@ -655,24 +697,24 @@ def test_bad_sparse_deltas_are_refused_and_change_nothing():
     # to 2's without 1's elements. The base (update 1's weights) is not what the engine holds.
     skipped = sync.Payload(1, SEED, RANK, payloads[2].factors, kind="sparse")
     with pytest.raises(ValueError, match="other weights than the engine holds"):
-        engine.apply(sync.decode(sync.encode(skipped)))
+        engine.apply(wire.decode(wire.encode(skipped)))
     unchanged()
-    good = sync.encode(payloads[1])
+    good = wire.encode(payloads[1])
     corrupt = good.clone()
     corrupt[-20] ^= 0x10
     with pytest.raises(ValueError, match="checksum"):
-        sync.decode(corrupt)
+        wire.decode(corrupt)
     with pytest.raises(ValueError, match="truncated|size mismatch"):
-        sync.decode(good[:-16])
+        wire.decode(good[:-16])
     with pytest.raises(ValueError, match="no fp32 master"):
         engine.apply(factors[1])
     unchanged()
-    exact = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    exact = StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
     with pytest.raises(ValueError, match="residuals behind"):
         exact.apply(payloads[0])
     with pytest.raises(ValueError, match="holds Sparse deltas"):
-        sync.encode(sync.Payload(1, SEED, RANK, factors[1].factors, kind="sparse"))
-    engine.apply(sync.decode(good))  # the right one still goes through
+        wire.encode(sync.Payload(1, SEED, RANK, factors[1].factors, kind="sparse"))
+    engine.apply(wire.decode(good))  # the right one still goes through
     assert engine.update == 2
     assert all(torch.equal(engine_weight(engine, n), after[1][n]) for n in engine.slots)
 
@@ -684,16 +726,16 @@ def test_sparse_deltas_with_nothing_changed(layout):
     weights as they were; a half-written sparse update gives way to a full sync."""
     model = tiny_qwen2()
     hf = copy.deepcopy(model).to(torch.bfloat16)
-    engine = sync.EngineWeights(hf if layout == "hf" else vllm_standin(hf), base_seed=SEED, rank=RANK,
-                                layout=layout, exact=False)
+    engine = SparseEngineWeights(hf if layout == "hf" else vllm_standin(hf), base_seed=SEED, rank=RANK,
+                                 layout=layout, engine_layers=SEPARATE.engine)
     weights = {n: m.weight.detach().clone() for n, m in sketch.target_modules(model).items()}
     engine.load_full(sync.full_payload(weights, update=0, base_seed=SEED, rank=RANK))
     shadow = Shadow(weights)
     first = next(iter(weights))
     weights[first][0, :3] += 1.0  # three elements of one target change, nothing else
     for update, now in enumerate([weights, weights]):  # then an update that changes nothing at all
-        buf = sync.encode(shadow.payload(now, update))
-        payload = sync.decode(buf)
+        buf = wire.encode(shadow.payload(now, update))
+        payload = wire.decode(buf)
         assert [len(t.values) for t in payload.factors.values()] == [3 * (update == 0)] + [0] * (len(now) - 1)
         engine.apply(payload)
         for n, w in now.items():
@@ -720,7 +762,7 @@ def _gather_on_two_ranks(rank, world, out_dir):
         if case == "both":
             after[4:, ::2] -= 1  # rank 1's rows
         lo, hi = (0, 4) if rank == 0 else (4, 7)
-        result.append(sync.gather_changes(*sync.changed_elements(before[lo:hi], after[lo:hi], lo)))
+        result.append(sparse_delta.gather_changes(*sparse_delta.changed_elements(before[lo:hi], after[lo:hi], lo)))
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -749,26 +791,26 @@ def test_changes_gathered_from_row_shards_equal_the_whole_weights(tmp_path):
 
 @pytest.mark.parametrize("budget", [None, 2])  # a shape's targets stacked; each in row chunks
 def test_batched_engine_merge_equals_the_reference(budget, monkeypatch):
-    """infra/batched.py's BatchedEngineWeights (the engines train.py starts: signs made together,
-    a shape's targets merged as one stack) holds bitwise sync.EngineWeights' masters and bf16
-    weights, one target at a time, over three updates, in both layouts; and the trainer's."""
+    """infra/engine_weights.py's StreamedEngineWeights (the engines train.py starts; its factor
+    merge is infra/batched.py's: signs made together, a shape's targets merged as one stack) holds
+    bitwise sync.EngineWeights' masters and bf16 weights (one target at a time), over three
+    updates, in both of its layouts; and the trainer's."""
     if budget is not None:
         monkeypatch.setattr(rowadam, "MERGE_ELEMENTS", budget)
     model, layers, opt, engine_model = trainer(update_ratio=1e-2)
     start = sync.full_payload(masters(layers), update=0, base_seed=SEED, rank=RANK, dtype=torch.float32)
-    engines = {}
-    for kind in (sync.EngineWeights, batched.BatchedEngineWeights):
-        engines[kind] = [kind(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK),
-                         kind(vllm_standin(copy.deepcopy(engine_model)), base_seed=SEED, rank=RANK, layout="vllm")]
-        for e in engines[kind]:
-            e.load_full(start)
+    ref = sync.EngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK)
+    fast = [StreamedEngineWeights(copy.deepcopy(engine_model), base_seed=SEED, rank=RANK),
+            StreamedEngineWeights(vllm_standin(copy.deepcopy(engine_model)), base_seed=SEED, rank=RANK, layout="vllm",
+                                  engine_layers=SEPARATE.engine)]
+    for e in (ref, *fast):
+        e.load_full(start)
     for i in range(3):
-        payload = sync.decode(sync.encode(step(model, layers, opt, i)))
-        for kind in engines:
-            for e in engines[kind]:
-                e.apply(payload)
-    for ref, fast in zip(*engines.values()):
-        assert ref.fingerprint() == fast.fingerprint() and ref.update == fast.update == 3
+        payload = wire.decode(wire.encode(step(model, layers, opt, i)))
+        for e in (ref, *fast):
+            e.apply(payload)
+    for e in fast:
+        assert ref.fingerprint() == e.fingerprint() and ref.update == e.update == 3
         for l in layers:
-            assert torch.equal(ref.master(l.name), fast.master(l.name))
-            assert torch.equal(fast.master(l.name), l.module.weight.detach()), l.name
+            assert torch.equal(ref.master(l.name), e.master(l.name))
+            assert torch.equal(e.master(l.name), l.module.weight.detach()), l.name

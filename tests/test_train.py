@@ -80,7 +80,7 @@ def test_lora_deltas_never_exceed_a_full_sync(runs):
     changes (LoRA's first merge moves B off zero: most elements, on some CPUs all; an update
     whose rollouts all scored alike: none), its delta sends at least the changed values and at
     most a full bf16 sync and the payloads' headers (the dense form where that is smaller:
-    sync.sparse_delta); the run checks the engine's fingerprints after each. Bounds that hold
+    infra/wire.sparse_delta); the run checks the engine's fingerprints after each. Bounds that hold
     by construction, not a share that depends on which responses a CPU's rounding samples."""
     d = runs / "lora-delta"
     in_process.run([*SMALL, "--updates", "2", "--optimizer", "lora", "--sync", "delta", "--run-dir", str(d)])

@@ -30,7 +30,7 @@ from sketch import make_projection, projection_seed, target_modules
 import sync
 import in_process
 from conftest import RANK, SEED
-from infra import engine_sync, heal, task_data, tasks, vllm_channel, vllm_engine, vllm_serve
+from infra import engine_sync, heal, sparse_delta, task_data, tasks, vllm_channel, vllm_engine, vllm_serve
 from subproc import FAULTS, ROOT, engine_processes, env, faults, read_checkpoint, two_nodes
 
 
@@ -369,7 +369,7 @@ def test_vllm_engine_follows_the_trainer_bit_for_bit(cpu_engine, tiny_math):
         for m in target_modules(model).values():
             avoid_bf16_ties_(m.weight.mul_(1.0 + 1e-3))  # as train.py does before an fp32 sync
     modules = target_modules(model)
-    for names in sync.layer_groups(modules):  # streamed: one decoder layer per payload
+    for names in engine_sync.layer_groups(modules):  # streamed: one decoder layer per payload
         cpu_engine.load_full(sync.full_payload({n: modules[n].weight for n in names}, update=0, base_seed=SEED,
                                                 rank=RANK, dtype=torch.float32))
     sync.check_fingerprints(sync.fingerprint(model), cpu_engine.fingerprint())
@@ -398,7 +398,7 @@ def sparse_payload(held, weights, update):
     part = {}
     for n, w in weights.items():
         new = w.detach().to(torch.bfloat16)
-        part[n] = sync.Sparse(tuple(w.shape), *sync.changed_elements(held[n], new), base=sync.checksum(held[n]))
+        part[n] = sparse_delta.Sparse(tuple(w.shape), *sparse_delta.changed_elements(held[n], new), base=sync.checksum(held[n]))
         held[n] = new
     return sync.Payload(update, SEED, RANK, part, kind="sparse")
 
@@ -429,7 +429,7 @@ def test_vllm_engine_without_a_master_follows_three_optimizers_by_sparse_deltas(
             return {n: torch.addmm(m.weight, adapters[n][1], adapters[n][0], alpha=2.0).detach()
                     for n, m in modules.items()}
 
-        for names in sync.layer_groups(modules):  # a full bf16 sync, as train.py's start and resyncs
+        for names in engine_sync.layer_groups(modules):  # a full bf16 sync, as train.py's start and resyncs
             cpu_delta_engine.load_full(sync.full_payload({n: weights()[n] for n in names}, update=update,
                                                          base_seed=SEED, rank=RANK))
         held = {n: w.to(torch.bfloat16) for n, w in weights().items()}
@@ -448,7 +448,7 @@ def test_vllm_engine_without_a_master_follows_three_optimizers_by_sparse_deltas(
                 adam.step()
             payload = sparse_payload(held, weights(), update)
             changed += sum(t.values.numel() for t in payload.factors.values())
-            for names in sync.layer_groups(payload.factors):
+            for names in engine_sync.layer_groups(payload.factors):
                 cpu_delta_engine.apply(sync.Payload(update, SEED, RANK, {n: payload.factors[n] for n in names},
                                                     kind="sparse"))
             update += 1
@@ -467,7 +467,7 @@ def test_vllm_engine_without_a_master_follows_three_optimizers_by_sparse_deltas(
         for m in modules.values():
             m.weight.mul_(1.0 + 2e-2)
     skipped = sparse_payload(held, weights(), update)
-    first = sync.layer_groups(skipped.factors)[0]
+    first = engine_sync.layer_groups(skipped.factors)[0]
     with pytest.raises(vllm_engine.EngineError, match="other weights than the engine holds"):
         cpu_delta_engine.apply(sync.Payload(update, SEED, RANK, {n: skipped.factors[n] for n in first}, kind="sparse"))
     assert cpu_delta_engine.fingerprint() == before == {n: sync.checksum(w) for n, w in stale.items()}
@@ -689,7 +689,7 @@ def test_two_nodes_whose_engines_die_end_bitwise_where_one_node_ends(tiny_math, 
     engine process is SIGKILLed during a rollout (its 3rd 'generate': update 1's, after the
     base policy's 2 evaluation rounds) and rank 1's vLLM processes (engine core and worker,
     the weight channel's peer) during a sync (its 3rd 'apply': update 3's payload, every layer's
-    factors in one, sync.payload_groups):
+    factors in one, engine_sync.payload_groups):
     each engine is restarted, resynced (fingerprints checked) and the rollout redone, both
     ranks finish, and metrics.jsonl records both restarts."""
     one_node = math_runs / "math-2"

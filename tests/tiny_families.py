@@ -14,6 +14,7 @@ import rowadam
 import sketch
 import sync
 from infra import architectures
+from infra import engine_sync
 
 VOCAB = 128
 BOS, EOS, PAD = 1, 2, 0
@@ -93,7 +94,7 @@ def follow_with_vllm(model_type, folder, *, tied=False, updates=3, seed=3, rank=
     started = time.perf_counter() - t0
     try:
         modules = sketch.target_modules(trainer)
-        for names in sync.layer_groups(modules):
+        for names in engine_sync.layer_groups(modules):
             eng.load_full(sync.full_payload({n: modules[n].weight for n in names}, update=0, base_seed=seed,
                                             rank=rank, dtype=torch.float32))
         sync.check_fingerprints(sync.fingerprint(trainer), eng.fingerprint())
