@@ -46,14 +46,15 @@ Departures from the paper (numbered; reason; test)
 3. r at most half the narrowest target's width, a power of 2, so S holds at most half of G
    (bench/README.md, `defaults`). tests/test_sketch.py, test_plain_module_sketches_equal_dense.
 
-Implementation notes (tests in tests/test_sketch.py)
-----------------------------------------------------
+Implementation notes
+--------------------
 - All parameters frozen; backward reaches a target through a Hugging Face embedding's output made
-  to require grad, or a leaf copy of a plain module's input (test_tiny_qwen2_sketches_equal_dense,
-  test_plain_module_sketches_equal_dense). A refused attach changes nothing; a moved model is
-  refused, a cast one still sketches: test_refused_attach_changes_nothing,
-  test_a_moved_model_is_refused_and_a_cast_one_still_sketches.
+  to require grad (tests/test_sketch.py, test_tiny_qwen2_sketches_equal_dense), or a leaf copy of
+  a plain module's input (tests/test_sketch.py, test_plain_module_sketches_equal_dense). A refused
+  attach changes nothing (tests/test_sketch.py, test_refused_attach_changes_nothing); a moved model
+  is refused, a cast one still sketches (tests/test_sketch.py, test_a_moved_model_is_refused_and_a_cast_one_still_sketches).
 - `backwards` counts passes since `zero_()`: RowAdam refuses a batch none reached.
+  tests/test_sketch.py, test_backwards_counts_the_passes_since_zero.
 - `dY^T P` is one GEMM in the activations' dtype (`sketch_product`), added to S (never `addmm_`:
   one process and a reduce-scatter add the same products). Fast companion: infra/batched.py.
 
