@@ -193,6 +193,11 @@ CALLS = {
     "infra.run_dir": ("import os, tempfile; d = os.path.join(tempfile.mkdtemp(), 'run'); h = run_dir.hold(d); "
                       "assert os.path.exists(os.path.join(d, 'run.lock')) and not run_dir.inspect({}, d).continues; "
                       "h.release(undo=True); assert not os.path.exists(d)"),
+    "infra.probe_decoder": ("import torch; x = torch.randn(2, 4); y, dy = probe_decoder._rotary(x, x, torch.ones(4), "
+                            "torch.zeros(4)); assert torch.equal(y, x) and torch.equal(dy, x) and 'qwen2' in "
+                            "probe_decoder.WRITTEN_OUT"),
+    "infra.one_call": ("import torch; assert one_call.model_start(torch.nn.Linear(1, 1)) is None and "
+                       "one_call.STARTS['scratch'] is one_call.kl_control.SCRATCH"),
 }
 
 
