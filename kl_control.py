@@ -1,9 +1,9 @@
 """
-kl_control.py: predicted-KL step control with mismatch subtraction (arXiv:2610.06647, its method
-section on predicted-KL step control; Table 1's setup). Before a step is merged, `probe` predicts
-how far it moves the policy's next-token distributions (a second-order KL, by forward-mode AD
-through the model's own forward), and alpha scales the step so that the prediction spends a KL
-budget: "an estimate used for control, not a guarantee"; `realised_kl` measures what it caused.
+kl_control.py: predicted-KL step control with mismatch subtraction (arXiv:2610.06647, its method section on
+predicted-KL step control; Table 1's setup). Before a step is merged, `probe` predicts how far it moves the
+policy's next-token distributions (a second-order KL, by forward-mode AD through the model's own forward), and
+alpha scales it so that the prediction spends a KL budget: "an estimate used for control, not a guarantee";
+`realised_kl` measures what it caused.
 
 Use
 ---
@@ -37,15 +37,11 @@ RowAdam(layers)).step(ids, mask)` (knobs: alpha_max, entropy_share, kl_start, kl
 calibrate, keep_positions, probe); random weights: `**SCRATCH` (infra/one_call.py picks by `start`). Faster:
 infra/probe_decoder.py's `fast_probe` (no dense dW nor (B, T, V) logits; bench/README.md `loop_phases`).
 
-Names and the paper's symbols
------------------------------
-U (opt.directions) = the paper's eta U (its U times the step scale); dW = -U A at alpha = 1;
-KL1 (Probe.kl1) = the predicted KL per generated token at alpha = 1; budget = the KL budget in
-nats per generated token; m (Mismatch.m) = the mismatch estimate; T the sampling temperature.
-
-The math
---------
-At a scored position, logits z and u = dz/dalpha (forward AD, every target's dW = -U A):
+The math (in the paper's symbols)
+---------------------------------
+U = opt.directions (the paper's eta U); KL1 = Probe.kl1, the predicted KL per generated token at alpha = 1;
+the budget in nats per generated token; m = Mismatch.m; T the sampling temperature. At a scored position,
+logits z and u = dz/dalpha (forward AD, every target's dW = -U A):
     p = softmax(z / T),  q = u / T,  kl1 = 0.5 sum_v p_v (q_v - sum_w p_w q_w)^2
 so KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3); KL1 = mean kl1 over the probed generated tokens.
     alpha    = min(alpha_max, sqrt(budget / KL1))                          solve_alpha
@@ -53,30 +49,26 @@ so KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3); KL1 = mean kl1 over the probed 
     observed = max(0, mean(rollout_logprob - trainer_logprob))   on responses that ended with EOS
     m <- 0.7 m + 0.3 observed,   budget <- max(budget - m, 0.5 budget)     Mismatch
 
-Defaults and their sources
---------------------------
-The paper's (method section, Table 1's setup): alpha_max 3, the 4096-token cut, the budget 2e-4 ->
-2e-5 (kl_budget, H the run's updates), Mismatch's 0.7 and 0.5, 2 responses probed a process.
+Defaults: the paper's (method section, Table 1's setup): alpha_max 3, the 4096-token cut, the budget
+2e-4 -> 2e-5 (kl_budget, H the run's updates), Mismatch's 0.7 and 0.5, 2 responses probed a process.
 
-Departures from the paper: every other default (reason, bench/README.md's table; tests/test_kl_control.py's test)
-------------------------------------------------------------------------------------------------------
-1. The fast path forms the tangent -(X A^T) U^T in the activations' dtype: fp32 did not lower
-   KL1's error and doubles the largest transient; test_kl1_in_bf16_against_float64.
+Departures from the paper: every other default (reason, bench/README.md's table; its test)
+-----------------------------------------------------------------------------------------
+1. The fast path's tangent -(X A^T) U^T in the activations' dtype (fp32: no better, 2x the largest transient);
+   test_kl1_in_bf16_against_float64.
 2. KL1 = 0 gives alpha = min(1, alpha_max), the paper divides by zero; test_solve_alpha.
-3. The probe scores the first eighth of the batch, at least 2 responses, and more until 128
-   tokens (probe_count), so its cost stays a fixed part of the update's at any batch (an eighth
-   is this file's choice, not measured); test_the_default_probe_scores_the_papers_share_of_the_batch.
-4. Mismatch.observe(ended_with_eos=None) counts every response: fixed-length ones never end
-   with EOS; test_mismatch_without_eos_flags.
-5. SCRATCH calibrates the prediction for random weights (Calibration: alpha =
-   sqrt(budget / (rho KL1))), a step realised half its prediction (`defaults_why`);
+3. Probed: an eighth of the batch (a choice), >= 2 responses, >= 128 tokens, a fixed share of the update's cost;
+   test_the_default_probe_scores_the_papers_share_of_the_batch.
+4. Mismatch.observe(ended_with_eos=None) counts every response (fixed-length ones never end with EOS);
+   test_mismatch_without_eos_flags.
+5. SCRATCH calibrates KL1 by rho (Calibration): random weights realised half the prediction (`defaults_why`);
    test_the_calibration_rule, test_calibration_spends_the_budget_in_realised_kl.
-6. SCRATCH scales RowAdam's step per layer for random weights (`defaults_why`);
-   test_the_one_call_optimizer_is_the_three_calls_bitwise, test_start_reads_how_the_model_was_made.
-7. The default budget is budget_for's min(0.2 H, 2 / L) (H entropy a token, L tokens a response),
-   no horizon needed (`defaults`); test_the_default_budget_is_a_share_of_the_entropy_capped_per_response.
-8. SCRATCH's alpha_max is 9 and entropy share 0.4, for random weights (`defaults_tuning`;
-   trained weights keep the paper's: `defaults_smollm2`); test_the_budgets_shares.
+6. SCRATCH scales RowAdam's step per layer (random weights, `defaults_why`); test_start_reads_how_the_model_was_made,
+   test_the_one_call_optimizer_is_the_three_calls_bitwise.
+7. The default budget is min(0.2 H, 2 / L) (H entropy a token, L tokens a response; `defaults`): no horizon;
+   test_the_default_budget_is_a_share_of_the_entropy_capped_per_response.
+8. SCRATCH's alpha_max 9, entropy share 0.4 (random weights, `defaults_tuning`; trained: `defaults_smollm2`);
+   test_the_budgets_shares.
 """
 
 import math
@@ -106,10 +98,9 @@ def _all_reduce(total, group):
 
 def token_kl(logits, tangent, temperature=1.0):
     """kl1 = 0.5 Var_p(tangent / T), p = softmax(logits / T), per position (...,), in float64."""
-    if logits.shape != tangent.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and tangent {tuple(tangent.shape)} differ in shape")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+    if logits.shape != tangent.shape or not temperature > 0:
+        raise ValueError(f"need logits {tuple(logits.shape)} and tangent {tuple(tangent.shape)} of one shape and "
+                         f"temperature > 0, got {temperature}")
     z = logits.to(torch.float64) / temperature  # (..., V)
     q = tangent.to(torch.float64) / temperature  # (..., V)
     p = torch.softmax(z, dim=-1)  # (..., V)
@@ -153,12 +144,9 @@ def probe_count(mask, responses=None, tokens=PROBE_FLOOR) -> int:
 def _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask):
     """The probed rows cut to `max_tokens`: ids (B', T'), scored positions (B', T' - 1) (t when
     token t + 1 was generated), attention mask or None."""
-    if input_ids.dim() != 2 or input_ids.shape != response_mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} differ in shape, or are not (B, T)")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} and input_ids "
-                         f"{tuple(input_ids.shape)} differ in shape")
+    shapes = [tuple(t.shape) for t in (input_ids, response_mask, attention_mask) if t is not None]
+    if input_ids.dim() != 2 or len(set(shapes)) > 1:
+        raise ValueError(f"input_ids, response_mask and attention_mask {shapes} differ in shape, or are not (B, T)")
     if not (max_tokens >= 2 and min_tokens >= 0 and (max_responses is None or max_responses >= 1)):
         raise ValueError(f"max_tokens must be >= 2, min_tokens must be >= 0, max_responses must be >= 1 (or None); "
                          f"got {max_tokens}, {min_tokens}, {max_responses}")
@@ -168,30 +156,28 @@ def _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, att
     return input_ids[:n, :max_tokens], scored[:n], am
 
 
-def _check_temperature(temperature):
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature}")
-
-
 def _check_probe_inputs(layers, directions, temperature, keep_positions):
     """Refuse, before any forward or hook, what the probe cannot use."""
     if directions is None or len(directions) != len(layers):
         raise ValueError("directions is None: the probe needs U; call opt.prepare() first and pass opt.directions"
-                         if directions is None else f"{len(layers)} layers but {len(directions)} directions: pass "
-                         f"opt.directions of the RowAdam over these layers")
+                         if directions is None else f"{len(layers)} layers but {len(directions)} directions")
     for layer, u in zip(layers, directions):  # U has the sketch's shape (d, r), or this process's rows (n, r)
         if not isinstance(u, torch.Tensor) or u.shape != layer.sketch.shape:
             got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
             raise ValueError(f"{layer.name}: direction {got}, but the layer's U is {tuple(layer.sketch.shape)}")
-    _check_temperature(temperature)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature}")
     if not keep_positions >= 0:
         raise ValueError(f"keep_positions must be >= 0, got {keep_positions}")
 
 
-def _check_first_position(rows):
-    if rows:
-        raise ValueError(f"response_mask covers the first position of {rows} row(s): a row's first token has no "
-                         f"log-prob, so it cannot be generated; mark only the response, after a prompt token")
+def _check_counts(first, count):
+    """Refuse a mask on a row's first position (its token has no log-prob) or with nothing to score."""
+    if first:
+        raise ValueError(f"response_mask covers the first position of {int(first)} row(s): a row's first token has "
+                         f"no log-prob, so it cannot be generated; mark only the response, after a prompt token")
+    if count == 0:
+        raise ValueError(NO_TOKEN)
 
 
 def left_padded_rows(input_ids, pad_token_id) -> torch.Tensor:
@@ -211,9 +197,7 @@ def check_batch(input_ids, response_mask, *, attention_mask=None, max_responses=
     counts = torch.stack([response_mask[:, 0].bool().sum(), scored.sum(), left]).to(torch.float64)  # (3,)
     _all_reduce(counts, group)
     first, count, left = counts.tolist()
-    _check_first_position(int(first))
-    if count == 0:
-        raise ValueError(NO_TOKEN)
+    _check_counts(first, count)
     if left:
         raise ValueError(f"{int(left)} row(s) begin with more pad tokens (id {pad_token_id}) than others: the batch "
                          f"was padded on the left and no attention_mask was given; pass generate's, "
@@ -251,17 +235,15 @@ def _quiet_jvp_import():
 
 @torch.no_grad()
 def probe_logits(model, layers, directions, input_ids, attention_mask=None):
-    """(logits z, tangent u = dz/dalpha), (B, T, V) each: the model's own forward with every
-    target weight's tangent dW = -U A, by torch.func.jvp. Whole directions (d, r)."""
+    """(logits z, tangent u = dz/dalpha), (B, T, V) each: the model's own forward with every target
+    weight's tangent dW = -U A, by torch.func.jvp. Whole directions (d, r), one process."""
     _check_probe_inputs(layers, directions, 1.0, 0)
     if any(layer.group is not None for layer in layers):
-        raise ValueError("this probe runs on one process with whole directions; layers attached with a group "
-                         "need infra/probe_decoder.py's fast_probe")
+        raise ValueError("this probe runs on one process: layers attached with a group need infra/probe_decoder.py")
     names = {module: name for name, module in model.named_modules()}
     weights, tangents = {}, {}
     for layer, u in zip(layers, directions):
-        w = layer.module.weight  # (d, k)
-        name = names[layer.module] + ".weight"
+        w, name = layer.module.weight, names[layer.module] + ".weight"  # (d, k)
         weights[name], tangents[name] = w, -(u.to(w.dtype) @ layer.projection.to(w.dtype))  # dW (d, k)
 
     def logits(target_weights):  # (B, T, V)
@@ -288,9 +270,7 @@ def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.
                          response_mask[:, 0].bool().sum().to(z.device, torch.float64)])
     _all_reduce(total, group)
     kl_sum, count, entropy_sum, responses, first = total.tolist()
-    _check_first_position(int(first))
-    if count == 0:
-        raise ValueError(NO_TOKEN)
+    _check_counts(first, count)
     kept = z[:keep_positions] if keep_positions > 0 else None  # (kept, V)
     return Probe(kl_sum / count, kept, 0 if kept is None else kept.shape[0], ids.shape[0], max_tokens,
                  float(temperature), entropy_sum / count, count / responses, scored_logits)
@@ -310,11 +290,10 @@ def scored_logits(model, input_ids, response_mask, *, max_responses=None, min_to
 def realised_kl(probe, model, input_ids, response_mask, *, attention_mask=None, group=None) -> float:
     """Exact KL(pi_old || pi_new) per token, in float64, at the positions whose logits `probe` (of the
     same inputs) kept before the merge, reduced across processes: what alpha^2 KL1 predicts."""
-    if not isinstance(probe, Probe):
-        raise TypeError(f"realised_kl takes the Probe that probe(...) returned, got {type(probe).__name__}")
-    if probe.logits is None:
-        raise ValueError("the probe kept no logits (keep_positions=0), so there is no 'before' to compare with: "
-                         "pass keep_positions > 0 to probe(...)")
+    if not isinstance(probe, Probe) or probe.logits is None:
+        raise (TypeError(f"realised_kl takes the Probe that probe(...) returned, got {type(probe).__name__}")
+               if not isinstance(probe, Probe) else ValueError("the probe kept no logits (keep_positions=0), so "
+                                                               "there is no 'before': pass keep_positions > 0"))
     new_logits = (probe.scored_logits or scored_logits)(
         model, input_ids, response_mask, max_responses=probe.responses, max_positions=probe.kept,
         max_tokens=probe.max_tokens, attention_mask=attention_mask)  # (kept, V)
@@ -336,10 +315,9 @@ def realised_kl(probe, model, input_ids, response_mask, *, attention_mask=None, 
 def solve_alpha(kl1, *, budget, alpha_max=3.0) -> float:
     """alpha = min(alpha_max, sqrt(budget / KL1)); KL1 == 0 gives min(1, alpha_max) (departure 2)."""
     kl1 = float(kl1)
-    if not math.isfinite(kl1) or kl1 < 0:
-        raise ValueError(f"predicted KL must be finite and >= 0, got {kl1}: refusing an uncontrolled update")
-    if not (math.isfinite(budget) and budget > 0) or not alpha_max > 0:
-        raise ValueError(f"need budget > 0 and alpha_max > 0, got {budget}, {alpha_max}")
+    if not (math.isfinite(kl1) and kl1 >= 0 and math.isfinite(budget) and budget > 0 and alpha_max > 0):
+        raise ValueError(f"need a finite predicted KL >= 0 (else an uncontrolled update), budget > 0 and "
+                         f"alpha_max > 0, got {kl1}, {budget}, {alpha_max}")
     return min(1.0, alpha_max) if kl1 == 0.0 else min(alpha_max, math.sqrt(budget / kl1))
 
 
@@ -356,10 +334,9 @@ def budget_for(probe, *, entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE)
 
 def kl_budget(update, *, start, end, horizon) -> float:
     """The paper's cosine annealing from `start` at update 0 to `end` at horizon - 1 and after (exact ends)."""
-    if update < 0 or horizon < 2:
-        raise ValueError(f"need update >= 0 and horizon >= 2, got {update}, {horizon}")
-    if not (start > 0 and end > 0):
-        raise ValueError(f"need start > 0 and end > 0 (nats per token), got {start}, {end}")
+    if not (update >= 0 and horizon >= 2 and start > 0 and end > 0):
+        raise ValueError(f"need update >= 0, horizon >= 2, start > 0 and end > 0 (nats per token), got {update}, "
+                         f"{horizon}, {start}, {end}")
     w = 0.5 * (1.0 + math.cos(math.pi * min(update / (horizon - 1), 1.0)))  # 1 -> 0
     return w * start + (1.0 - w) * end
 
@@ -378,12 +355,10 @@ class Mismatch:
         departure 4); returns `observed`, or None (m unchanged) when none counts."""
         if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape):
             raise ValueError("rollout log-probs, trainer log-probs and mask must have one shape (B, T)")
-        counts = response_mask.bool()  # (B, T)
-        if ended_with_eos is not None:
-            if ended_with_eos.shape != response_mask.shape[:1]:
-                raise ValueError(f"ended_with_eos must be ({response_mask.shape[0]},), or None to count every "
-                                 f"response, got {tuple(ended_with_eos.shape)}")
-            counts = counts & ended_with_eos.bool()[:, None]
+        if ended_with_eos is not None and ended_with_eos.shape != response_mask.shape[:1]:
+            raise ValueError(f"ended_with_eos must be ({response_mask.shape[0]},), or None to count every response, "
+                             f"got {tuple(ended_with_eos.shape)}")
+        counts = response_mask.bool() & (True if ended_with_eos is None else ended_with_eos.bool()[:, None])  # (B, T)
         gap = (rollout_logprobs.double() - trainer_logprobs.double())[counts]  # (M,)
         if not torch.isfinite(gap).all():
             raise FloatingPointError("non-finite log-probs in the mismatch estimate")
@@ -393,8 +368,7 @@ class Mismatch:
         self.active = count > 0
         if count == 0:
             return None
-        observed = max(0.0, gap_sum / count)
-        self.m = self.momentum * self.m + (1.0 - self.momentum) * observed
+        self.m = self.momentum * self.m + (1.0 - self.momentum) * (observed := max(0.0, gap_sum / count))
         return observed
 
     def adjust(self, budget) -> float:
@@ -409,9 +383,9 @@ class Mismatch:
 
 
 class Calibration:
-    """Departure 5: rho, the prediction's scale learnt where the budget bound, log rho <- 0.7 log rho +
-    0.3 log clamp(realised / (alpha^2 KL1), 0.1, 10); alpha = min(alpha_max, sqrt(budget / (rho KL1)))."""
-    KEYS = ("log_scale", "momentum", "low", "high")
+    """Departure 5: rho, KL1's scale learnt where the budget bound: log rho <- 0.7 log rho + 0.3 log
+    clamp(realised / (alpha^2 KL1), 0.1, 10); then alpha = min(alpha_max, sqrt(budget / (rho KL1)))."""
+    KEYS = ("log_scale", "momentum", "low", "high")  # its state
 
     def __init__(self, momentum=0.7, low=0.1, high=10.0):
         if not 0.0 <= momentum < 1.0 or not 0.0 < low <= 1.0 <= high:
@@ -447,37 +421,35 @@ def capped_message(updates, alpha_max, update_ratio) -> str:
 def _caller_stacklevel(*files) -> int:
     """warnings.warn's stacklevel for the first frame outside this file, `files` and torch."""
     torch_dir, frame, level = os.path.dirname(torch.__file__) + os.sep, sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename in (__file__, *files) or
-                                 frame.f_code.co_filename.startswith(torch_dir)):
+    while frame and (frame.f_code.co_filename in (__file__, *files) or frame.f_code.co_filename.startswith(torch_dir)):
         frame, level = frame.f_back, level + 1
     return level
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
-    """The Use block as one torch.optim step: `loss.backward(); opt.step(ids, mask)` (or `opt.batch =
-    (ids, attention_mask, mask); opt.step()`). Defaults: the paper's controller, the Use block bit for
-    bit; `**SCRATCH`: random weights'. The budget: budget_for's, or kl_budget's with kl_start, kl_end,
-    horizon; less `mismatch`'s m. A batch the probe would refuse is refused before anything changes;
-    a later failure discards it. `last`: alpha, budget, kl_predicted, entropy, kl_scale (rho),
-    kl_realised (with keep_positions > 0). One param group, lr 0.0."""
+    """The Use block as one torch.optim step, `loss.backward(); opt.step(ids, mask)` (or `opt.batch =
+    (ids, attention_mask, mask); opt.step()`): by default its calls bit for bit; `**SCRATCH` for random
+    weights. The budget: budget_for's, or kl_budget's (kl_start, kl_end, horizon), less Mismatch's m. A
+    batch the probe would refuse changes nothing; a later failure discards it. `last`: alpha, budget,
+    kl_predicted, entropy, kl_scale (rho), kl_realised (keep_positions > 0). One param group, lr 0.0."""
 
     def __init__(self, model, rowadam, *, temperature=1.0, alpha_max=3.0, kl_start=None, kl_end=None, horizon=None,
                  entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE, calibrate=False, per_layer=False,
                  keep_positions=None, max_responses=None, group=None, log=None, probe=probe):
         self.schedule = (kl_start, kl_end, horizon)
-        if any(v is not None for v in self.schedule) and any(v is None for v in self.schedule):
+        if None in self.schedule and any(v is not None for v in self.schedule):
             raise ValueError("the paper's budget schedule needs kl_start, kl_end and horizon (the run's updates) "
                              "together; leave all three out for the default budget (budget_for)")
-        _check_temperature(temperature)
+        _check_probe_inputs([], [], temperature, 0)  # the temperature
         keep_positions = (CALIBRATION_POSITIONS if calibrate else 0) if keep_positions is None else keep_positions
-        if not (alpha_max > 0 and keep_positions >= 0 and entropy_share > 0 and per_response > 0):
-            raise ValueError(f"need alpha_max > 0, keep_positions >= 0, entropy_share > 0 and per_response > 0, "
-                             f"got {alpha_max}, {keep_positions}, {entropy_share}, {per_response}")
-        if calibrate and keep_positions == 0:
-            raise ValueError("calibrate=True learns from the realised KL, which needs keep_positions > 0")
+        if not (alpha_max > 0 and entropy_share > 0 and per_response > 0 and keep_positions >= 0) or \
+                (calibrate and keep_positions == 0):
+            raise ValueError(f"need alpha_max > 0, entropy_share > 0, per_response > 0, keep_positions >= 0 (and "
+                             f"keep_positions > 0 to calibrate: from the realised KL), got {alpha_max}, "
+                             f"{entropy_share}, {per_response}, {keep_positions}")
         if not all(hasattr(rowadam, a) for a in ("prepare", "merge", "discard", "directions", "layers")):
-            raise TypeError(f"LoGRAOptimizer(model, rowadam) takes a RowAdam (rowadam.py) over the model's sketched "
-                            f"layers, got {type(rowadam).__name__}")
+            raise TypeError(f"LoGRAOptimizer(model, rowadam) takes a RowAdam over the model's sketched layers, got "
+                            f"{type(rowadam).__name__}")
         super().__init__([layer.module.weight for layer in rowadam.layers], {"lr": 0.0})
         self.model, self.rowadam, self.layers, self.group = model, rowadam, rowadam.layers, group
         self.temperature, self.alpha_max, self.probe = float(temperature), float(alpha_max), probe
@@ -496,16 +468,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, ids=None, mask=None, attention_mask=None, *, closure=None):
-        if closure is not None:
-            raise ValueError("LoGRAOptimizer.step takes no closure: run the backward, then step(ids, mask)")
+        if closure is not None or (ids is not None and mask is None):
+            raise ValueError("step(ids, mask) takes no closure, and the response mask (B, T) with the ids")
         if ids is None and self.batch is None:
             raise RuntimeError("step() needs the batch its backward ran on: step(ids, mask), or set "
                                "opt.batch = (ids, attention_mask, mask) first")
-        if ids is not None and mask is None:
-            raise ValueError("step(ids, mask): the response mask (B, T) is needed with the ids")
         ids, attention_mask, mask = self.batch if ids is None else (ids, attention_mask, mask)
-        self.batch = None
-        pad = next((p for c in ("generation_config", "config") if isinstance(
+        self.batch, pad = None, next((p for c in ("generation_config", "config") if isinstance(
             p := getattr(getattr(self.model, c, None), "pad_token_id", None), int)), None)
         try:  # refused before RowAdam's prepare: nothing changed, the sketches still hold the batch
             check_batch(ids, mask, attention_mask=attention_mask, max_responses=self.max_responses, group=self.group,
@@ -513,16 +482,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         except ValueError as e:
             raise ValueError(f"{e} (nothing was changed: the sketches still hold the batch's backward, so call "
                              f"step again with the corrected batch, without a new backward)") from None
-        opt = self.rowadam
+        opt, (kl_start, kl_end, horizon) = self.rowadam, self.schedule
         try:
             opt.prepare(self.group, per_layer=self.per_layer)  # U per layer (d, r); nothing changed yet
             probe = self.probe(self.model, self.layers, opt.directions, ids, mask, temperature=self.temperature,
                                max_responses=self.max_responses, attention_mask=attention_mask,
                                keep_positions=self.keep_positions, group=self.group)
-            kl_start, kl_end, horizon = self.schedule
-            budget = budget_for(probe, **self.shares) if kl_start is None else \
-                kl_budget(opt.update, start=kl_start, end=kl_end, horizon=horizon)
-            budget = self.mismatch.adjust(budget)
+            budget = self.mismatch.adjust(budget_for(probe, **self.shares) if kl_start is None else
+                                          kl_budget(opt.update, start=kl_start, end=kl_end, horizon=horizon))
             scale = self.calibration.scale if self.calibration else 1.0
             alpha = solve_alpha(probe.kl1 * scale, budget=budget, alpha_max=self.alpha_max)
         except BaseException:
@@ -541,7 +508,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.capped = self.capped + 1 if alpha >= self.alpha_max else 0
         if self.capped >= CAPPED_UPDATES and not self.warned:  # said once an optimizer
             self.warned = True
-            warnings.warn(capped_message(self.capped, self.alpha_max, self.rowadam.update_ratio),
+            warnings.warn(capped_message(self.capped, self.alpha_max, opt.update_ratio),
                           stacklevel=_caller_stacklevel())
 
     def state_dict(self) -> dict:
@@ -554,9 +521,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         was = {"calibrate": saved is not None if "calibration" in state else has["calibrate"],
                "per_layer": state.get("per_layer", False)}  # absent: saved before the option, one scale
         for k in (k for k in has if has[k] != was[k]):  # refused before anything is loaded
-            raise ValueError(f"this state was saved with {k}={was[k]}" + (" (saved before the option existed)" if k
-                             not in state else "") + f", and this optimizer has {k}={has[k]}: make them the same "
-                             f"to resume (SCRATCH, start='scratch', calibrates and scales per layer; the defaults do not)")
+            raise ValueError(f"this state was saved with {k}={was[k]}" + (" (saved before the option existed)" if
+                             k not in state and k == "per_layer" else "") + f", and this optimizer has {k}={has[k]}: "
+                             f"make them the same to resume (SCRATCH, start='scratch', calibrates and scales per "
+                             f"layer; the defaults do not)")
         self.rowadam.load_state_dict(state["rowadam"])
         self.mismatch.load_state_dict(state["mismatch"])
         self.capped, self.warned = int(state["capped"]), bool(state["warned"])
