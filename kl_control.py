@@ -200,8 +200,7 @@ def check_batch(input_ids, response_mask, *, attention_mask=None, max_responses=
     _check_counts(first, count)
     if left:
         raise ValueError(f"{int(left)} row(s) begin with more pad tokens (id {pad_token_id}) than others: the batch "
-                         f"was padded on the left and no attention_mask was given; pass generate's, "
-                         f"step(ids, mask, attention_mask)")
+                         f"was padded on the left; pass its attention_mask, step(ids, mask, attention_mask)")
 
 
 @contextmanager
@@ -353,11 +352,10 @@ class Mismatch:
     def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos=None, group=None):
         """The module docstring's rule over the responses with `ended_with_eos` ((B,) bool; None: all,
         departure 4); returns `observed`, or None (m unchanged) when none counts."""
-        if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape):
-            raise ValueError("rollout log-probs, trainer log-probs and mask must have one shape (B, T)")
-        if ended_with_eos is not None and ended_with_eos.shape != response_mask.shape[:1]:
-            raise ValueError(f"ended_with_eos must be ({response_mask.shape[0]},), or None to count every response, "
-                             f"got {tuple(ended_with_eos.shape)}")
+        if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape) or not (
+                ended_with_eos is None or ended_with_eos.shape == response_mask.shape[:1]):
+            raise ValueError(f"rollout log-probs, trainer log-probs and mask must have one shape (B, T), and "
+                             f"ended_with_eos must be ({response_mask.shape[0]},), or None to count every response")
         counts = response_mask.bool() & (True if ended_with_eos is None else ended_with_eos.bool()[:, None])  # (B, T)
         gap = (rollout_logprobs.double() - trainer_logprobs.double())[counts]  # (M,)
         if not torch.isfinite(gap).all():
