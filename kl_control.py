@@ -425,11 +425,9 @@ def _caller_stacklevel(*files) -> int:
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
-    """The Use block as one torch.optim step, `loss.backward(); opt.step(ids, mask)` (or `opt.batch =
-    (ids, attention_mask, mask); opt.step()`): by default its calls bit for bit; `**SCRATCH` for random
-    weights. The budget: budget_for's, or kl_budget's (kl_start, kl_end, horizon), less Mismatch's m. A
-    batch the probe would refuse changes nothing; a later failure discards it. `last`: alpha, budget,
-    kl_predicted, entropy, kl_scale (rho), kl_realised (keep_positions > 0). One param group, lr 0.0."""
+    """The Use block as one torch.optim step (the module docstring's): `loss.backward(); opt.step(ids, mask)`,
+    or `opt.batch = (ids, attention_mask, mask); opt.step()`; a batch the probe would refuse changes nothing, a
+    later failure discards it. `last`: alpha, budget, kl_predicted, entropy, kl_scale (rho), kl_realised."""
 
     def __init__(self, model, rowadam, *, temperature=1.0, alpha_max=3.0, kl_start=None, kl_end=None, horizon=None,
                  entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE, calibrate=False, per_layer=False,
@@ -515,14 +513,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 "per_layer": self.per_layer}
 
     def load_state_dict(self, state: dict) -> None:
-        saved, has = state.get("calibration"), {"calibrate": self.calibration is not None, "per_layer": self.per_layer}
-        was = {"calibrate": saved is not None if "calibration" in state else has["calibrate"],
-               "per_layer": state.get("per_layer", False)}  # absent: saved before the option, one scale
-        for k in (k for k in has if has[k] != was[k]):  # refused before anything is loaded
-            raise ValueError(f"this state was saved with {k}={was[k]}" + (" (saved before the option existed)" if
-                             k not in state and k == "per_layer" else "") + f", and this optimizer has {k}={has[k]}: "
-                             f"make them the same to resume (SCRATCH, start='scratch', calibrates and scales per "
-                             f"layer; the defaults do not)")
+        saved, has = state.get("calibration"), (self.calibration is not None, self.per_layer)
+        was = (saved is not None if "calibration" in state else has[0], state.get("per_layer", False))
+        if was != has:  # refused before anything is loaded; per_layer absent: saved before the option, one scale
+            raise ValueError(f"this state was saved with calibrate={was[0]}, per_layer={was[1]}"
+                             f"{'' if 'per_layer' in state else ' (saved before the option existed)'}, and this "
+                             f"optimizer has calibrate={has[0]}, per_layer={has[1]}: make them the same to resume "
+                             f"(SCRATCH, start='scratch', calibrates and scales per layer; the defaults do neither)")
         self.rowadam.load_state_dict(state["rowadam"])
         self.mismatch.load_state_dict(state["mismatch"])
         self.capped, self.warned = int(state["capped"]), bool(state["warned"])

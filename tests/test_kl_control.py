@@ -846,9 +846,9 @@ def calibrated_by_hand(model, layers, batches, state=None):
 
 
 def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
-    """LoGRAOptimizer with calibrate=True (the default of its start "scratch"; and kl_control's
-    with **SCRATCH, the form a copier writes) over four updates where the budget binds (weights at std 0.2) is bit for bit the update written out by hand
-    (`calibrated_by_hand`): weights, alpha, and the scale, which moved away from 1 (so the
+    """infra/one_call.py's LoGRAOptimizer with calibrate=True (the default of its start "scratch"),
+    and kl_control's with **SCRATCH (the form a copier writes), over four updates where the budget
+    binds (weights at std 0.2) are bit for bit the update written out by hand (`calibrated_by_hand`): weights, alpha, and the scale, which moved away from 1 (so the
     comparison covers it). Its state saved after two updates and loaded into a fresh optimizer
     on a copy gives the last two updates' bits. A state saved with calibration is refused by an
     optimizer without it and the other way round, before anything is loaded; a state from
@@ -886,9 +886,10 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     with pytest.raises(ValueError, match="saved with calibrate=False"):
         resumed.load_state_dict(plain.state_dict())
     one_scale = one_call.LoGRAOptimizer(again, resumed.rowadam, per_layer=False, calibrate=True)
-    with pytest.raises(ValueError, match="saved with per_layer=True, and this optimizer has per_layer=False"):
+    with pytest.raises(ValueError, match="saved with calibrate=True, per_layer=True, and this optimizer has "
+                                         "calibrate=True, per_layer=False"):
         one_scale.load_state_dict(state)
-    with pytest.raises(ValueError, match="saved with per_layer=True.*the defaults do not"):
+    with pytest.raises(ValueError, match="saved with calibrate=True, per_layer=True.*the defaults do neither"):
         one_call.LoGRAOptimizer(again, resumed.rowadam, start="pretrained", calibrate=True).load_state_dict(state)
     with pytest.raises(ValueError, match="per_layer=False .saved before the option existed"):
         resumed.load_state_dict({k: v for k, v in state.items() if k != "per_layer"})
