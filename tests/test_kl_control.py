@@ -850,9 +850,9 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     and kl_control's with **SCRATCH (the form a copier writes), over four updates where the budget
     binds (weights at std 0.2) are bit for bit the update written out by hand (`calibrated_by_hand`):
     weights, alpha, and the scale, which moved away from 1 (so the comparison covers it). Its state
-    saved after two updates and loaded into a fresh optimizer on a copy gives the last two updates' bits. A state saved with calibration is refused by an
-    optimizer without it and the other way round, before anything is loaded; a state from
-    before calibration existed (no entry) starts rho at 1."""
+    saved after two updates and loaded into a fresh optimizer on a copy gives the last two updates' bits.
+    A state saved with calibration is refused by an optimizer without it and the other way round,
+    before anything is loaded; a state from before calibration existed (no entry) starts rho at 1."""
     batches = [policy_batch(seed) for seed in (41, 42, 43, 44)]
     one = tiny_qwen2(seed=9, initializer_range=0.2)
     opt = one_call.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=6)), calibrate=True)
