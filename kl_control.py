@@ -1,9 +1,9 @@
 """
-kl_control.py: predicted-KL step control with mismatch subtraction (arXiv:2610.06647, its method
-section on predicted-KL step control; Table 1's setup). Before a step is merged, `probe` predicts
-how far it moves the policy's next-token distributions (a second-order KL, by forward-mode AD
-through the model's own forward), and alpha scales the step so that the prediction spends a KL
-budget: "an estimate used for control, not a guarantee"; `realised_kl` measures what it caused.
+kl_control.py: predicted-KL step control with mismatch subtraction (arXiv:2610.06647, its method section on
+predicted-KL step control; Table 1's setup). Before a step is merged, `probe` predicts how far it moves the
+policy's next-token distributions (a second-order KL, by forward-mode AD through the model's own forward), and
+alpha scales it so that the prediction spends a KL budget: "an estimate used for control, not a guarantee";
+`realised_kl` measures what it caused.
 
 Use
 ---
@@ -30,21 +30,18 @@ Use
     factors = opt.merge(alpha)                         # W -= F A, F = bf16(alpha U)
     kl_real = kl_control.realised_kl(probe, model, ids, mask)  # the merged step's exact KL per token
 
-`ids` (B, T) prompt and response tokens, `mask` (B, T) True on generated tokens only (never a
-row's first position). With a rollout engine: `mismatch.observe(rollout_logp, logp.detach(), mask,
-eos)`, then `budget = mismatch.adjust(budget)`. As one torch.optim step: `LoGRAOptimizer(model,
-RowAdam(layers)).step(ids, mask)`. Faster: infra/probe_decoder.py's `fast_probe` (the same Probe
-without dense dW nor (B, T, V) logits; bench/README.md `loop_phases`), passed as `probe=`.
+`ids` (B, T) prompt and response tokens, `mask` (B, T) True on generated tokens only (never a row's first
+position). With a rollout engine: `mismatch.observe(rollout_logp, logp.detach(), mask, eos)`, then `budget =
+mismatch.adjust(budget)`. As one torch.optim step, these calls bit for bit: `LoGRAOptimizer(model,
+RowAdam(layers)).step(ids, mask)` (knobs: alpha_max, entropy_share, kl_start, kl_end, horizon, per_layer,
+calibrate, keep_positions, probe); random weights: `**SCRATCH` (infra/one_call.py picks by `start`). Faster:
+infra/probe_decoder.py's `fast_probe` (no dense dW nor (B, T, V) logits; bench/README.md `loop_phases`).
 
-Names and the paper's symbols
------------------------------
-U (opt.directions) = the paper's eta U (its U times the step scale); dW = -U A at alpha = 1;
-KL1 (Probe.kl1) = the predicted KL per generated token at alpha = 1; budget = the KL budget in
-nats per generated token; m (Mismatch.m) = the mismatch estimate; T the sampling temperature.
-
-The math
---------
-At a scored position, logits z and u = dz/dalpha (forward AD, every target's dW = -U A):
+The math (in the paper's symbols)
+---------------------------------
+U = opt.directions (the paper's eta U); KL1 = Probe.kl1, the predicted KL per generated token at alpha = 1;
+the budget in nats per generated token; m = Mismatch.m; T the sampling temperature. At a scored position,
+logits z and u = dz/dalpha (forward AD, every target's dW = -U A):
     p = softmax(z / T),  q = u / T,  kl1 = 0.5 sum_v p_v (q_v - sum_w p_w q_w)^2
 so KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3); KL1 = mean kl1 over the probed generated tokens.
     alpha    = min(alpha_max, sqrt(budget / KL1))                          solve_alpha
@@ -52,31 +49,26 @@ so KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3); KL1 = mean kl1 over the probed 
     observed = max(0, mean(rollout_logprob - trainer_logprob))   on responses that ended with EOS
     m <- 0.7 m + 0.3 observed,   budget <- max(budget - m, 0.5 budget)     Mismatch
 
-Defaults and their sources
---------------------------
-The paper's (method section, Table 1's setup): alpha_max 3, the 4096-token cut, the budget
-2e-4 -> 2e-5 (kl_budget, H the run's updates), Mismatch's 0.7 and 0.5, 2 responses probed a
-process. Every other default is a departure; the tables named are bench/README.md's.
+Defaults: the paper's (method section, Table 1's setup): alpha_max 3, the 4096-token cut, the budget
+2e-4 -> 2e-5 (kl_budget, H the run's updates), Mismatch's 0.7 and 0.5, 2 responses probed a process.
 
-Departures from the paper (reason; test in tests/test_kl_control.py)
---------------------------------------------------------------------
-1. The fast path forms the tangent -(X A^T) U^T in the activations' dtype: fp32 did not lower
-   KL1's error and doubles the largest transient; test_kl1_in_bf16_against_float64.
+Departures from the paper: every other default (reason, bench/README.md's table; its test)
+-----------------------------------------------------------------------------------------
+1. The fast path's tangent -(X A^T) U^T in the activations' dtype (fp32: no better, 2x the largest transient);
+   test_kl1_in_bf16_against_float64.
 2. KL1 = 0 gives alpha = min(1, alpha_max), the paper divides by zero; test_solve_alpha.
-3. The probe scores the first eighth of the batch, at least 2 responses, and more until 128
-   tokens (probe_count), so its cost stays a fixed part of the update's at any batch (an eighth
-   is this file's choice, not measured); test_the_default_probe_scores_the_papers_share_of_the_batch.
-4. Mismatch.observe(ended_with_eos=None) counts every response: fixed-length ones never end
-   with EOS; test_mismatch_without_eos_flags.
-5. LoGRAOptimizer calibrates the prediction for random weights (Calibration: alpha =
-   sqrt(budget / (rho KL1))), a step realised half its prediction (`defaults_why`);
+3. Probed: an eighth of the batch (a choice), >= 2 responses, >= 128 tokens, a fixed share of the update's cost;
+   test_the_default_probe_scores_the_papers_share_of_the_batch.
+4. Mismatch.observe(ended_with_eos=None) counts every response (fixed-length ones never end with EOS);
+   test_mismatch_without_eos_flags.
+5. SCRATCH calibrates KL1 by rho (Calibration): random weights realised half the prediction (`defaults_why`);
    test_the_calibration_rule, test_calibration_spends_the_budget_in_realised_kl.
-6. LoGRAOptimizer scales RowAdam's step per layer for random weights (`defaults_why`);
-   test_the_one_call_optimizer_is_the_three_calls_bitwise, test_start_reads_how_the_model_was_made.
-7. The default budget is budget_for's min(0.2 H, 2 / L) (H entropy a token, L tokens a response),
-   no horizon needed (`defaults`); test_the_default_budget_is_a_share_of_the_entropy_capped_per_response.
-8. For random weights LoGRAOptimizer's alpha_max is 9 and entropy share 0.4 (`defaults_tuning`;
-   trained weights keep the paper's: `defaults_smollm2`); test_the_budgets_shares.
+6. SCRATCH scales RowAdam's step per layer (random weights, `defaults_why`); test_start_reads_how_the_model_was_made,
+   test_the_one_call_optimizer_is_the_three_calls_bitwise.
+7. The default budget is min(0.2 H, 2 / L) (H entropy a token, L tokens a response; `defaults`): no horizon;
+   test_the_default_budget_is_a_share_of_the_entropy_capped_per_response.
+8. SCRATCH's alpha_max 9, entropy share 0.4 (random weights, `defaults_tuning`; trained: `defaults_smollm2`);
+   test_the_budgets_shares.
 """
 
 import math
@@ -92,24 +84,23 @@ import torch.distributed as dist
 MAX_TOKENS = 4096  # each probed sequence cut to its first 4096 tokens: the paper's "at most 4096 tokens"
 PROBE_RESPONSES, PROBE_SHARE, PROBE_FLOOR = 2, 8, 128  # the probe's size: probe_count, departure 3
 ENTROPY_SHARE, PER_RESPONSE = 0.2, 2.0  # budget_for's rule: departure 7
-# LoGRAOptimizer's settings by where the model's weights start: "pretrained" the paper's
-# controller (the Use block's calls), "scratch" departures 5, 6 and 8.
-OPTIMIZER_ALPHA_MAX, OPTIMIZER_ENTROPY_SHARE = 9.0, 0.4
-STARTS = {"pretrained": {"per_layer": False, "alpha_max": 3.0, "entropy_share": ENTROPY_SHARE, "calibrate": False},
-          "scratch": {"per_layer": True, "alpha_max": OPTIMIZER_ALPHA_MAX, "entropy_share": OPTIMIZER_ENTROPY_SHARE,
-                      "calibrate": True}}
+SCRATCH = dict(per_layer=True, alpha_max=9.0, entropy_share=0.4, calibrate=True)  # random weights: departures 5, 6, 8
 CALIBRATION_POSITIONS = 256  # positions whose logits calibration keeps (departure 5; 78 MB at V = 152k in bf16)
 CAPPED_UPDATES = 5  # updates in a row at alpha_max before LoGRAOptimizer warns (a choice, not measured)
 KL_CHUNK_POSITIONS = 64  # positions per block of realised_kl's float64 work (32 V bytes a position)
 NO_TOKEN = "no generated token to score: response_mask has no position after the first"
 
 
+def _all_reduce(total, group):
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, group=group)
+
+
 def token_kl(logits, tangent, temperature=1.0):
     """kl1 = 0.5 Var_p(tangent / T), p = softmax(logits / T), per position (...,), in float64."""
-    if logits.shape != tangent.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and tangent {tuple(tangent.shape)} differ in shape")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+    if logits.shape != tangent.shape or not temperature > 0:
+        raise ValueError(f"need logits {tuple(logits.shape)} and tangent {tuple(tangent.shape)} of one shape and "
+                         f"temperature > 0, got {temperature}")
     z = logits.to(torch.float64) / temperature  # (..., V)
     q = tangent.to(torch.float64) / temperature  # (..., V)
     p = torch.softmax(z, dim=-1)  # (..., V)
@@ -125,8 +116,7 @@ def token_entropy(logits, temperature=1.0):
 
 @dataclass(frozen=True)
 class Probe:
-    """One probe's result: KL1 and the entropy (reduced over processes), what it scored, and
-    the logits it kept, which `realised_kl` compares with, recomputed by `scored_logits`."""
+    """One probe's result, reduced over processes, and the logits `realised_kl` compares with."""
     kl1: float
     logits: torch.Tensor | None  # (kept, V) at this process's first scored positions; None: keep_positions=0
     kept: int  # rows of `logits`
@@ -139,10 +129,8 @@ class Probe:
 
 
 def probe_count(mask, responses=None, tokens=PROBE_FLOOR) -> int:
-    """How many of this process's responses to probe: the first `responses` (None: an eighth of
-    the batch, at least 2; departure 3), and more until they hold `tokens` generated tokens (all
-    when they hold fewer). `mask` (B, T) marks the generated tokens; train.py's presets pass
-    2 and 512."""
+    """The first `responses` rows of `mask` (B, T) (None: an eighth, at least 2; departure 3), and more
+    until they hold `tokens` generated tokens (all when fewer). train.py's presets pass 2 and 512."""
     if responses is None:
         responses = max(PROBE_RESPONSES, -(-len(mask) // PROBE_SHARE))
     count, seen = 0, 0
@@ -154,60 +142,46 @@ def probe_count(mask, responses=None, tokens=PROBE_FLOOR) -> int:
 
 
 def _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask):
-    """The probed rows, cut to `max_tokens`: (ids (B', T'), scored positions (B', T' - 1), attention
-    mask or None); position t is scored when token t + 1 was generated."""
-    if input_ids.dim() != 2 or input_ids.shape != response_mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} differ in shape, or are not (B, T)")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} and input_ids "
-                         f"{tuple(input_ids.shape)} differ in shape")
-    if not max_tokens >= 2:
-        raise ValueError(f"max_tokens must be >= 2 (a token and the generated one it scores), got {max_tokens}")
-    if max_responses is not None and not max_responses >= 1:
-        raise ValueError(f"max_responses must be >= 1, or None for the default rule, got {max_responses}")
-    if not min_tokens >= 0:
-        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+    """The probed rows cut to `max_tokens`: ids (B', T'), scored positions (B', T' - 1) (t when
+    token t + 1 was generated), attention mask or None."""
+    shapes = [tuple(t.shape) for t in (input_ids, response_mask, attention_mask) if t is not None]
+    if input_ids.dim() != 2 or len(set(shapes)) > 1:
+        raise ValueError(f"input_ids, response_mask and attention_mask {shapes} differ in shape, or are not (B, T)")
+    if not (max_tokens >= 2 and min_tokens >= 0 and (max_responses is None or max_responses >= 1)):
+        raise ValueError(f"max_tokens must be >= 2, min_tokens must be >= 0, max_responses must be >= 1 (or None); "
+                         f"got {max_tokens}, {min_tokens}, {max_responses}")
     scored = response_mask[:, :max_tokens].bool()[:, 1:]  # (B, T' - 1)
     n = probe_count(scored, None, min_tokens) if max_responses is None else max_responses
     am = None if attention_mask is None else attention_mask[:n, :max_tokens]
     return input_ids[:n, :max_tokens], scored[:n], am
 
 
-def _check_temperature(temperature):
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature}")
-
-
 def _check_probe_inputs(layers, directions, temperature, keep_positions):
     """Refuse, before any forward or hook, what the probe cannot use."""
-    if directions is None:
-        raise ValueError("directions is None: the probe needs RowAdam's directions U; call opt.prepare() "
-                         "first (after the loss's backward) and pass opt.directions")
-    if len(directions) != len(layers):
-        raise ValueError(f"{len(layers)} layers but {len(directions)} directions: pass the directions that "
-                         f"prepare() made for these layers (opt.directions of the RowAdam over them)")
+    if directions is None or len(directions) != len(layers):
+        raise ValueError("directions is None: the probe needs U; call opt.prepare() first and pass opt.directions"
+                         if directions is None else f"{len(layers)} layers but {len(directions)} directions")
     for layer, u in zip(layers, directions):  # U has the sketch's shape (d, r), or this process's rows (n, r)
         if not isinstance(u, torch.Tensor) or u.shape != layer.sketch.shape:
             got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
-            raise ValueError(f"{layer.name}: direction {got}, but the layer's U is {tuple(layer.sketch.shape)} "
-                             f"(its sketch's shape): pass opt.directions, in the order of `layers`")
-    _check_temperature(temperature)
+            raise ValueError(f"{layer.name}: direction {got}, but the layer's U is {tuple(layer.sketch.shape)}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature}")
     if not keep_positions >= 0:
         raise ValueError(f"keep_positions must be >= 0, got {keep_positions}")
 
 
-def _check_first_position(rows):
-    """A row's first token has no log-prob (nothing precedes it): a mask there is refused."""
-    if rows:
-        raise ValueError(f"response_mask covers the first position of {rows} row(s): a row's first token has no "
-                         f"log-prob (nothing precedes it), so it cannot be a generated token; the mask is True on "
-                         f"the response's tokens only, after at least one prompt token")
+def _check_counts(first, count):
+    """Refuse a mask on a row's first position (its token has no log-prob) or with nothing to score."""
+    if first:
+        raise ValueError(f"response_mask covers the first position of {int(first)} row(s): a row's first token has "
+                         f"no log-prob, so it cannot be generated; mark only the response, after a prompt token")
+    if count == 0:
+        raise ValueError(NO_TOKEN)
 
 
 def left_padded_rows(input_ids, pad_token_id) -> torch.Tensor:
-    """How many rows begin with more `pad_token_id` tokens than another row (prompts padded on
-    the left, as `model.generate` pads them): a 0-dim count, 0 without a pad id."""
+    """Rows that begin with more `pad_token_id` tokens than another (padded on the left): a 0-dim count."""
     if pad_token_id is None or input_ids.numel() == 0:
         return torch.zeros((), dtype=torch.long)
     lead = (input_ids == pad_token_id).long().cumprod(1).sum(1)  # (B,) leading pad tokens
@@ -216,28 +190,22 @@ def left_padded_rows(input_ids, pad_token_id) -> torch.Tensor:
 
 def check_batch(input_ids, response_mask, *, attention_mask=None, max_responses=None, min_tokens=PROBE_FLOOR,
                 max_tokens=MAX_TOKENS, group=None, pad_token_id=None) -> None:
-    """Refuse, with the probe's message and before anything is computed, a batch the probe
-    would refuse, and one padded on the left without its `attention_mask` (`left_padded_rows`).
-    Counts reduced over the processes, so every process refuses or none."""
+    """Refuse, before anything is computed and on every process alike, a batch the probe would
+    refuse, or one padded on the left without its `attention_mask`."""
     _, scored, _ = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     left = left_padded_rows(input_ids, pad_token_id if attention_mask is None else None)
     counts = torch.stack([response_mask[:, 0].bool().sum(), scored.sum(), left]).to(torch.float64)  # (3,)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts, group=group)
+    _all_reduce(counts, group)
     first, count, left = counts.tolist()
-    _check_first_position(int(first))
-    if count == 0:
-        raise ValueError(NO_TOKEN)
+    _check_counts(first, count)
     if left:
         raise ValueError(f"{int(left)} row(s) begin with more pad tokens (id {pad_token_id}) than others: the batch "
-                         f"was padded on the left, as model.generate pads prompts, and no attention_mask was given; "
-                         f"pass generate's, step(ids, mask, attention_mask), so that no token attends to padding")
+                         f"was padded on the left; pass its attention_mask, step(ids, mask, attention_mask)")
 
 
 @contextmanager
 def probe_mode(model):
-    """Every module in eval mode and eager attention (SDPA's fused kernels have no forward AD),
-    each restored on exit."""
+    """Every module in eval mode and eager attention (SDPA has no forward AD), restored on exit."""
     training, attn = [m for m in model.modules() if m.training], model.config._attn_implementation
     for m in training:
         m.training = False
@@ -253,8 +221,7 @@ def probe_mode(model):
 
 
 def _quiet_jvp_import():
-    """Import torch's JVP decompositions (forward AD's first use imports them) without their
-    torch.jit deprecation warnings, which are torch's business, not the caller's."""
+    """Import torch's JVP decompositions (forward AD's first use does) without torch.jit's warnings."""
     if "torch._decomp.decompositions_for_jvp" in sys.modules:
         return
     with warnings.catch_warnings():
@@ -267,17 +234,15 @@ def _quiet_jvp_import():
 
 @torch.no_grad()
 def probe_logits(model, layers, directions, input_ids, attention_mask=None):
-    """(logits z, tangent u = dz/dalpha), (B, T, V) each: the model's own forward with every
-    target weight's tangent dW = -U A, by torch.func.jvp. Whole directions (d, r)."""
+    """(logits z, tangent u = dz/dalpha), (B, T, V) each: the model's own forward with every target
+    weight's tangent dW = -U A, by torch.func.jvp. Whole directions (d, r), one process."""
     _check_probe_inputs(layers, directions, 1.0, 0)
     if any(layer.group is not None for layer in layers):
-        raise ValueError("this probe runs on one process with whole directions; layers attached with a group "
-                         "need infra/probe_decoder.py's fast_probe")
+        raise ValueError("this probe runs on one process: layers attached with a group need infra/probe_decoder.py")
     names = {module: name for name, module in model.named_modules()}
     weights, tangents = {}, {}
     for layer, u in zip(layers, directions):
-        w = layer.module.weight  # (d, k)
-        name = names[layer.module] + ".weight"
+        w, name = layer.module.weight, names[layer.module] + ".weight"  # (d, k)
         weights[name], tangents[name] = w, -(u.to(w.dtype) @ layer.projection.to(w.dtype))  # dW (d, k)
 
     def logits(target_weights):  # (B, T, V)
@@ -292,10 +257,8 @@ def probe_logits(model, layers, directions, input_ids, attention_mask=None):
 @torch.no_grad()
 def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=None,
           min_tokens=PROBE_FLOOR, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0, group=None) -> Probe:
-    """KL1 of the directions U (opt.directions, one per layer) over the probed responses
-    (`probe_count`), each cut to `max_tokens`, at `temperature`; the policy's entropy there;
-    with `keep_positions` > 0 the logits at the first so many scored positions (realised_kl's
-    "before"). Weights untouched; sums reduced over `group` when a process group exists."""
+    """KL1 of the directions U and the policy's entropy over the probed responses (`probe_count`), with
+    the logits at the first `keep_positions` scored positions (realised_kl's "before"). Weights untouched."""
     _check_probe_inputs(layers, directions, temperature, keep_positions)
     ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     z, u = probe_logits(model, layers, directions, ids, am)  # (B', T', V) each
@@ -304,12 +267,9 @@ def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.
     total = torch.stack([token_kl(z, u, temperature).sum(), z.new_tensor(z.shape[0], dtype=torch.float64),
                          token_entropy(z, temperature).sum(), z.new_tensor(ids.shape[0], dtype=torch.float64),
                          response_mask[:, 0].bool().sum().to(z.device, torch.float64)])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total, group=group)
+    _all_reduce(total, group)
     kl_sum, count, entropy_sum, responses, first = total.tolist()
-    _check_first_position(int(first))
-    if count == 0:
-        raise ValueError(NO_TOKEN)
+    _check_counts(first, count)
     kept = z[:keep_positions] if keep_positions > 0 else None  # (kept, V)
     return Probe(kl_sum / count, kept, 0 if kept is None else kept.shape[0], ids.shape[0], max_tokens,
                  float(temperature), entropy_sum / count, count / responses, scored_logits)
@@ -318,8 +278,7 @@ def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.
 @torch.no_grad()
 def scored_logits(model, input_ids, response_mask, *, max_responses=None, min_tokens=PROBE_FLOOR,
                   max_positions=512, max_tokens=MAX_TOKENS, attention_mask=None) -> torch.Tensor:
-    """The policy's logits (M', V) at the probe's first `max_positions` scored positions, by
-    `probe`'s own forward without tangents: its kept logits' bits for the same weights."""
+    """The logits (M', V) at the probe's first `max_positions` scored positions, by `probe`'s forward."""
     ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     with probe_mode(model):
         z = model(input_ids=ids, attention_mask=am, use_cache=False).logits  # (B', T', V)
@@ -328,21 +287,18 @@ def scored_logits(model, input_ids, response_mask, *, max_responses=None, min_to
 
 @torch.no_grad()
 def realised_kl(probe, model, input_ids, response_mask, *, attention_mask=None, group=None) -> float:
-    """Exact KL(pi_old || pi_new) per token, in float64, at the positions whose logits `probe`
-    (the Probe of the same input_ids, response_mask, attention_mask) kept before the merge,
-    reduced across processes: what the prediction alpha^2 KL1 stands for."""
-    if not isinstance(probe, Probe):
-        raise TypeError(f"realised_kl takes the Probe that probe(...) returned, got {type(probe).__name__}")
-    if probe.logits is None:
-        raise ValueError("the probe kept no logits (keep_positions=0), so there is no 'before' to compare with: "
-                         "pass keep_positions > 0 to probe(...)")
+    """Exact KL(pi_old || pi_new) per token, in float64, at the positions whose logits `probe` (of the
+    same inputs) kept before the merge, reduced across processes: what alpha^2 KL1 predicts."""
+    if not isinstance(probe, Probe) or probe.logits is None:
+        raise (TypeError(f"realised_kl takes the Probe that probe(...) returned, got {type(probe).__name__}")
+               if not isinstance(probe, Probe) else ValueError("the probe kept no logits (keep_positions=0), so "
+                                                               "there is no 'before': pass keep_positions > 0"))
     new_logits = (probe.scored_logits or scored_logits)(
         model, input_ids, response_mask, max_responses=probe.responses, max_positions=probe.kept,
         max_tokens=probe.max_tokens, attention_mask=attention_mask)  # (kept, V)
     if new_logits.shape != probe.logits.shape:
         raise ValueError(f"the probe kept logits {tuple(probe.logits.shape)}, but these inputs give "
-                         f"{tuple(new_logits.shape)} at its positions: pass the probe's own input_ids, "
-                         f"response_mask and attention_mask")
+                         f"{tuple(new_logits.shape)}: pass the probe's own input_ids, response_mask and attention_mask")
     total = torch.zeros(2, dtype=torch.float64, device=new_logits.device)
     for start in range(0, new_logits.shape[0], KL_CHUNK_POSITIONS):
         stop = start + KL_CHUNK_POSITIONS
@@ -350,8 +306,7 @@ def realised_kl(probe, model, input_ids, response_mask, *, attention_mask=None, 
         new = torch.log_softmax(new_logits[start:stop].double() / probe.temperature, dim=-1)
         total[0] += (old.exp() * (old - new)).sum()  # sum_v p_old (log p_old - log p_new)
         total[1] += old.shape[0]
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total, group=group)
+    _all_reduce(total, group)
     kl_sum, count = total.tolist()
     return kl_sum / count if count else 0.0
 
@@ -359,16 +314,14 @@ def realised_kl(probe, model, input_ids, response_mask, *, attention_mask=None, 
 def solve_alpha(kl1, *, budget, alpha_max=3.0) -> float:
     """alpha = min(alpha_max, sqrt(budget / KL1)); KL1 == 0 gives min(1, alpha_max) (departure 2)."""
     kl1 = float(kl1)
-    if not math.isfinite(kl1) or kl1 < 0:
-        raise ValueError(f"predicted KL must be finite and >= 0, got {kl1}: refusing an uncontrolled update")
-    if not (math.isfinite(budget) and budget > 0) or not alpha_max > 0:
-        raise ValueError(f"need budget > 0 and alpha_max > 0, got {budget}, {alpha_max}")
+    if not (math.isfinite(kl1) and kl1 >= 0 and math.isfinite(budget) and budget > 0 and alpha_max > 0):
+        raise ValueError(f"need a finite predicted KL >= 0 (else an uncontrolled update), budget > 0 and "
+                         f"alpha_max > 0, got {kl1}, {budget}, {alpha_max}")
     return min(1.0, alpha_max) if kl1 == 0.0 else min(alpha_max, math.sqrt(budget / kl1))
 
 
 def budget_for(probe, *, entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE) -> float:
-    """Departure 7's budget, nats per generated token: min(entropy_share H, per_response / L),
-    H = Probe.entropy, L = Probe.tokens_per_response; at least 1e-12 (solve_alpha needs > 0)."""
+    """Departure 7's budget, nats per generated token: min(entropy_share H, per_response / L), at least 1e-12."""
     if not isinstance(probe, Probe):
         raise TypeError(f"budget_for takes the Probe that probe(...) returned, got {type(probe).__name__}")
     if not (entropy_share > 0 and per_response > 0):
@@ -379,12 +332,10 @@ def budget_for(probe, *, entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE)
 
 
 def kl_budget(update, *, start, end, horizon) -> float:
-    """The paper's cosine annealing (Table 1's setup: start 2e-4, end 2e-5), from `start` at
-    update 0 to `end` at update horizon - 1 and after, as w start + (1 - w) end (exact ends)."""
-    if update < 0 or horizon < 2:
-        raise ValueError(f"need update >= 0 and horizon >= 2, got {update}, {horizon}")
-    if not (start > 0 and end > 0):
-        raise ValueError(f"need start > 0 and end > 0 (nats per token), got {start}, {end}")
+    """The paper's cosine annealing from `start` at update 0 to `end` at horizon - 1 and after (exact ends)."""
+    if not (update >= 0 and horizon >= 2 and start > 0 and end > 0):
+        raise ValueError(f"need update >= 0, horizon >= 2, start > 0 and end > 0 (nats per token), got {update}, "
+                         f"{horizon}, {start}, {end}")
     w = 0.5 * (1.0 + math.cos(math.pi * min(update / (horizon - 1), 1.0)))  # 1 -> 0
     return w * start + (1.0 - w) * end
 
@@ -399,28 +350,23 @@ class Mismatch:
 
     @torch.no_grad()
     def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos=None, group=None):
-        """The module docstring's rule over the responses with `ended_with_eos` ((B,) bool; None:
-        all, departure 4); returns `observed`, or None (m unchanged) when none counts."""
-        if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape):
-            raise ValueError("rollout log-probs, trainer log-probs and mask must have one shape (B, T)")
-        counts = response_mask.bool()  # (B, T)
-        if ended_with_eos is not None:
-            if ended_with_eos.shape != response_mask.shape[:1]:
-                raise ValueError(f"ended_with_eos must be ({response_mask.shape[0]},), or None to count every "
-                                 f"response, got {tuple(ended_with_eos.shape)}")
-            counts = counts & ended_with_eos.bool()[:, None]
+        """The module docstring's rule over the responses with `ended_with_eos` ((B,) bool; None: all,
+        departure 4); returns `observed`, or None (m unchanged) when none counts."""
+        if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape) or not (
+                ended_with_eos is None or ended_with_eos.shape == response_mask.shape[:1]):
+            raise ValueError(f"rollout log-probs, trainer log-probs and mask must have one shape (B, T), and "
+                             f"ended_with_eos must be ({response_mask.shape[0]},), or None to count every response")
+        counts = response_mask.bool() & (True if ended_with_eos is None else ended_with_eos.bool()[:, None])  # (B, T)
         gap = (rollout_logprobs.double() - trainer_logprobs.double())[counts]  # (M,)
         if not torch.isfinite(gap).all():
             raise FloatingPointError("non-finite log-probs in the mismatch estimate")
         total = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), dtype=torch.float64, device=gap.device)])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(total, group=group)
+        _all_reduce(total, group)
         gap_sum, count = total.tolist()
         self.active = count > 0
         if count == 0:
             return None
-        observed = max(0.0, gap_sum / count)
-        self.m = self.momentum * self.m + (1.0 - self.momentum) * observed
+        self.m = self.momentum * self.m + (1.0 - self.momentum) * (observed := max(0.0, gap_sum / count))
         return observed
 
     def adjust(self, budget) -> float:
@@ -435,9 +381,9 @@ class Mismatch:
 
 
 class Calibration:
-    """Departure 5: rho, the prediction's scale learnt from realised KLs where the budget bound,
-    log rho <- 0.7 log rho + 0.3 log clamp(realised / (alpha^2 KL1), 0.1, 10); alpha is then
-    min(alpha_max, sqrt(budget / (rho KL1))). Its fixed point: realised KL = budget."""
+    """Departure 5: rho, KL1's scale learnt where the budget bound: log rho <- 0.7 log rho + 0.3 log
+    clamp(realised / (alpha^2 KL1), 0.1, 10); then alpha = min(alpha_max, sqrt(budget / (rho KL1)))."""
+    KEYS = ("log_scale", "momentum", "low", "high")  # its state
 
     def __init__(self, momentum=0.7, low=0.1, high=10.0):
         if not 0.0 <= momentum < 1.0 or not 0.0 < low <= 1.0 <= high:
@@ -457,134 +403,74 @@ class Calibration:
         self.log_scale = self.momentum * self.log_scale + (1.0 - self.momentum) * math.log(ratio)
         return ratio
 
-    def adjust(self, kl1) -> float:
-        return float(kl1) * self.scale
-
     def state_dict(self):
-        return {"log_scale": self.log_scale, "momentum": self.momentum, "low": self.low, "high": self.high}
+        return {k: getattr(self, k) for k in self.KEYS}
 
     def load_state_dict(self, state):
-        self.log_scale, self.momentum = float(state["log_scale"]), float(state["momentum"])
-        self.low, self.high = float(state["low"]), float(state["high"])
-
-
-class CapWatch:
-    """Updates in a row with alpha at alpha_max; `see(alpha)` is True once, at CAPPED_UPDATES."""
-
-    def __init__(self, alpha_max):
-        self.alpha_max, self.capped, self.said = alpha_max, 0, False
-
-    def see(self, alpha) -> bool:
-        self.capped = self.capped + 1 if alpha >= self.alpha_max else 0
-        if self.capped < CAPPED_UPDATES or self.said:
-            return False
-        self.said = True
-        return True
+        self.log_scale, self.momentum, self.low, self.high = (float(state[k]) for k in self.KEYS)
 
 
 def capped_message(updates, alpha_max, update_ratio) -> str:
-    return (f"alpha has been at its cap alpha_max={alpha_max:g} for {updates} updates in a row: the KL budget "
-            f"does not bind, and each step is update_ratio's ({alpha_max:g} x {update_ratio:g} of ||W||), not the "
-            f"budget's. Raising update_ratio (RowAdam's, now {update_ratio:g}) hands the step to the budget, which "
-            f"lowered held-out scores where the cap bound throughout (bench/README.md, defaults), so change it, in "
-            f"either direction, only if a held-out metric says so")
+    return (f"alpha has been at its cap alpha_max={alpha_max:g} for {updates} updates in a row: the KL budget does "
+            f"not bind, update_ratio (RowAdam's, now {update_ratio:g}) sets the step; change it only if a held-out "
+            f"metric says so (bench/README.md, defaults)")
 
 
-def model_start(model) -> str | None:
-    """"pretrained" when the model's transformers config names where it was loaded from
-    (from_pretrained), "scratch" when it names nothing, None without one (`.module` looked through)."""
-    for m in (model, getattr(model, "module", None)):
-        name = getattr(getattr(m, "config", None), "name_or_path", None)
-        if isinstance(name, str):
-            return "pretrained" if name else "scratch"
-    return None
-
-
-def _caller_stacklevel() -> int:
-    """The stacklevel of the first frame outside this file and torch: the caller's line."""
+def _caller_stacklevel(*files) -> int:
+    """warnings.warn's stacklevel for the first frame outside this file, `files` and torch."""
     torch_dir, frame, level = os.path.dirname(torch.__file__) + os.sep, sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename == __file__ or
-                                 frame.f_code.co_filename.startswith(torch_dir)):
+    while frame and (frame.f_code.co_filename in (__file__, *files) or frame.f_code.co_filename.startswith(torch_dir)):
         frame, level = frame.f_back, level + 1
     return level
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
-    """The Use block as one torch.optim step: `loss.backward(); opt.step(ids, mask)` (or
-    `opt.batch = (ids, attention_mask, mask); opt.step()`). `start` ("auto": model_start, with a
-    warning without a config) picks STARTS' per_layer, alpha_max, entropy_share, calibrate (a
-    given value wins): "pretrained" is the Use block bit for bit; "scratch" departures 5, 6, 8.
-    The budget is budget_for's, or kl_budget's with kl_start, kl_end, horizon; less `mismatch`.
-    `probe`: kl_control.probe, or infra/probe_decoder.py's fast_probe. A batch the probe would
-    refuse, or left-padded without its attention_mask, is refused before anything changes; a
-    later failure discards the batch (RowAdam.discard). `last`: alpha, budget, kl_predicted,
-    entropy, kl_scale (rho), kl_realised (when positions are kept). One param group, lr 0.0."""
+    """The Use block as one torch.optim step (the module docstring's): `loss.backward(); opt.step(ids, mask)`,
+    or `opt.batch = (ids, attention_mask, mask); opt.step()`; a batch the probe would refuse changes nothing, a
+    later failure discards it. `last`: alpha, budget, kl_predicted, entropy, kl_scale (rho), kl_realised."""
 
-    def __init__(self, model, rowadam, *, start="auto", temperature=1.0, alpha_max=None, kl_start=None, kl_end=None,
-                 horizon=None, entropy_share=None, per_response=PER_RESPONSE, calibrate=None, per_layer=None,
+    def __init__(self, model, rowadam, *, temperature=1.0, alpha_max=3.0, kl_start=None, kl_end=None, horizon=None,
+                 entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE, calibrate=False, per_layer=False,
                  keep_positions=None, max_responses=None, group=None, log=None, probe=probe):
-        if start not in ("auto", *STARTS):
-            raise ValueError(f"start must be 'auto', 'pretrained' or 'scratch', got {start!r}")
-        unknown = start == "auto" and model_start(model) is None
-        start = (model_start(model) or "scratch") if start == "auto" else start
-        given = {"per_layer": per_layer, "alpha_max": alpha_max, "entropy_share": entropy_share, "calibrate": calibrate}
-        per_layer, alpha_max, entropy_share, calibrate = (STARTS[start][k] if v is None else v
-                                                          for k, v in given.items())
         self.schedule = (kl_start, kl_end, horizon)
-        if any(v is not None for v in self.schedule) and any(v is None for v in self.schedule):
+        if None in self.schedule and any(v is not None for v in self.schedule):
             raise ValueError("the paper's budget schedule needs kl_start, kl_end and horizon (the run's updates) "
                              "together; leave all three out for the default budget (budget_for)")
-        _check_temperature(temperature)
+        _check_probe_inputs([], [], temperature, 0)  # the temperature
         keep_positions = (CALIBRATION_POSITIONS if calibrate else 0) if keep_positions is None else keep_positions
-        if not alpha_max > 0 or not keep_positions >= 0:
-            raise ValueError(f"need alpha_max > 0 and keep_positions >= 0, got {alpha_max}, {keep_positions}")
-        if calibrate and keep_positions == 0:
-            raise ValueError("calibrate=True learns from the realised KL, which needs the probe's logits: pass "
-                             "keep_positions > 0 (or leave it out), or calibrate=False")
-        if not (entropy_share > 0 and per_response > 0):
-            raise ValueError(f"need entropy_share > 0 and per_response > 0 (budget_for's), got {entropy_share}, "
-                             f"{per_response}")
+        if not (alpha_max > 0 and entropy_share > 0 and per_response > 0 and keep_positions >= 0) or \
+                (calibrate and keep_positions == 0):
+            raise ValueError(f"need alpha_max > 0, entropy_share > 0, per_response > 0, keep_positions >= 0 (and "
+                             f"keep_positions > 0 to calibrate: from the realised KL), got {alpha_max}, "
+                             f"{entropy_share}, {per_response}, {keep_positions}")
         if not all(hasattr(rowadam, a) for a in ("prepare", "merge", "discard", "directions", "layers")):
-            raise TypeError(f"LoGRAOptimizer(model, rowadam) takes a RowAdam (rowadam.py) over the model's "
-                            f"sketched layers, got {type(rowadam).__name__}")
+            raise TypeError(f"LoGRAOptimizer(model, rowadam) takes a RowAdam over the model's sketched layers, got "
+                            f"{type(rowadam).__name__}")
         super().__init__([layer.module.weight for layer in rowadam.layers], {"lr": 0.0})
-        self.model, self.rowadam, self.layers, self.group, self.start = model, rowadam, rowadam.layers, group, start
+        self.model, self.rowadam, self.layers, self.group = model, rowadam, rowadam.layers, group
         self.temperature, self.alpha_max, self.probe = float(temperature), float(alpha_max), probe
         self.keep_positions, self.max_responses, self.per_layer = keep_positions, max_responses, bool(per_layer)
         self.mismatch, self.calibration = Mismatch(), Calibration() if calibrate else None
-        self.log = log or (lambda name, value: None)
-        self.batch, self.last, self.factors, self.cap = None, {}, None, CapWatch(alpha_max)
+        self.log, self.batch, self.last, self.factors = log or (lambda name, value: None), None, {}, None
+        self.capped, self.warned = 0, False  # updates in a row with alpha at alpha_max; capped_message said
         self.shares = {"entropy_share": entropy_share, "per_response": per_response}
-        if unknown:
-            warnings.warn("LoGRAOptimizer: this model has no transformers config to tell whether its weights were "
-                          "trained, so it takes the settings for random weights (start='scratch'). For trained "
-                          "weights pass start='pretrained' (the paper's controller; bench/README.md, "
-                          "defaults_smollm2); pass start='scratch' to silence this.", stacklevel=_caller_stacklevel())
 
     @property
     def update(self) -> int:
         return self.rowadam.update
-
-    @property
-    def capped(self) -> int:
-        return self.cap.capped
 
     def zero_grad(self, set_to_none=True):
         """Nothing to zero: no target weight has a gradient, and `merge` zeroed the sketches."""
 
     @torch.no_grad()
     def step(self, ids=None, mask=None, attention_mask=None, *, closure=None):
-        if closure is not None:
-            raise ValueError("LoGRAOptimizer.step takes no closure: run the backward, then step(ids, mask)")
-        if ids is None:
-            if self.batch is None:
-                raise RuntimeError("step() needs the batch its backward ran on: step(ids, mask), or set "
-                                   "opt.batch = (ids, attention_mask, mask) first")
-            ids, attention_mask, mask = self.batch
-        elif mask is None:
-            raise ValueError("step(ids, mask): the response mask (B, T) is needed with the ids")
-        self.batch = None
-        pad = next((p for c in ("generation_config", "config") if isinstance(
+        if closure is not None or (ids is not None and mask is None):
+            raise ValueError("step(ids, mask) takes no closure, and the response mask (B, T) with the ids")
+        if ids is None and self.batch is None:
+            raise RuntimeError("step() needs the batch its backward ran on: step(ids, mask), or set "
+                               "opt.batch = (ids, attention_mask, mask) first")
+        ids, attention_mask, mask = self.batch if ids is None else (ids, attention_mask, mask)
+        self.batch, pad = None, next((p for c in ("generation_config", "config") if isinstance(
             p := getattr(getattr(self.model, c, None), "pad_token_id", None), int)), None)
         try:  # refused before RowAdam's prepare: nothing changed, the sketches still hold the batch
             check_batch(ids, mask, attention_mask=attention_mask, max_responses=self.max_responses, group=self.group,
@@ -592,16 +478,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         except ValueError as e:
             raise ValueError(f"{e} (nothing was changed: the sketches still hold the batch's backward, so call "
                              f"step again with the corrected batch, without a new backward)") from None
-        opt = self.rowadam
+        opt, (kl_start, kl_end, horizon) = self.rowadam, self.schedule
         try:
             opt.prepare(self.group, per_layer=self.per_layer)  # U per layer (d, r); nothing changed yet
             probe = self.probe(self.model, self.layers, opt.directions, ids, mask, temperature=self.temperature,
                                max_responses=self.max_responses, attention_mask=attention_mask,
                                keep_positions=self.keep_positions, group=self.group)
-            kl_start, kl_end, horizon = self.schedule
-            budget = budget_for(probe, **self.shares) if kl_start is None else \
-                kl_budget(opt.update, start=kl_start, end=kl_end, horizon=horizon)
-            budget = self.mismatch.adjust(budget)
+            budget = self.mismatch.adjust(budget_for(probe, **self.shares) if kl_start is None else
+                                          kl_budget(opt.update, start=kl_start, end=kl_end, horizon=horizon))
             scale = self.calibration.scale if self.calibration else 1.0
             alpha = solve_alpha(probe.kl1 * scale, budget=budget, alpha_max=self.alpha_max)
         except BaseException:
@@ -617,30 +501,27 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 self.calibration.observe(self.last["kl_realised"], self.last["kl_predicted"])
         for name, value in self.last.items():
             self.log(f"logra/{name}", value)
-        if self.cap.see(alpha):
-            warnings.warn(capped_message(self.capped, self.alpha_max, self.rowadam.update_ratio),
+        self.capped = self.capped + 1 if alpha >= self.alpha_max else 0
+        if self.capped >= CAPPED_UPDATES and not self.warned:  # said once an optimizer
+            self.warned = True
+            warnings.warn(capped_message(self.capped, self.alpha_max, opt.update_ratio),
                           stacklevel=_caller_stacklevel())
 
     def state_dict(self) -> dict:
-        return {"rowadam": self.rowadam.state_dict(), "mismatch": self.mismatch.state_dict(),
-                "capped": self.cap.capped, "warned": self.cap.said,
-                "calibration": self.calibration.state_dict() if self.calibration else None,
+        return {"rowadam": self.rowadam.state_dict(), "mismatch": self.mismatch.state_dict(), "capped": self.capped,
+                "warned": self.warned, "calibration": self.calibration and self.calibration.state_dict(),
                 "per_layer": self.per_layer}
 
     def load_state_dict(self, state: dict) -> None:
-        saved, per_layer = state.get("calibration"), state.get("per_layer", False)  # absent: saved before the option
-        if (saved is not None) != (self.calibration is not None) and "calibration" in state:  # before any change
-            raise ValueError(f"this state was saved with calibrate={saved is not None}, and this optimizer has "
-                             f"calibrate={self.calibration is not None} (start={self.start!r}): make them the same "
-                             f"to resume (start='scratch' calibrates and scales per layer, 'pretrained' does neither)")
-        if per_layer != self.per_layer:
-            raise ValueError(f"this state was saved with per_layer={per_layer}" +
-                             (" (saved before the option existed, with RowAdam's one scale for all layers)"
-                              if "per_layer" not in state else "") +
-                             f", and this optimizer has per_layer={self.per_layer} (start={self.start!r}): make them "
-                             f"the same to resume (start='scratch' scales per layer, 'pretrained' does not)")
+        saved, has = state.get("calibration"), (self.calibration is not None, self.per_layer)
+        was = (saved is not None if "calibration" in state else has[0], state.get("per_layer", False))
+        if was != has:  # refused before anything is loaded; per_layer absent: saved before the option, one scale
+            raise ValueError(f"this state was saved with calibrate={was[0]}, per_layer={was[1]}"
+                             f"{'' if 'per_layer' in state else ' (saved before the option existed)'}, and this "
+                             f"optimizer has calibrate={has[0]}, per_layer={has[1]}: make them the same to resume "
+                             f"(SCRATCH, start='scratch', calibrates and scales per layer; the defaults do neither)")
         self.rowadam.load_state_dict(state["rowadam"])
         self.mismatch.load_state_dict(state["mismatch"])
-        self.cap.capped, self.cap.said = int(state["capped"]), bool(state["warned"])
+        self.capped, self.warned = int(state["capped"]), bool(state["warned"])
         if self.calibration is not None:  # a state from before calibration existed: rho starts at 1
             self.calibration.load_state_dict(saved or {**self.calibration.state_dict(), "log_scale": 0.0})

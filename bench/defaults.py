@@ -35,9 +35,9 @@ problems), the share of right answer tokens (the additions: of right answers). A
 0.9, 0.95, no weight decay, on the weights LoGRA trains) runs at 1e-4 ... 3e-2 on seeds 0-4,
 the sweep widened by a factor of 3 while its best is at an edge; its best rate (the highest
 mean on seeds 0-4) is then reported on seeds 5-9. LoGRA runs with every default, the README's
-one-call form (`LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=s)))`, whose
-start="auto" takes "scratch" for these models, all built from a config: RowAdam's step scaled
-per layer and the KL prediction calibrated by the realised KL, kl_control.py's departures 6 and
+one-call form by start (infra/one_call.py's `LoGRAOptimizer(model, RowAdam(sketch.attach(model,
+seed=s)))`), whose start="auto" takes "scratch" for these models, all built from a config:
+RowAdam's step scaled per layer and the KL prediction calibrated by the realised KL, kl_control.py's departures 6 and
 5; a model loaded with from_pretrained gets the paper's controller instead), on seeds 0-9,
 reported on 5-9; `--tune` shows how those defaults were chosen (SEARCH) and each knob around
 them (TUNE), "the three calls" among them (THREE_CALLS).
@@ -70,6 +70,7 @@ import report  # bench/report.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 import kl_control  # noqa: E402
+from infra import one_call  # noqa: E402
 from infra.probe_decoder import fast_probe  # noqa: E402
 import minimal_loop  # noqa: E402
 import ppo  # noqa: E402
@@ -256,9 +257,9 @@ def run(env, method, seed, lr=None, opt=None, schedule=None, rank=None, **logra)
     if method == "logra":
         start, end = schedule or (None, None)
         layers = sketch.attach(model, rank=rank, seed=seed, targets=env.targets)
-        opt = kl_control.LoGRAOptimizer(model, RowAdam(layers, **logra),
-                                        kl_start=start, kl_end=end, horizon=env.updates if schedule else None,
-                                        probe=fast_probe, **(opt or {}))
+        opt = one_call.LoGRAOptimizer(model, RowAdam(layers, **logra),
+                                      kl_start=start, kl_end=end, horizon=env.updates if schedule else None,
+                                      probe=fast_probe, **(opt or {}))
     else:
         weights = [m.weight for m in sketch.target_modules(model, env.targets).values()]
         for p in model.parameters():
@@ -383,8 +384,8 @@ def sums_run(env, *, seed, updates, batch, form="defaults"):
     "scratch" the settings for random weights; "scratch, uncalibrated" those with calibrate=False."""
     model = env.load()
     base = env.evaluate(model)
-    opt = kl_control.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=seed)), probe=fast_probe,
-                                    **SMOLLM2_FORMS[form])
+    opt = one_call.LoGRAOptimizer(model, RowAdam(sketch.attach(model, seed=seed)), probe=fast_probe,
+                                  **SMOLLM2_FORMS[form])
     baseline, gen = ppo.RunningBaseline(weight=0.1), torch.Generator().manual_seed(seed)
     lengths = sorted(env.buckets["train"])
     weights = torch.tensor([len(env.buckets["train"][n]) for n in lengths], dtype=torch.float)
@@ -412,7 +413,7 @@ def sums_work(job):
 
 # LoGRAOptimizer's settings that make it the README's three calls (the paper's controller, with
 # budget_for's default budget), bit for bit: kl_control.py's departure 5 and 6 left out.
-THREE_CALLS = dict(kl_control.STARTS["pretrained"])  # start="pretrained"'s: calibrate, per_layer, alpha_max, share
+THREE_CALLS = dict(one_call.STARTS["pretrained"])  # start="pretrained"'s: calibrate, per_layer, alpha_max, share
 # --smollm2's forms: LoGRAOptimizer's settings of each, and the block each publishes.
 SMOLLM2_FORMS = {"defaults": {}, "scratch": {"start": "scratch"},
                  "scratch, uncalibrated": {"start": "scratch", "calibrate": False}}
@@ -429,7 +430,7 @@ def smollm2(args):
     before and after, seed by seed (`--jobs` seeds at once, one thread each: the same bits)."""
     form = smollm2_form(args)
     settings = SMOLLM2_FORMS[form]
-    start = kl_control.STARTS[settings.get("start", "pretrained")]  # "auto" takes "pretrained" for this model
+    start = one_call.STARTS[settings.get("start", "pretrained")]  # "auto" takes "pretrained" for this model
     calibrated, cap = settings.get("calibrate", start["calibrate"]), start["alpha_max"]
     rows, t0 = [], time.perf_counter()
     header = ["seed", "held-out pass@1 before", "after", "gain", "train reward, first 5", "last 5",
@@ -581,8 +582,8 @@ def family(args):
     note = ("Held-out score (greedy, 256 prompts no update drew), mean +- sd over the seeds named. LoGRA: every "
             "default of the one-call form (rank by sketch.default_rank, update_ratio "
             f"{RowAdam.__init__.__kwdefaults__['update_ratio']:g}, RowAdam's step scaled per layer, alpha_max "
-            f"{kl_control.OPTIMIZER_ALPHA_MAX:g}, the probe's share, budget_for(entropy_share="
-            f"{kl_control.OPTIMIZER_ENTROPY_SHARE:g}, per_response={kl_control.PER_RESPONSE:g}), the prediction "
+            f"{kl_control.SCRATCH['alpha_max']:g}, the probe's share, budget_for(entropy_share="
+            f"{kl_control.SCRATCH['entropy_share']:g}, per_response={kl_control.PER_RESPONSE:g}), the prediction "
             "calibrated by the realised KL: start='scratch', which start='auto' takes for these models, all built "
             "from a config). AdamW: betas (0.9, 0.95), no weight "
             "decay, the same weights; its rate chosen on seeds 0-4. Roles: family (the base loop and its "
@@ -795,7 +796,7 @@ def why_run(env, kind, seed, value=None):
     if kind in ("logra", "sketch"):
         layers = sketch.attach(model, seed=seed, targets=env.targets)
         ra = RowAdam(layers, **({"update_ratio": value} if kind == "sketch" else {}))
-        opt = kl_control.LoGRAOptimizer(model, ra, probe=fast_probe, **({} if value else THREE_CALLS)) \
+        opt = one_call.LoGRAOptimizer(model, ra, probe=fast_probe, **({} if value else THREE_CALLS)) \
             if kind == "logra" else None
     elif kind in ("adamw", "dense"):
         for p in model.parameters():

@@ -11,7 +11,8 @@ and calls `loss.backward()` and `optimizer.step()` where it always does. `LoGRAG
 overrides two methods of `GRPOTrainer`:
 - `create_optimizer`, which TRL's Trainer calls once the model is placed, attaches the sketches
   (sketch.py: every weight frozen, the attention/MLP projections sketched, fp32 master
-  weights) and returns kl_control.py's `LoGRAOptimizer`, a `torch.optim.Optimizer` whose
+  weights) and returns infra/one_call.py's `LoGRAOptimizer` (kl_control.py's, settings by start),
+  a `torch.optim.Optimizer` whose
   `step()` is one LoGRA update with that optimizer's defaults for the toy here, built from a
   config (its `start="auto"` takes "scratch"; a model loaded with `from_pretrained` would get
   the paper's controller, uncalibrated): RowAdam's directions (rowadam.py;
@@ -113,7 +114,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the method files, flat
 
-import kl_control  # noqa: E402
+from infra import one_call  # noqa: E402
 from infra.probe_decoder import fast_probe  # noqa: E402
 import sketch  # noqa: E402
 from infra.batched import BatchedRowAdam  # noqa: E402  rowadam.RowAdam over stacks of layers: its bits
@@ -127,7 +128,7 @@ GOOD, PROMPT, COMPLETION = "a", 4, 8
 # LoGRA as the Trainer's optimizer
 
 class LoGRAGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with LoGRA as its optimizer (kl_control.LoGRAOptimizer): `rank` of the
+    """GRPOTrainer with LoGRA as its optimizer (infra/one_call.py's LoGRAOptimizer): `rank` of the
     sketches, `seed` of their projections, `update_ratio` (RowAdam), and the KL budget: the
     method's default (kl_control.budget_for), or `kl_start` -> `kl_end` nats per completion
     token, cosine over the run's steps. Every setting left out is the method files' default.
@@ -156,7 +157,7 @@ class LoGRAGRPOTrainer(GRPOTrainer):
             schedule = {} if s["kl_start"] is None else dict(kl_start=s["kl_start"], kl_end=s["kl_end"],
                                                              horizon=self.state.max_steps)  # the run's steps
             settings = {} if s["update_ratio"] is None else {"update_ratio": s["update_ratio"]}
-            self.logra = kl_control.LoGRAOptimizer(
+            self.logra = one_call.LoGRAOptimizer(
                 model, BatchedRowAdam(layers, **settings), temperature=self.temperature,
                 keep_positions=512, group=dist.group.WORLD if self.accelerator.num_processes > 1 else None,
                 log=lambda name, value: self._metrics["train"][name].append(value), probe=fast_probe, **schedule)

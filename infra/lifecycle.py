@@ -185,7 +185,7 @@ class Run:
         self.device, self.rank, self.log = self.opened.device, self.opened.rank, self.opened.log
         self.logra = self.cfg.optimizer == "logra"  # else the dense AdamW baseline or LoRA
         self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-        self.cap = kl_control.CapWatch(self.cfg.alpha_max)  # alpha at its cap, updates in a row (watch_alpha)
+        self.capped, self.warned = 0, False  # updates in a row with alpha at its cap; said (watch_alpha)
 
     def resume(self, *, explicit: bool, wandb=None):
         """A resumed run's state from its verified checkpoint (the update it continues from, its
@@ -222,8 +222,10 @@ class Run:
         """Count the updates in a row with alpha at --alpha-max; when they reach
         kl_control.CAPPED_UPDATES, say once a run (as kl_control.LoGRAOptimizer warns) that the
         budget does not bind and that --update-ratio is the knob."""
-        if self.cap.see(alpha):
-            self.log(f"warning: {kl_control.capped_message(self.cap.capped, self.cfg.alpha_max, self.cfg.update_ratio)}"
+        self.capped = self.capped + 1 if alpha >= self.cfg.alpha_max else 0
+        if self.capped >= kl_control.CAPPED_UPDATES and not self.warned:
+            self.warned = True
+            self.log(f"warning: {kl_control.capped_message(self.capped, self.cfg.alpha_max, self.cfg.update_ratio)}"
                      f" (--update-ratio)")
 
     def record(self, completed: int, row: dict, times: dict):

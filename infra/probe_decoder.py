@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import kl_control
-from kl_control import MAX_TOKENS, NO_TOKEN, PROBE_FLOOR, Probe, probe_mode, token_entropy, token_kl
-from kl_control import _check_first_position, _check_probe_inputs, _scored
+from kl_control import MAX_TOKENS, PROBE_FLOOR, Probe, probe_mode, token_entropy, token_kl
+from kl_control import _check_counts, _check_probe_inputs, _scored
 
 # Bytes of output-head work per probe chunk: a scored position holds about 56 V bytes at once
 # (the head's logits and tangent, and token_kl's float64 softmax and products), so at a
@@ -420,9 +420,7 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total, group=group)
     kl_sum, count, entropy_sum, responses, first = total.tolist()
-    _check_first_position(int(first))  # on every process alike: the counts are reduced
-    if count == 0:
-        raise ValueError(NO_TOKEN)
+    _check_counts(first, count)  # on every process alike: the counts are reduced
     logits = torch.cat(kept) if keep_positions > 0 else None  # (kept, V)
     return Probe(kl_sum / count, logits, 0 if logits is None else logits.shape[0], ids.shape[0], max_tokens,
                  float(temperature), entropy_sum / count, count / responses, scored_logits)

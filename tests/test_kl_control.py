@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 import kl_control
 import ppo
-from infra import probe_decoder
+from infra import one_call, probe_decoder
 from infra.probe_decoder import fast_probe
 import premises
 import rowadam
@@ -689,21 +689,27 @@ def adamw_loop(model, opt, batches):
 THREE_CALLS = dict(calibrate=False, per_layer=False, alpha_max=3.0, entropy_share=kl_control.ENTROPY_SHARE)
 
 
-@pytest.mark.parametrize("form", ["three calls", "pretrained", "scratch uncalibrated"])
+@pytest.mark.parametrize("form", ["three calls", "defaults", "pretrained", "scratch uncalibrated",
+                                  "SCRATCH uncalibrated"])
 def test_the_one_call_optimizer_is_the_three_calls_bitwise(form):
     """Three updates of LoGRAOptimizer end bit for bit where the three calls written out end:
-    weights, moments, counter, and its `last` alpha is theirs. With THREE_CALLS, and with
-    start="pretrained" alone, the README's three calls with every default; with every default
-    but calibrate=False (start="auto": "scratch" for this model, built from a config), the same
-    calls with RowAdam's scale per layer and the optimizer's own cap and budget share
-    (OPTIMIZER_ALPHA_MAX, OPTIMIZER_ENTROPY_SHARE). One optimizer line and `step(ids, mask)`
-    replace the three calls in an AdamW loop. (With calibration: the next tests.)"""
+    weights, moments, counter, and its `last` alpha is theirs. kl_control.LoGRAOptimizer with its
+    defaults (or THREE_CALLS), and infra/one_call.py's with start="pretrained": the README's three
+    calls with every default; one_call's with every default but calibrate=False (start="auto":
+    "scratch" for this model, built from a config), and kl_control's with **SCRATCH but
+    calibrate=False, the same calls with RowAdam's scale per layer and SCRATCH's cap and budget
+    share. One optimizer line and `step(ids, mask)` replace the three calls in an AdamW loop.
+    (With calibration: the next tests.)"""
     batches = [policy_batch(seed) for seed in (1, 2, 3)]
     one = tiny_qwen2(seed=4, initializer_range=0.2)  # a budget that binds: alpha is the solve's, not the cap
-    settings = {"three calls": THREE_CALLS, "pretrained": dict(start="pretrained"),
-                "scratch uncalibrated": dict(calibrate=False)}[form]
-    opt = kl_control.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=2)), **settings)
-    assert opt.start == ("pretrained" if form == "pretrained" else "scratch") and opt.calibration is None
+    make, settings = {"three calls": (kl_control, THREE_CALLS), "defaults": (kl_control, {}),
+                      "pretrained": (one_call, dict(start="pretrained")),
+                      "scratch uncalibrated": (one_call, dict(calibrate=False)),
+                      "SCRATCH uncalibrated": (kl_control, dict(kl_control.SCRATCH, calibrate=False))}[form]
+    opt = make.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=2)), **settings)
+    if make is one_call:
+        assert opt.start == ("pretrained" if form == "pretrained" else "scratch")
+    assert opt.calibration is None
     assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == 0.0
     assert opt.param_groups[0]["params"] == [layer.module.weight for layer in opt.layers]
     adamw_loop(one, opt, batches)
@@ -711,17 +717,17 @@ def test_the_one_call_optimizer_is_the_three_calls_bitwise(form):
     three = tiny_qwen2(seed=4, initializer_range=0.2)
     layers = sketch.attach(three, seed=2)
     ra = rowadam.RowAdam(layers)
-    paper = form != "scratch uncalibrated"
+    paper = "scratch" not in form.lower()
     for ids, mask, advantages in batches:
         reinforce_loss(three, ids, mask, advantages).backward()
         ra.prepare(per_layer=not paper)
         probe = kl_control.probe(three, layers, ra.directions, ids, mask)
         budget = kl_control.budget_for(probe) if paper else \
-            kl_control.budget_for(probe, entropy_share=kl_control.OPTIMIZER_ENTROPY_SHARE)
+            kl_control.budget_for(probe, entropy_share=kl_control.SCRATCH["entropy_share"])
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget, **({} if paper else
-                                                                    dict(alpha_max=kl_control.OPTIMIZER_ALPHA_MAX)))
+                                                                    dict(alpha_max=kl_control.SCRATCH["alpha_max"])))
         ra.merge(alpha)
-        assert alpha < (3.0 if paper else kl_control.OPTIMIZER_ALPHA_MAX)
+        assert alpha < (3.0 if paper else kl_control.SCRATCH["alpha_max"])
     assert opt.update == ra.update == 3 and opt.last["alpha"] == alpha
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), three.state_dict().values()))
     assert all(torch.equal(a, b) for a, b in zip(opt.rowadam.moments, ra.moments))
@@ -751,11 +757,11 @@ def test_start_reads_how_the_model_was_made(tmp_path):
     built = tiny_qwen2(seed=3)
     built.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    assert kl_control.model_start(built) == "scratch" and kl_control.model_start(loaded) == "pretrained"
+    assert one_call.model_start(built) == "scratch" and one_call.model_start(loaded) == "pretrained"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither says anything
-        paper = kl_control.LoGRAOptimizer(loaded, rowadam.RowAdam(sketch.attach(loaded, seed=1)))
-        scratch = kl_control.LoGRAOptimizer(built, rowadam.RowAdam(sketch.attach(built, seed=1)))
+        paper = one_call.LoGRAOptimizer(loaded, rowadam.RowAdam(sketch.attach(loaded, seed=1)))
+        scratch = one_call.LoGRAOptimizer(built, rowadam.RowAdam(sketch.attach(built, seed=1)))
     assert (paper.start, paper.per_layer, paper.alpha_max, paper.shares["entropy_share"]) == \
         ("pretrained", False, 3.0, kl_control.ENTROPY_SHARE) == ("pretrained", False, 3.0, 0.2)
     assert (scratch.start, scratch.per_layer, scratch.alpha_max, scratch.shares["entropy_share"]) == \
@@ -764,31 +770,31 @@ def test_start_reads_how_the_model_was_made(tmp_path):
     assert scratch.calibration is not None and scratch.keep_positions == kl_control.CALIBRATION_POSITIONS
 
     bare = NoConfig(tiny_qwen2(seed=3))
-    assert kl_control.model_start(bare) is None
+    assert one_call.model_start(bare) is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line = inspect.currentframe().f_lineno + 1
-        opt = kl_control.LoGRAOptimizer(bare, rowadam.RowAdam(sketch.attach(bare, seed=1)))
+        opt = one_call.LoGRAOptimizer(bare, rowadam.RowAdam(sketch.attach(bare, seed=1)))
     said = [w for w in caught if "start='pretrained'" in str(w.message)]
     assert len(said) == 1 and (said[0].filename, said[0].lineno) == (__file__, line), [str(w.message) for w in caught]
     assert opt.start == "scratch" and opt.per_layer
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert kl_control.LoGRAOptimizer(bare, opt.rowadam, start="scratch").start == "scratch"
+        assert one_call.LoGRAOptimizer(bare, opt.rowadam, start="scratch").start == "scratch"
         wrapped = NoConfig(built)
         wrapped.module = built  # as DDP holds it
-        assert kl_control.model_start(wrapped) == "scratch"
-    mixed = kl_control.LoGRAOptimizer(loaded, paper.rowadam, per_layer=True, alpha_max=5.0, calibrate=True,
+        assert one_call.model_start(wrapped) == "scratch"
+    mixed = one_call.LoGRAOptimizer(loaded, paper.rowadam, per_layer=True, alpha_max=5.0, calibrate=True,
                                       entropy_share=0.3)
     assert (mixed.start, mixed.per_layer, mixed.alpha_max, mixed.shares["entropy_share"]) == \
         ("pretrained", True, 5.0, 0.3) and mixed.calibration is not None
     with warnings.catch_warnings(record=True) as caught:  # refused: nothing said about the start
         warnings.simplefilter("always")
         with pytest.raises(ValueError, match="alpha_max > 0"):
-            kl_control.LoGRAOptimizer(bare, opt.rowadam, alpha_max=0.0)
+            one_call.LoGRAOptimizer(bare, opt.rowadam, alpha_max=0.0)
     assert not caught, [str(w.message) for w in caught]
     with pytest.raises(ValueError, match="start must be 'auto', 'pretrained' or 'scratch'"):
-        kl_control.LoGRAOptimizer(loaded, paper.rowadam, start="trained")
+        one_call.LoGRAOptimizer(loaded, paper.rowadam, start="trained")
 
 
 def test_the_calibration_rule():
@@ -796,14 +802,14 @@ def test_the_calibration_rule():
     to [0.1, 10], log rho <- 0.7 log rho + 0.3 log ratio from rho = 1; nothing learnt from a
     prediction of 0 or a realised KL that is not finite; its state round-trips."""
     cal = kl_control.Calibration()
-    assert cal.scale == 1.0 and cal.adjust(2.5) == 2.5
+    assert cal.scale == 1.0
     expected = 0.0
     for realised, predicted, clamped in ((0.02, 0.05, 0.4), (3.0, 0.1, 10.0), (0.0, 0.2, 0.1), (-1e-18, 1.0, 0.1),
                                          (0.3, 0.3, 1.0)):
         assert cal.observe(realised, predicted) == pytest.approx(clamped, rel=1e-12)
         expected = 0.7 * expected + 0.3 * math.log(clamped)
         assert cal.scale == pytest.approx(math.exp(expected), rel=1e-12)
-    assert cal.adjust(2.0) == pytest.approx(2.0 * math.exp(expected), rel=1e-12)
+    assert 2.0 * cal.scale == pytest.approx(2.0 * math.exp(expected), rel=1e-12)
     for realised, predicted in ((0.1, 0.0), (float("nan"), 0.1), (float("inf"), 0.1), (0.1, float("nan"))):
         assert cal.observe(realised, predicted) is None
         assert cal.scale == pytest.approx(math.exp(expected), rel=1e-12)
@@ -841,16 +847,16 @@ def calibrated_by_hand(model, layers, batches, state=None):
 
 
 def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
-    """LoGRAOptimizer with calibrate=True (the default of its start "scratch") over four updates
-    where the budget binds (weights at std 0.2) is bit for bit the update written out by hand
-    (`calibrated_by_hand`): weights, alpha, and the scale, which moved away from 1 (so the
-    comparison covers it). Its state saved after two updates and loaded into a fresh optimizer
-    on a copy gives the last two updates' bits. A state saved with calibration is refused by an
-    optimizer without it and the other way round, before anything is loaded; a state from
-    before calibration existed (no entry) starts rho at 1."""
+    """infra/one_call.py's LoGRAOptimizer with calibrate=True (the default of its start "scratch"),
+    and kl_control's with **SCRATCH (the form a copier writes), over four updates where the budget
+    binds (weights at std 0.2) are bit for bit the update written out by hand (`calibrated_by_hand`):
+    weights, alpha, and the scale, which moved away from 1 (so the comparison covers it). Its state
+    saved after two updates and loaded into a fresh optimizer on a copy gives the last two updates' bits.
+    A state saved with calibration is refused by an optimizer without it and the other way round,
+    before anything is loaded; a state from before calibration existed (no entry) starts rho at 1."""
     batches = [policy_batch(seed) for seed in (41, 42, 43, 44)]
     one = tiny_qwen2(seed=9, initializer_range=0.2)
-    opt = kl_control.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=6)), calibrate=True)
+    opt = one_call.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=6)), calibrate=True)
     adamw_loop(one, opt, batches[:2])
     state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(one.state_dict())
     adamw_loop(one, opt, batches[2:])
@@ -860,26 +866,32 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     seen = calibrated_by_hand(by_hand, sketch.attach(by_hand, seed=6), batches)
     assert opt.calibration.log_scale == seen[-1] and len(set(seen)) > 1, seen
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), by_hand.state_dict().values()))
+    copier = tiny_qwen2(seed=9, initializer_range=0.2)  # kl_control's own with **SCRATCH: start='scratch' exactly
+    copied = kl_control.LoGRAOptimizer(copier, rowadam.RowAdam(sketch.attach(copier, seed=6)), **kl_control.SCRATCH)
+    adamw_loop(copier, copied, batches)
+    assert copied.last == opt.last and copied.calibration.log_scale == seen[-1]
+    assert all(torch.equal(a, b) for a, b in zip(copier.state_dict().values(), by_hand.state_dict().values()))
 
     again = tiny_qwen2(seed=9, initializer_range=0.2)
     again.load_state_dict(weights)
-    resumed = kl_control.LoGRAOptimizer(again, rowadam.RowAdam(sketch.attach(again, seed=6)), calibrate=True)
+    resumed = one_call.LoGRAOptimizer(again, rowadam.RowAdam(sketch.attach(again, seed=6)), calibrate=True)
     resumed.load_state_dict(state)
     adamw_loop(again, resumed, batches[2:])
     assert resumed.last == opt.last and resumed.calibration.log_scale == opt.calibration.log_scale
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), again.state_dict().values()))
 
-    plain = kl_control.LoGRAOptimizer(again, resumed.rowadam, calibrate=False)
-    with pytest.raises(ValueError, match="saved with calibrate=True.*start='scratch' calibrates"):
+    plain = one_call.LoGRAOptimizer(again, resumed.rowadam, calibrate=False)
+    with pytest.raises(ValueError, match="saved with calibrate=True.*SCRATCH, start='scratch', calibrates"):
         plain.load_state_dict(state)
     assert plain.update == resumed.update == 4  # refused before anything was loaded (the state is at 2)
     with pytest.raises(ValueError, match="saved with calibrate=False"):
         resumed.load_state_dict(plain.state_dict())
-    one_scale = kl_control.LoGRAOptimizer(again, resumed.rowadam, per_layer=False, calibrate=True)
-    with pytest.raises(ValueError, match="saved with per_layer=True.*per_layer=False .start='scratch'"):
+    one_scale = one_call.LoGRAOptimizer(again, resumed.rowadam, per_layer=False, calibrate=True)
+    with pytest.raises(ValueError, match="saved with calibrate=True, per_layer=True, and this optimizer has "
+                                         "calibrate=True, per_layer=False"):
         one_scale.load_state_dict(state)
-    with pytest.raises(ValueError, match="saved with per_layer=True.*start='pretrained'"):
-        kl_control.LoGRAOptimizer(again, resumed.rowadam, start="pretrained", calibrate=True).load_state_dict(state)
+    with pytest.raises(ValueError, match="saved with calibrate=True, per_layer=True.*the defaults do neither"):
+        one_call.LoGRAOptimizer(again, resumed.rowadam, start="pretrained", calibrate=True).load_state_dict(state)
     with pytest.raises(ValueError, match="per_layer=False .saved before the option existed"):
         resumed.load_state_dict({k: v for k, v in state.items() if k != "per_layer"})
     assert resumed.update == 4
@@ -887,9 +899,9 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     resumed.load_state_dict(older)
     assert resumed.calibration.scale == 1.0
     with pytest.raises(ValueError, match="keep_positions > 0"):
-        kl_control.LoGRAOptimizer(again, resumed.rowadam, calibrate=True, keep_positions=0)
-    assert kl_control.LoGRAOptimizer(again, resumed.rowadam, calibrate=False).keep_positions == 0
-    assert kl_control.LoGRAOptimizer(again, resumed.rowadam, start="pretrained").keep_positions == 0
+        one_call.LoGRAOptimizer(again, resumed.rowadam, calibrate=True, keep_positions=0)
+    assert one_call.LoGRAOptimizer(again, resumed.rowadam, calibrate=False).keep_positions == 0
+    assert one_call.LoGRAOptimizer(again, resumed.rowadam, start="pretrained").keep_positions == 0
 
 
 def test_calibration_spends_the_budget_in_realised_kl():
@@ -911,7 +923,7 @@ def test_calibration_spends_the_budget_in_realised_kl():
             model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                                  max_position_embeddings=16, initializer_range=0.2)).eval()
-            opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=seed)),
+            opt = one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=seed)),
                                             calibrate=calibrate, keep_positions=256)
             gen, miss = torch.Generator().manual_seed(seed + 100), []
             with warnings.catch_warnings():
@@ -932,7 +944,7 @@ def test_the_one_call_optimizer_swaps_into_an_adamw_loop():
     batches = [policy_batch(5)] * 4
     ids, mask, advantages = batches[0]
     for make in (lambda m: torch.optim.AdamW([p for n, p in m.named_parameters() if "proj" in n], lr=1e-3),
-                 lambda m: kl_control.LoGRAOptimizer(m, rowadam.RowAdam(sketch.attach(m, seed=0)))):
+                 lambda m: one_call.LoGRAOptimizer(m, rowadam.RowAdam(sketch.attach(m, seed=0)))):
         model = tiny_qwen2(seed=6)
         opt = make(model)
         with torch.no_grad():
@@ -949,7 +961,7 @@ def test_the_one_call_optimizer_resumes_from_its_state_dict():
     counter, the moments, the mismatch estimate and the count of updates at the cap."""
     batches = [policy_batch(seed) for seed in (7, 8, 9, 10)]
     model = tiny_qwen2(seed=1)
-    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=3)))
+    opt = one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=3)))
     adamw_loop(model, opt, batches[:2])
     opt.mismatch.m, opt.mismatch.active = 1e-3, True  # an estimate to carry over
     state = copy.deepcopy(opt.state_dict())
@@ -959,7 +971,7 @@ def test_the_one_call_optimizer_resumes_from_its_state_dict():
 
     again = tiny_qwen2(seed=1)
     again.load_state_dict(weights)
-    resumed = kl_control.LoGRAOptimizer(again, rowadam.RowAdam(sketch.attach(again, seed=3)))
+    resumed = one_call.LoGRAOptimizer(again, rowadam.RowAdam(sketch.attach(again, seed=3)))
     resumed.load_state_dict(state)
     resumed.mismatch.active = True  # as observe() would set it for the batch
     adamw_loop(again, resumed, batches[2:])
@@ -984,7 +996,7 @@ def test_a_left_padded_batch_without_its_attention_mask_is_refused_before_anythi
     attention = torch.ones_like(ids)
     attention[1, :2] = 0
     model = tiny_qwen2(seed=1, pad_token_id=pad)
-    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=3)))
+    opt = one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=3)))
     logp = ppo.response_logprobs(model(input_ids=ids, attention_mask=attention).logits, ids)
     ppo.policy_loss(logp, advantages, mask, num_tokens=int(mask.sum()))[0].backward()
     sketches = [layer.sketch.clone() for layer in opt.layers]
@@ -1012,7 +1024,7 @@ def test_micro_batches_as_the_readme_says_are_the_whole_batch():
     runs = []
     for parts in (1, 2):
         model = tiny_qwen2(seed=5, initializer_range=0.2)
-        opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=5)))
+        opt = one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=5)))
         n = int(mask.sum())  # the whole batch's response tokens
         for rows in torch.arange(len(ids)).chunk(parts):
             logp = ppo.response_logprobs(model(input_ids=ids[rows]).logits, ids[rows])
@@ -1040,13 +1052,13 @@ def test_a_resume_takes_its_projection_from_the_state_not_from_attach():
     """attach(update=7) picks A_7, but RowAdam.load_state_dict of a state saved at update 2 moves
     every layer to A_2: the state's counter wins (attach's and the README's resume notes)."""
     model = tiny_qwen2(seed=1)
-    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=3)))
+    opt = one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=3)))
     adamw_loop(model, opt, [policy_batch(seed) for seed in (7, 8)])
     state, signs = copy.deepcopy(opt.state_dict()), [layer.signs.clone() for layer in opt.layers]
     again = tiny_qwen2(seed=1)
     layers = sketch.attach(again, seed=3, update=7)
     assert not all(torch.equal(a.signs, b) for a, b in zip(layers, signs))
-    resumed = kl_control.LoGRAOptimizer(again, rowadam.RowAdam(layers))
+    resumed = one_call.LoGRAOptimizer(again, rowadam.RowAdam(layers))
     resumed.load_state_dict(state)
     assert resumed.update == 2 and all(layer.update == 2 for layer in layers)
     assert all(torch.equal(a.signs, b) for a, b in zip(layers, signs))
@@ -1058,7 +1070,7 @@ def test_the_budgets_shares():
     entropy_share=..., per_response=...), bit for bit."""
     ids, mask, advantages = policy_batch(31)
     one = tiny_qwen2(seed=8, initializer_range=0.2)
-    opt = kl_control.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=8)), entropy_share=0.05,
+    opt = one_call.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=8)), entropy_share=0.05,
                                     per_response=0.5)
     adamw_loop(one, opt, [(ids, mask, advantages)])
     three = tiny_qwen2(seed=8, initializer_range=0.2)
@@ -1068,12 +1080,12 @@ def test_the_budgets_shares():
     ra.prepare(per_layer=True)
     probe = kl_control.probe(three, layers, ra.directions, ids, mask)
     budget = kl_control.budget_for(probe, entropy_share=0.05, per_response=0.5)
-    alpha = kl_control.solve_alpha(probe.kl1, budget=budget, alpha_max=kl_control.OPTIMIZER_ALPHA_MAX)
+    alpha = kl_control.solve_alpha(probe.kl1, budget=budget, alpha_max=kl_control.SCRATCH["alpha_max"])
     ra.merge(alpha)
     assert opt.last["budget"] == budget != kl_control.budget_for(probe) and opt.last["alpha"] == alpha < 9.0
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), three.state_dict().values()))
     with pytest.raises(ValueError, match="entropy_share > 0"):
-        kl_control.LoGRAOptimizer(one, opt.rowadam, entropy_share=0.0)
+        one_call.LoGRAOptimizer(one, opt.rowadam, entropy_share=0.0)
 
 
 def test_alpha_at_its_cap_is_warned_about_once():
@@ -1085,11 +1097,11 @@ def test_alpha_at_its_cap_is_warned_about_once():
     the budget, which is what the warning is for.)"""
     batches = [policy_batch(seed) for seed in range(11, 18)]
     model = tiny_qwen2(seed=2, initializer_range=0.2)
-    capped = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=0), update_ratio=6e-5))
+    capped = one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=0), update_ratio=6e-5))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         adamw_loop(model, capped, batches)
-    assert capped.last["alpha"] == kl_control.OPTIMIZER_ALPHA_MAX and capped.capped == 7
+    assert capped.last["alpha"] == kl_control.SCRATCH["alpha_max"] and capped.capped == 7
     said = [w for w in caught if issubclass(w.category, UserWarning) and "its cap" in str(w.message)]
     lines = [str(w.message) for w in said]
     assert len(lines) == 1 and "for 5 updates in a row" in lines[0] and "update_ratio (RowAdam's" in lines[0], lines
@@ -1101,7 +1113,7 @@ def test_alpha_at_its_cap_is_warned_about_once():
     model = tiny_qwen2(seed=2, initializer_range=0.2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        adamw_loop(model, kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=0))), batches)
+        adamw_loop(model, one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=0))), batches)
     assert not [w for w in caught if "its cap" in str(w.message)]
 
 
@@ -1136,7 +1148,7 @@ def lookback_accuracy(seed, update_ratio, updates=40):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
                                          initializer_range=0.02)).eval()
-    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=seed), update_ratio=update_ratio))
+    opt = one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=seed), update_ratio=update_ratio))
     gen = torch.Generator().manual_seed(seed + 100)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -1171,11 +1183,11 @@ def test_one_call_refusals_change_nothing():
     moments and counter as they were, the sketches zeroed."""
     model = tiny_qwen2(seed=3)
     with pytest.raises(ValueError, match="kl_start, kl_end and horizon"):
-        kl_control.LoGRAOptimizer(model, None, kl_start=1e-3)
+        one_call.LoGRAOptimizer(model, None, kl_start=1e-3)
     with pytest.raises(TypeError, match="takes a RowAdam"):
-        kl_control.LoGRAOptimizer(model, torch.optim.SGD([torch.zeros(1)], lr=1.0))
+        one_call.LoGRAOptimizer(model, torch.optim.SGD([torch.zeros(1)], lr=1.0))
     twin = copy.deepcopy(model)
-    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=1)))
+    opt = one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=1)))
     ids, mask, advantages = policy_batch(4)
     adamw_loop(model, opt, [(ids, mask, advantages)])
     snap = copy.deepcopy(model.state_dict()), [v.clone() for v in opt.rowadam.moments], opt.update
@@ -1202,7 +1214,7 @@ def test_one_call_refusals_change_nothing():
         assert all(torch.equal(layer.sketch, s) for layer, s in zip(opt.layers, sketches))
     opt.step(ids, mask)  # the corrected batch, on the backward already in the sketches
     # the twin: the same two updates, the right mask given first
-    twin_opt = kl_control.LoGRAOptimizer(twin, rowadam.RowAdam(sketch.attach(twin, seed=1)))
+    twin_opt = one_call.LoGRAOptimizer(twin, rowadam.RowAdam(sketch.attach(twin, seed=1)))
     adamw_loop(twin, twin_opt, [(ids, mask, advantages)] * 2)
     assert opt.update == twin_opt.update == 2 and opt.last == twin_opt.last
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
@@ -1221,22 +1233,22 @@ def test_one_call_refusals_change_nothing():
 
 def test_the_readmes_trainer_blocks_run():
     """README.md's "LoGRA in your trainer" blocks, run as written on the tiny Qwen2 (weights at
-    std 0.2): the three calls with every default merge one update; the one-call form, on a model
-    of the same weights and batch (built from a config: its start is "scratch"), merges one
-    update of its own (the step scaled per layer), and with the start the README names for
-    the calls (`start="pretrained"`) merges the same bits as the calls."""
+    std 0.2): the three calls with every default merge one update, and the one-call form, on a
+    model of the same weights and batch, merges the same bits; with the settings the README
+    names for random weights (`**kl_control.SCRATCH`) it merges one update of its own."""
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     section = readme[readme.index("## LoGRA in your trainer"):readme.index("## Results")]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 2
-    paper = re.search(r"the calls above bit for bit \(`(start=\"pretrained\")`\)", section.replace("\n", " "))
-    assert paper, "the README names the one-call start that is the calls above"
-    assert '(`start="scratch"`;' in section.replace("\n", " ")
+    assert "its defaults are the calls above bit for bit" in section.replace("\n", " ")
+    scratch = re.search(r"for random weights \(a model built from a config\) add `(\*\*kl_control\.SCRATCH)`",
+                        section.replace("\n", " "))
+    assert scratch, "the README names the settings for random weights"
     constructor = "RowAdam(sketch.attach(model, seed=0)))"
     assert blocks[1].count(constructor) == 1
     ids, mask, advantages = policy_batch(21)
     models = []
-    for block in blocks + [blocks[1].replace(constructor, constructor[:-1] + ", " + paper.group(1) + ")")]:
+    for block in blocks + [blocks[1].replace(constructor, constructor[:-1] + ", " + scratch.group(1) + ")")]:
         model = tiny_qwen2(seed=8, initializer_range=0.2)
 
         class Loss:  # `loss` as the block's loop has it: the forward runs when the block calls backward
@@ -1250,16 +1262,16 @@ def test_the_readmes_trainer_blocks_run():
         assert ns["opt"].update == 1
         models.append([w.clone() for w in model.state_dict().values()])
     start = tiny_qwen2(seed=8, initializer_range=0.2).state_dict().values()
-    assert not all(torch.equal(a, b) for a, b in zip(models[1], start))  # the one-call form moved the weights
-    assert not all(torch.equal(a, b) for a, b in zip(models[0], models[1]))  # by its own defaults
-    assert all(torch.equal(a, b) for a, b in zip(models[0], models[2]))  # the paper's settings: the calls' bits
+    assert not all(torch.equal(a, b) for a, b in zip(models[0], start))  # the calls moved the weights
+    assert all(torch.equal(a, b) for a, b in zip(models[0], models[1]))  # the defaults: the calls' bits
+    assert not all(torch.equal(a, b) for a, b in zip(models[0], models[2]))  # SCRATCH: an update of its own
 
 
 def test_the_one_call_optimizer_drops_a_non_finite_batch():
     """A backward that left a non-finite sketch: step refuses in prepare, weights, moments and
     counter as they were, the batch dropped, and the next batch updates as usual."""
     model = tiny_qwen2(seed=5, initializer_range=0.2)
-    opt = kl_control.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=4)))
+    opt = one_call.LoGRAOptimizer(model, rowadam.RowAdam(sketch.attach(model, seed=4)))
     ids, mask, advantages = policy_batch(6)
     reinforce_loss(model, ids, mask, advantages).backward()
     opt.layers[0].sketch[0, 0] = float("nan")

@@ -206,9 +206,6 @@ CALLS = {
                         "assert task_data.read_rows(p, 'evaluation data', '--eval-data', task_data.math500_row) == "
                         "[('What is $1+1$?', '2')]"),
     "infra.lifecycle": "assert lifecycle.Run.stop_if_signalled.__doc__",
-    "infra.probe_decoder": ("import torch; x = torch.randn(2, 4); y, dy = probe_decoder._rotary(x, x, torch.ones(4), "
-                            "torch.zeros(4)); assert torch.equal(y, x) and torch.equal(dy, x) and 'qwen2' in "
-                            "probe_decoder.WRITTEN_OUT"),
     "infra.checksum": "import torch; assert checksum.checksum(torch.zeros(3, 2, dtype=torch.bfloat16)) == (0, 0)",
     "infra.wire": ("import torch, sync; p = wire.decode(wire.encode(sync.Payload(0, 0, 1, {'a': torch.ones(2, 1, "
                    "dtype=torch.bfloat16)}))); assert p.layers['a'].tolist() == [[1.0], [1.0]]"),
@@ -229,6 +226,11 @@ CALLS = {
     "infra.run_dir": ("import os, tempfile; d = os.path.join(tempfile.mkdtemp(), 'run'); h = run_dir.hold(d); "
                       "assert os.path.exists(os.path.join(d, 'run.lock')) and not run_dir.inspect({}, d).continues; "
                       "h.release(undo=True); assert not os.path.exists(d)"),
+    "infra.probe_decoder": ("import torch; x = torch.randn(2, 4); y, dy = probe_decoder._rotary(x, x, torch.ones(4), "
+                            "torch.zeros(4)); assert torch.equal(y, x) and torch.equal(dy, x) and 'qwen2' in "
+                            "probe_decoder.WRITTEN_OUT"),
+    "infra.one_call": ("import torch; assert one_call.model_start(torch.nn.Linear(1, 1)) is None and "
+                       "one_call.STARTS['scratch'] is one_call.kl_control.SCRATCH"),
 }
 
 
