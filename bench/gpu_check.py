@@ -310,7 +310,7 @@ def probe(w, device):
                "peak_over_plan": round(fast_peak / planned, 3)}
     try:
         t0 = time.time()
-        plain, plain_peak = peak_bytes(device, lambda: kl_control.plain_probe(model, layers, directions, ids, mask,
+        plain, plain_peak = peak_bytes(device, lambda: kl_control.probe(model, layers, directions, ids, mask,
                                                                               **call))
         figures.update(plain_kl1=plain.kl1, plain_s=round(time.time() - t0, 2),
                        plain_peak_gib=round(plain_peak / gib, 3), kl1_rel_diff=abs(plain.kl1 / fast.kl1 - 1))
