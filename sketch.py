@@ -44,7 +44,7 @@ Departures from the paper (numbered; reason; test)
 2. A fused target (Phi-3's qkv_proj) is one layer, one A and one S, as the model computes it.
    tests/test_architectures.py, test_every_family_trains_and_its_engines_follow.
 3. r at most half the narrowest target's width, a power of 2, so S holds at most half of G
-   (bench/README.md, `defaults`). tests/test_sketch.py, test_plain_module_sketches_equal_dense.
+   (bench/README.md, `defaults`). tests/test_sketch.py, test_default_rank_is_half_the_narrowest_width.
 
 Implementation notes
 --------------------
@@ -306,7 +306,7 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
         what = "an empty mapping" if isinstance(targets, Mapping) else f"no nn.Linear named one of {targets}"
         raise ValueError(f"{what} in {type(model).__name__}: pass `targets`, names of its nn.Linear modules or a mapping")
     rank = default_rank(found.values()) if rank is None else rank
-    embedding = _input_embedding(model)  # None: the sketched layers' own leaf inputs (module notes)
+    embedding = _input_embedding(model)  # None: the sketched layers' own leaf inputs (implementation notes)
 
     # -- the state of each layer: allocated before the model is touched
     layers = []

@@ -9,7 +9,7 @@ One update, in the order the paper runs it (the loop in `run`):
     rollout   the engine (a bf16 copy of the policy, changed only by sync payloads) samples
               one response per prompt (--group-size G: G per prompt), with log-probs (infra/engine.py)
     reward    1 for a correct boxed answer, -0.01 otherwise                      (ppo.py)
-    baseline  A = r - b, b a running mean over the global batch (or the group's)  (ppo.py)
+    baseline  A = r - b, b a running mean over the global batch  (ppo.py; groups: infra/group_advantages.py)
     loss      REINFORCE with truncated importance sampling, / global response tokens
     backward  into the sketches S = G A^T; no weight gradient exists             (sketch.py)
     RowAdam   per-row scaling of the sketches, one global scale -> U             (rowadam.py)

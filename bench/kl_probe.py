@@ -1,6 +1,6 @@
 """The KL probe: its cost next to a plain forward, and its prediction next to the realised KL.
 
-1. Time of one `predict_kl` (the probe over 2 responses: for Qwen2, kl_control's written-out
+1. Time of one `predict_kl` (the probe over 2 responses: for Qwen2, infra/probe_decoder.py's written-out
    decoder and tangent), and of the same probe by forward-mode AD (the other families' path),
    relative to one plain no-grad forward of the same 2 sequences, median of interleaved
    repetitions.

@@ -227,7 +227,7 @@ def merge_layers(weights, factors, signs, magnitude: float, *, avoid_ties=True):
     value A's entries hold: `entry_magnitude`). As many layers as MERGE_ELEMENTS holds are merged
     with one batch of tensor operations (stacked, F A in float64 rounded once, written back),
     a larger layer in row chunks: the same bits as `merge_rows` layer by layer, since F A is
-    exact in float64 whatever the order of its sums (implementation notes)."""
+    exact in float64 whatever the order of its sums (rowadam.merge_rows)."""
     n, k = weights[0].shape
     per = rowadam.MERGE_ELEMENTS // max(n * k, 1)
     if per < 2:  # two layers would overflow the budget: each layer's rows in chunks

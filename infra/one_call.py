@@ -5,12 +5,14 @@ calls bit for bit), `start="scratch"` kl_control.SCRATCH (RowAdam's step per lay
 entropy share 0.4, the prediction calibrated: kl_control.py's departures 5, 6, 8), `start="auto"`
 (the default) the model's transformers config's: "pretrained" when it names where it was loaded
 from (from_pretrained), "scratch" when it names nothing; without a config "scratch", with a
-warning at the caller's line. A setting given explicitly wins over its start's.
+warning at the caller's line. A setting given explicitly wins over its start's. The probe is
+infra/probe_decoder.py's `fast_probe` unless `probe=` is given (kl_control's default is its reference).
 """
 
 import warnings
 
 import kl_control
+from infra.probe_decoder import fast_probe
 
 STARTS = {"pretrained": dict(per_layer=False, alpha_max=3.0, entropy_share=kl_control.ENTROPY_SHARE, calibrate=False),
           "scratch": kl_control.SCRATCH}
@@ -36,7 +38,7 @@ class LoGRAOptimizer(kl_control.LoGRAOptimizer):
         unknown = start == "auto" and model_start(model) is None
         self.start = (model_start(model) or "scratch") if start == "auto" else start
         given = {k: v for k, v in settings.items() if v is not None}
-        super().__init__(model, rowadam, **{**STARTS[self.start], **given})
+        super().__init__(model, rowadam, **{**STARTS[self.start], "probe": fast_probe, **given})
         if unknown:
             warnings.warn("LoGRAOptimizer: this model has no transformers config to tell whether its weights were "
                           "trained, so it takes the settings for random weights (start='scratch'). For trained "

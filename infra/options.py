@@ -86,7 +86,8 @@ class Config:
     group_size: int = knob("responses per prompt, sampled with distinct seeds on one rank (1: the paper's; the batch "
                            "stays --batch responses, so batch / G prompts an update)", default=1, least=1)
     advantage: str = knob("the running baseline over the global batch (the paper's), or a response against its "
-                          "group: GRPO (mean and std), Dr. GRPO (mean), RLOO (leave-one-out mean); ppo.py",
+                          "group: GRPO (mean and std), Dr. GRPO (mean), RLOO (leave-one-out mean); "
+                          "infra/group_advantages.py",
                           default="running", choices=("running", "grpo", "drgrpo", "rloo"))
     updates: int = knob("RL updates of the run", least=1)
     update_ratio: float = knob("RowAdam's step size: ||U A|| / ||W|| before alpha", positive=True)

@@ -215,6 +215,17 @@ PLAIN = {  # (model, targets): default names, a subclass, names of nn.Sequential
 }
 
 
+def test_default_rank_is_half_the_narrowest_width():
+    """sketch.py departure 3, against hand-worked cases: the largest power of 2 at most half the
+    narrowest target's in_features, at most the paper's 256, at least 1; and attach uses it."""
+    cases = {(64,): 32, (576, 4096): 256, (48, 96): 16, (1,): 1, (3,): 1, (4,): 2, (1024, 513): 256, (100, 7000): 32}
+    for widths, want in cases.items():
+        assert sketch.default_rank([torch.nn.Linear(k, 4) for k in widths]) == want, widths
+    model = torch.nn.Sequential(torch.nn.Linear(48, 8), torch.nn.Linear(8, 2))
+    layers = sketch.attach(model, targets={"a": model[0], "b": model[1]})
+    assert [layer.rank for layer in layers] == [4, 4]  # half of 8, the narrowest
+
+
 @pytest.mark.parametrize("case", sorted(PLAIN))
 def test_plain_module_sketches_equal_dense(case):
     """On a module without Hugging Face's embedding hook, two micro-batches' backward fill each
@@ -389,7 +400,7 @@ def test_refresh_switches_projection():
 # The signs of A: the documented rule, balanced and uncorrelated
 
 def reference_signs(rank, width, seed):
-    """The rule of sketch.py's "The projection A", written apart in numpy's uint32 arithmetic
+    """The rule of sketch.py's "The math", written apart in numpy's uint32 arithmetic
     (its products wrap mod 2^32 by definition, where sketch.py keeps int64 below overflow)."""
     import numpy as np
 
