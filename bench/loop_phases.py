@@ -7,6 +7,7 @@ the same for the method files of another git revision, in the same run.
     python bench/loop_phases.py --against HEAD          # before (HEAD's method files) / after (the work tree)
     python bench/loop_phases.py --compiled              # and the probe's decoder compiled (torch.compile)
     python bench/loop_phases.py --alone                 # and the method files alone (a copier's: no infra/)
+    python bench/loop_phases.py --against 38d926b --alone --markdown   # bench/README.md's loop_phases_companions
     python bench/loop_phases.py --markdown              # and write the table into bench/README.md
 
 The batch: examples/minimal_loop.py's toy (a 2-layer width-64 Qwen2), B responses of 6 tokens
@@ -147,7 +148,8 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import report  # bench/report.py
 
-    args = report.parse_args(p, "loop_phases")
+    block = lambda a: "loop_phases_companions" if a.alone else "loop_phases"  # noqa: E731  (--alone: its own table)
+    args = report.parse_args(p, "loop_phases", "loop_phases_companions", which=lambda a: [block(a)])
     header = ["batch", "tree", *(f"LoGRA: {ph}" for ph in LOGRA), "**LoGRA: the update**",
               *(f"AdamW: {ph}" for ph in ADAMW), "**AdamW: the update**", "LoGRA / AdamW", "(realised KL)",
               "first update (s)"]
@@ -188,7 +190,7 @@ def main():
               "process's first (unmeasured) update, LoGRA's with its realised KL; where compiled, it compiles.")
     print("\n" + table + "\n\n" + note)
     if args.markdown:
-        report.publish("loop_phases", note + "\n\n" + table)
+        report.publish(block(args), note + "\n\n" + table)
 
 
 if __name__ == "__main__":

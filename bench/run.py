@@ -100,6 +100,9 @@ TABLES = (
           "LoGRA's defaults beside AdamW, before issue 55's work, now, and with the probe's decoder compiled"),
     Table("loop_phases", ("loop_phases",), ("loop_phases.py", "--against", "HEAD"), "CPU", "about 2 min",
           "examples/minimal_loop.py's update by phase, before and after a change"),
+    Table("loop_phases_companions", ("loop_phases_companions",), ("loop_phases.py", "--against", "38d926b", "--alone"),
+          "CPU", "about 10 min", "the update by phase with the method files alone (a copier's), with their infra/ "
+          "companions (train.py's), and at 38d926b, before the redesign"),
     Table("kl_probe", ("kl_probe", "kl_probe_trained"), ("kl_probe.py",), "CPU", "a few minutes (three warm-ups)",
           "the KL probe's cost and accuracy"),
     Table("sketch_layer", ("sketch_layer",), ("sketch_layer.py",), "CPU", "under a minute",
