@@ -59,6 +59,12 @@ def worker(tree: str, batch: int, method: str, updates: int = 30, warm: int = 5)
     if not alone and os.path.exists(os.path.join(tree, "infra", "batched.py")):  # the companion train.py runs
         from infra.batched import BatchedRowAdam as RowAdam
 
+    if not os.path.exists(os.path.join(tree, "infra")):  # an exported revision: its method files, no infra/
+        import types  # the example imports the companions: the revision's own classes stand in for them
+
+        for name, attrs in (("infra", {}), ("infra.batched", {"BatchedRowAdam": RowAdam}),
+                            ("infra.probe_decoder", {"fast_probe": getattr(kl_control, "fast_probe", None)})):
+            sys.modules[name] = types.SimpleNamespace(**attrs)
     sys.path.insert(1, os.path.join(ROOT, "examples"))
     import minimal_loop
 
