@@ -58,7 +58,8 @@ Implementation notes
 - `prepare` changes nothing (`merge` commits, `discard` drops); a refusal changes nothing; a zero S
   gives D = 0. tests/test_rowadam.py::test_failures_change_nothing, test_zero_sketch_gives_zero_direction.
 - Fast companion: infra/batched.py's `BatchedRowAdam`, the same bits over stacks of layers
-  (tests/test_rowadam.py::test_batched_rowadam_equals_the_reference; bench/README.md, `loop_phases`).
+  (tests/test_rowadam.py::test_batched_rowadam_equals_the_reference): prepare 5.9 -> 3.7 ms and merge
+  7.0 -> 3.2 ms on the toy's 14 layers (bench/README.md, `loop_phases_companions`, batch 32).
 
 Shape legend: d out rows, k in columns, r rank; n rows this process holds (n = d in one process).
 """

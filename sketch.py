@@ -56,7 +56,8 @@ Implementation notes
 - `backwards` counts passes since `zero_()`: RowAdam refuses a batch none reached.
   tests/test_sketch.py, test_backwards_counts_the_passes_since_zero.
 - `dY^T P` is one GEMM in the activations' dtype (`sketch_product`), added to S (never `addmm_`:
-  one process and a reduce-scatter add the same products). Fast companion: infra/batched.py.
+  one process and a reduce-scatter add the same products). Fast companion: infra/batched.py (every
+  layer's signs at once, in RowAdam's merge; bench/README.md, `loop_phases_companions`).
 
 Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
 """

@@ -50,7 +50,8 @@ Departures from the paper
 
 Implementation notes: train.py runs the companions: infra/wire.py (one checked uint8 buffer),
 infra/checksum.py (the checksum in bounded blocks), infra/engine_weights.py (vLLM's layout, host
-residuals, streamed syncs), infra/engine_sync.py (the trainer's side, FSDP2). Every payload is
+residuals, streamed syncs, a shape's targets merged together: the same bits, not timed apart), and
+infra/engine_sync.py (the trainer's side, FSDP2). Every payload is
 checked before anything changes; factors of another projection rule (sketch.PROJECTION) too.
 """
 
