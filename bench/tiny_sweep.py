@@ -135,29 +135,29 @@ def one_update(out: str, seed: int, step: int = 2) -> str:
     kl1 = r["kl_pred"] / r["alpha"] ** 2
     wanted = (r["budget"] / kl1) ** 0.5  # the alpha that would spend the whole budget
     capped = r["alpha"] >= cfg.alpha_max
-    spent = (f"which `alpha = {wanted:.1f}` would spend, but `alpha` is capped at {cfg.alpha_max:g}, so the predicted "
-             f"KL is {r['kl_pred']:.2e} (`kl`)" if capped else f"which `alpha = {r['alpha']:.2f}` spends (`kl`)")
-    return (
-        f"Step {step} of the run above, from its `metrics.jsonl`. The engine, a bf16 copy of the policy that changes "
-        f"only through sync payloads, samples {cfg.batch} responses to two-digit additions (`37+45=`) at temperature "
-        f"{cfg.temperature:g}, each with its own seed, and returns their tokens and log-probs (**rollout**). "
-        f"{round(r['accuracy'] * cfg.batch)} of the {cfg.batch} answer `\\boxed{{<the sum>}}`: **reward** "
-        f"{r['reward']:.3f}, the mean of 1 for a right answer and -0.01 for a wrong one. The running **baseline** turns "
-        f"rewards into advantages `A = r - b`. The trainer (fp32 master weights) recomputes the log-probs and "
-        f"backpropagates REINFORCE with truncated importance weights, divided by the global number of response "
-        f"tokens ({r['tokens']}); **backward** fills the {7 * cfg.model['num_hidden_layers']} sketches `S = G A^T` "
-        f"(r = {cfg.sketch_rank}), and no weight gradient exists. **RowAdam** rescales their rows into directions "
-        f"`U` with `||U A|| = update_ratio ||W||` (update_ratio {cfg.update_ratio:g}). The **KL probe** pushes the "
-        f"step's tangent through the model (its first-order change, formed beside the forward) on "
-        f"{r['probe_responses']} responses and predicts "
-        f"`KL(alpha) = alpha^2 KL1` with `KL1` = {kl1:.2e}; the budget is {r['budget']:.2e} (its cosine schedule, "
-        f"less the engine/trainer mismatch estimate {r['mismatch']:.1e}), {spent}. The **merge** writes "
-        f"`W -= bf16(alpha U) A` into the fp32 weights and moves every layer to the next update's projection; the "
-        f"realised KL of the merged step on the probe's tokens, measured exactly, is {r['kl_real']:.2e} (`real`). "
-        f"The **sync** sends the same bf16 factors, {r['sync_bytes'] / 1e3:.0f} KB (AdamW's run sends "
-        f"{rows['adam'][step]['sync_bytes'] / 1e3:.0f} KB of bf16 target weights), and the engine merges them "
-        f"itself; trainer and engine fingerprints are compared after every sync. `mem` is the process's peak memory. "
-        f"Where the budget binds, `alpha` falls below its cap: at step {cfg.updates}, `alpha` is {last['alpha']:.2f}.")
+    spent = (f"`alpha` = {r['alpha']:g}, its cap ({wanted:.1f} would spend the budget)" if capped else
+             f"`alpha` = {r['alpha']:.2f}, which spends the budget")
+    rows_ = [
+        ("rollout", f"the engine (bf16, changed only by syncs) samples {cfg.batch} responses to two-digit additions at "
+                    f"temperature {cfg.temperature:g}, tokens and log-probs", f"{cfg.batch} responses"),
+        ("reward, baseline", "1 for a right `\\boxed{}` sum, -0.01 otherwise; `A = r - b`, b a running mean",
+         f"reward {r['reward']:.3f} ({round(r['accuracy'] * cfg.batch)} right)"),
+        ("backward", f"REINFORCE with TIS over {r['tokens']} response tokens into the "
+                     f"{7 * cfg.model['num_hidden_layers']} sketches `S = G A^T`; no weight gradient",
+         f"r = {cfg.sketch_rank}"),
+        ("RowAdam", "rows rescaled into directions `U`, `||U A|| = update_ratio ||W||`",
+         f"update_ratio {cfg.update_ratio:g}"),
+        ("KL probe", f"the step's tangent through the model on {r['probe_responses']} responses: `KL(alpha) = "
+                     f"alpha^2 KL1`; the budget (cosine schedule less the mismatch {r['mismatch']:.1e})",
+         f"KL1 {kl1:.2e}, budget {r['budget']:.2e}"),
+        ("alpha, merge", "`W -= bf16(alpha U) A` in the fp32 weights; every layer to the next A",
+         f"{spent}; predicted KL {r['kl_pred']:.2e}, realised {r['kl_real']:.2e}"),
+        ("sync", "the same bf16 factors and the seed; the engine merges them, fingerprints compared",
+         f"{r['sync_bytes'] / 1e3:.0f} KB (AdamW's: {rows['adam'][step]['sync_bytes'] / 1e3:.0f} KB)"),
+    ]
+    return (f"Update {step} of the run above, from its `metrics.jsonl` (at update {cfg.updates}, where the budget "
+            f"binds, `alpha` is {last['alpha']:.2f}):\n\n"
+            + report.table(["phase", "what happens", "this update"], rows_))
 
 
 def groups(args):
