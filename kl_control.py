@@ -15,28 +15,29 @@ Use
     temperature = 1.0                                  # the rollout's sampling temperature
     layers = sketch.attach(model, seed=0)              # S and A on every target nn.Linear
     opt = RowAdam(layers)
-    logp = ppo.response_logprobs(model(input_ids=ids).logits, ids, temperature)  # (B, T)
+    logp = ppo.response_logprobs(model(input_ids=ids, attention_mask=am).logits, ids, temperature)  # (B, T)
     loss, _ = ppo.policy_loss(logp, advantages, mask, num_tokens=ppo.global_token_count(mask))
     loss.backward()                                    # into the sketches S = G A^T
     try:
         opt.prepare()                                  # the directions U (d, r): opt.directions
         probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=temperature,
-                                 keep_positions=256)   # KL1, entropy; 256 positions' logits for kl_real
+                                 attention_mask=am, keep_positions=256)  # KL1, entropy; logits for kl_real
         budget = kl_control.budget_for(probe)          # departure 7; the paper's: kl_budget(...)
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
     except Exception:
         opt.discard()                                  # nothing merged
         raise
     factors = opt.merge(alpha)                         # W -= F A, F = bf16(alpha U)
-    kl_real = kl_control.realised_kl(probe, model, ids, mask)  # the merged step's exact KL per token
+    kl_real = kl_control.realised_kl(probe, model, ids, mask, attention_mask=am)  # the step's exact KL a token
 
-`ids` (B, T) prompt and response tokens, `mask` (B, T) True on generated tokens only (never a row's first
-position). With a rollout engine: `mismatch.observe(rollout_logp, logp.detach(), mask, eos)`, then `budget =
-mismatch.adjust(budget)`. As one torch.optim step, these calls bit for bit: `LoGRAOptimizer(model,
-RowAdam(layers)).step(ids, mask)` (knobs: alpha_max, entropy_share, kl_start, kl_end, horizon, per_layer,
-calibrate, keep_positions, probe); random weights: `**SCRATCH` (infra/one_call.py picks by `start`). Faster:
-infra/probe_decoder.py's `fast_probe`, no dense dW nor (B, T, V) logits: the toy's probe 31 -> 8.5 ms at
-batch 32, 40 -> 14 ms at 512 (bench/README.md, `loop_phases_companions`).
+`ids` (B, T) prompt and response tokens (generate's: `am` its attention_mask, prompts padded on the left),
+`mask` (B, T) True on generated tokens only (never a row's first position). With a rollout engine:
+`mismatch.observe(rollout_logp, logp.detach(), mask, eos)`, then `budget = mismatch.adjust(budget)`. As one
+torch.optim step, these calls bit for bit: `LoGRAOptimizer(model, RowAdam(layers)).step(ids, mask, am)`
+(knobs: alpha_max, entropy_share, kl_start, kl_end, horizon, per_layer, calibrate, keep_positions, probe);
+random weights: `**SCRATCH` (infra/one_call.py picks by `start`). Faster: infra/probe_decoder.py's `fast_probe`,
+no dense dW nor (B, T, V) logits: the toy's probe 31 -> 8.5 ms at batch 32, 40 -> 14 ms at 512
+(bench/README.md, `loop_phases_companions`).
 
 The math (in the paper's symbols)
 ---------------------------------

@@ -112,7 +112,8 @@ def main():
             report.publish("tiny_sweep_summary", means)  # README.md's headline table
             # What `python train.py` prints (the first seed's LoGRA run), as README.md shows it.
             with open(os.path.join(args.out, f"logra-seed{args.seeds[0]}", "stdout.txt")) as f:
-                lines = [line.rstrip("\n").replace(ROOT + os.sep, "") for line in f]
+                lines = [line.rstrip("\n").replace(ROOT + os.sep, "") for line in f
+                         if not line.startswith("base policy: warm-up steps:")]  # its progress lines: a wait
             steps = [i for i, line in enumerate(lines) if line.startswith("step ")]
             shown = lines[:steps[0] + 3] + ["..."] + lines[steps[-1]:]
             report.publish("default_run", "```\n" + "\n".join(shown) + "\n```")
@@ -138,15 +139,14 @@ def one_update(out: str, seed: int, step: int = 2) -> str:
     spent = (f"`alpha` = {r['alpha']:g}, its cap ({wanted:.1f} would spend the budget)" if capped else
              f"`alpha` = {r['alpha']:.2f}, which spends the budget")
     rows_ = [
-        ("rollout", f"the engine (bf16, changed only by syncs) samples {cfg.batch} responses to two-digit additions at "
-                    f"temperature {cfg.temperature:g}, tokens and log-probs", f"{cfg.batch} responses"),
-        ("reward, baseline", "1 for a right `\\boxed{}` sum, -0.01 otherwise; `A = r - b`, b a running mean",
-         f"reward {r['reward']:.3f} ({round(r['accuracy'] * cfg.batch)} right)"),
-        ("backward", f"REINFORCE with TIS over {r['tokens']} response tokens into the "
-                     f"{7 * cfg.model['num_hidden_layers']} sketches `S = G A^T`; no weight gradient",
-         f"r = {cfg.sketch_rank}"),
-        ("RowAdam", "rows rescaled into directions `U`, `||U A|| = update_ratio ||W||`",
-         f"update_ratio {cfg.update_ratio:g}"),
+        ("rollout, reward", f"the engine (bf16, changed only by syncs) samples {cfg.batch} responses to two-digit "
+                            f"additions at temperature {cfg.temperature:g}; 1 for a right `\\boxed{{}}` sum, -0.01 "
+                            f"otherwise; `A = r - b`, b a running mean",
+         f"reward {r['reward']:.3f} ({round(r['accuracy'] * cfg.batch)} of {cfg.batch} right)"),
+        ("backward, RowAdam", f"REINFORCE with TIS over {r['tokens']} response tokens into the "
+                              f"{7 * cfg.model['num_hidden_layers']} sketches `S = G A^T` (no weight gradient); rows "
+                              f"rescaled into directions `U`, `||U A|| = update_ratio ||W||`",
+         f"r = {cfg.sketch_rank}, update_ratio {cfg.update_ratio:g}"),
         ("KL probe", f"the step's tangent through the model on {r['probe_responses']} responses: `KL(alpha) = "
                      f"alpha^2 KL1`; the budget (cosine schedule less the mismatch {r['mismatch']:.1e})",
          f"KL1 {kl1:.2e}, budget {r['budget']:.2e}"),

@@ -632,7 +632,8 @@ def test_the_use_block_runs_one_update():
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[:, 5:] = True  # the last 6 tokens of each sequence are the response
     before = {n: m.weight.detach().clone() for n, m in sketch.target_modules(model).items()}
-    ns = dict(torch=torch, model=model, ids=ids, mask=mask, advantages=torch.tensor([1.0, -0.5, 0.25, -0.75]))
+    ns = dict(torch=torch, model=model, ids=ids, mask=mask, am=torch.ones_like(ids),
+              advantages=torch.tensor([1.0, -0.5, 0.25, -0.75]))
     exec(use_block(kl_control.__doc__), ns)
     opt, probe, alpha, budget, kl_real = (ns[k] for k in ("opt", "probe", "alpha", "budget", "kl_real"))
     assert opt.update == 1 and opt.directions is None and opt.rank == 16  # sketch.default_rank: 48 wide -> 16
@@ -703,12 +704,14 @@ def test_the_one_call_optimizer_is_the_three_calls_bitwise(form):
     batches = [policy_batch(seed) for seed in (1, 2, 3)]
     one = tiny_qwen2(seed=4, initializer_range=0.2)  # a budget that binds: alpha is the solve's, not the cap
     make, settings = {"three calls": (kl_control, THREE_CALLS), "defaults": (kl_control, {}),
-                      "pretrained": (one_call, dict(start="pretrained")),
-                      "scratch uncalibrated": (one_call, dict(calibrate=False)),
+                      "pretrained": (one_call, dict(start="pretrained", probe=kl_control.probe)),
+                      "scratch uncalibrated": (one_call, dict(calibrate=False, probe=kl_control.probe)),
                       "SCRATCH uncalibrated": (kl_control, dict(kl_control.SCRATCH, calibrate=False))}[form]
     opt = make.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=2)), **settings)
-    if make is one_call:
+    if make is one_call:  # its probe is fast_probe unless given: here the three calls' own, for their bits
         assert opt.start == ("pretrained" if form == "pretrained" else "scratch")
+        m = tiny_qwen2()
+        assert one_call.LoGRAOptimizer(m, rowadam.RowAdam(sketch.attach(m)), start=opt.start).probe is fast_probe
     assert opt.calibration is None
     assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == 0.0
     assert opt.param_groups[0]["params"] == [layer.module.weight for layer in opt.layers]
@@ -856,7 +859,8 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     before anything is loaded; a state from before calibration existed (no entry) starts rho at 1."""
     batches = [policy_batch(seed) for seed in (41, 42, 43, 44)]
     one = tiny_qwen2(seed=9, initializer_range=0.2)
-    opt = one_call.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=6)), calibrate=True)
+    opt = one_call.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=6)), calibrate=True,
+                                  probe=kl_control.probe)  # the hand-written update's probe
     adamw_loop(one, opt, batches[:2])
     state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(one.state_dict())
     adamw_loop(one, opt, batches[2:])
@@ -874,7 +878,8 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
 
     again = tiny_qwen2(seed=9, initializer_range=0.2)
     again.load_state_dict(weights)
-    resumed = one_call.LoGRAOptimizer(again, rowadam.RowAdam(sketch.attach(again, seed=6)), calibrate=True)
+    resumed = one_call.LoGRAOptimizer(again, rowadam.RowAdam(sketch.attach(again, seed=6)), calibrate=True,
+                                      probe=kl_control.probe)
     resumed.load_state_dict(state)
     adamw_loop(again, resumed, batches[2:])
     assert resumed.last == opt.last and resumed.calibration.log_scale == opt.calibration.log_scale
@@ -1071,7 +1076,7 @@ def test_the_budgets_shares():
     ids, mask, advantages = policy_batch(31)
     one = tiny_qwen2(seed=8, initializer_range=0.2)
     opt = one_call.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=8)), entropy_share=0.05,
-                                    per_response=0.5)
+                                  per_response=0.5, probe=kl_control.probe)  # the written-out calls' probe
     adamw_loop(one, opt, [(ids, mask, advantages)])
     three = tiny_qwen2(seed=8, initializer_range=0.2)
     layers = sketch.attach(three, seed=8)
