@@ -1,17 +1,14 @@
 """
 ppo.py: the paper's deliberately simple RL objective.
 
-One response per prompt, a binary outcome reward, a running reward baseline shared by all
-data-parallel trainer processes, REINFORCE with truncated importance sampling (TIS), and an
-optional PPO clip for several optimiser steps per batch. The paper (arXiv:2610.06647) chose
-this setup for Table 1's runs on purpose: it isolates the memory method from gains that a more
-elaborate RL algorithm would add. (GRPO, Dr. GRPO and RLOO's group advantages, not the
-paper's: infra/group_advantages.py.)
+One response per prompt, a binary outcome reward, a running baseline shared by all processes,
+REINFORCE with truncated importance sampling (TIS: the engine's bf16 samples reweighted to the
+trainer's distribution) and an optional PPO clip: the setup the paper (arXiv:2610.06647) chose for
+Table 1, to isolate the memory method (group advantages, not the paper's: infra/group_advantages.py).
 
 Use
 ---
     import ppo
-
     rewards = ppo.outcome_reward(correct)                  # (B,) 1 if correct, else -0.01
     baseline = ppo.RunningBaseline()                       # b: kept from batch to batch (and checkpointed)
     advantages = baseline.advantages(rewards)              # (B,) A = r - b; then b moves toward the mean
@@ -21,44 +18,30 @@ Use
                                     num_tokens=num_tokens)  # REINFORCE with TIS
     loss.backward()
 
-`model` the policy (a Hugging Face causal LM), `ids` (B, T) the rollout's prompt and response
-tokens, `mask` (B, T) True on the response tokens, `correct` (B,) the outcomes (1 or 0, or a
-verifier's score), `rollout_logprobs` (B, T) the rollout engine's log-probs of `ids`;
-tests/test_ppo.py runs this block on a tiny Qwen2. With micro-batches, the last three
-statements run once per micro-batch with the one `num_tokens` (as train.py does).
+`model` an HF causal LM, `ids` (B, T) tokens, `mask` (B, T) True on the response, `correct` (B,) outcomes
+or scores, `rollout_logprobs` (B, T) the engine's; per micro-batch, the last three lines with one `num_tokens`.
 
-The math (the paper's RL setup; symbols as in the code)
+The math (the paper's RL setup; B batch, T time)
 --------
     reward     r = 1 if the final answer is correct else failure_reward
     baseline   b <- (1 - w) b + w mean(global batch rewards);  A = r - b, b from before the batch
     TIS        w_t = min(exp(logp_old_t - logp_rollout_t), tis_cap)       detached
     REINFORCE  loss_t = -w_t A logp_t
     PPO        loss_t = -w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A),  rho_t = exp(logp_t - logp_old_t)
-    loss       = sum over response tokens of loss_t / num_tokens
+    loss       = sum over response tokens of loss_t / num_tokens     (the global batch's count)
 
-`num_tokens` counts the response tokens of the whole global batch, so micro-batches and
-processes sum to the same gradient. TIS reweights the engine's samples (bf16 kernels) to the
-trainer's distribution. The paper runs one step per batch: logp_old = logp.detach(), rho = 1.
-Shape legend: B batch (responses), T time (tokens).
-
-Defaults
---------
-failure_reward -0.01 (the paper's binary reward); clip_eps None (the paper's one step per batch);
-w 0.1 and tis_cap 2 cite no table of the paper: departures 2 and 3 until one is found.
+Defaults: failure_reward -0.01 (the paper's binary reward); clip_eps None (the paper's one step a
+batch: logp_old = logp.detach(), rho = 1); w 0.1 and tis_cap 2 cite no table: departures 2 and 3.
 
 Departures from the paper
 -------------------------
-1. A verifier's score s in [0, 1] (Reasoning Gym's) is the reward when s > 0, to keep its partial
-   credit; a right/wrong grader gives the paper's rewards (test_outcome_reward).
+1. A verifier's score s in [0, 1] is the reward if s > 0, keeping partial credit (Reasoning Gym; test_outcome_reward).
 2. The baseline's weight w = 0.1: no source in the paper's text at hand (test_baseline_worked_example).
 3. The TIS cap 2: no source in the paper's text at hand (test_tis_weights).
 
-Implementation notes
---------------------
-- The baseline's mean is a reduced (sum, count) in float64: processes with different numbers of
-  responses agree on it (test_two_process_baseline_matches_concatenation).
-- `policy_loss` reads nothing back to the host (0-dim metric tensors); `check_finite` checks its
-  inputs once per update with one read (test_policy_loss_reads_nothing_back).
+Implementation notes: the baseline's mean is a float64 (sum, count) reduced over processes, so unequal
+batches agree (test_two_process_baseline_matches_concatenation); `policy_loss` reads nothing back and
+`check_finite` reads once (test_policy_loss_reads_nothing_back); test_the_use_block_runs runs the Use block.
 """
 
 import torch
@@ -131,29 +114,19 @@ def global_token_count(mask, group=None) -> int:
 
 def policy_loss(logprobs, advantages, mask, *, rollout_logprobs=None, old_logprobs=None,
                 num_tokens, clip_eps=None, tis_cap=2.0):
-    """REINFORCE (or PPO-clip) with truncated importance sampling; returns (loss, metrics).
-
-    logprobs (B, T) carry the gradient; advantages (B,) or (B, T); mask (B, T) marks the
-    response tokens; rollout/old log-probs (B, T) are treated as constants; `num_tokens` is a
-    Python number (`global_token_count`). Padded positions may hold anything, -inf included.
-
-    Nothing is read back to the host, so a micro-batch never waits for the device: the
-    metrics are 0-dim tensors (float() them once per update), and non-finite inputs are not
-    detected here but by one `check_finite` call per update.
-    """
-    if mask.shape != logprobs.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} and logprobs {tuple(logprobs.shape)} differ in shape")
-    for name, t in (("rollout_logprobs", rollout_logprobs), ("old_logprobs", old_logprobs)):
+    """REINFORCE (or PPO-clip) with TIS; returns (loss, metrics). logprobs (B, T) carry the gradient;
+    advantages (B,) or (B, T); mask (B, T) True on the response (padding may hold anything, -inf too);
+    rollout/old log-probs (B, T) are constants; num_tokens a Python number (global_token_count).
+    Nothing is read back to the host: the metrics are 0-dim tensors, and non-finite inputs are
+    caught by one `check_finite` call per update."""
+    for name, t in (("mask", mask), ("rollout_logprobs", rollout_logprobs), ("old_logprobs", old_logprobs)):
         if t is not None and t.shape != logprobs.shape:
-            raise ValueError(f"{name} {tuple(t.shape)} must match logprobs {tuple(logprobs.shape)}")
+            raise ValueError(f"{name} {tuple(t.shape)} and logprobs {tuple(logprobs.shape)} differ in shape")
     if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
         raise ValueError(f"advantages must be (B,) or (B, T), got {tuple(advantages.shape)}")
-    if not num_tokens > 0:
-        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    if clip_eps is not None and not clip_eps > 0:
-        raise ValueError(f"clip_eps must be positive, got {clip_eps}")
-    if not tis_cap > 0:
-        raise ValueError(f"tis_cap must be positive, got {tis_cap}")
+    if not (num_tokens > 0 and (clip_eps is None or clip_eps > 0) and tis_cap > 0):
+        raise ValueError(f"num_tokens, clip_eps (or None) and tis_cap must be positive: got num_tokens={num_tokens}, "
+                         f"clip_eps={clip_eps}, tis_cap={tis_cap}")
 
     valid = mask.bool()  # (B, T)
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logprobs)  # (B, T)
@@ -171,8 +144,7 @@ def policy_loss(logprobs, advantages, mask, *, rollout_logprobs=None, old_logpro
     if clip_eps is None:
         # REINFORCE: loss_t = -w A logp
         per_token = -w * adv * logprobs  # (B, T)
-        ratio = torch.ones_like(old)
-        clipped = torch.zeros_like(valid)
+        ratio, clipped = torch.ones_like(old), torch.zeros_like(valid)
     else:
         # PPO: loss_t = -w min(rho A, clip(rho) A), rho = exp(logp - logp_old)
         ratio = torch.exp(torch.where(valid, logprobs - old, zero))  # (B, T)
@@ -185,12 +157,8 @@ def policy_loss(logprobs, advantages, mask, *, rollout_logprobs=None, old_logpro
     with torch.no_grad():
         n = valid.sum().clamp(min=1)
         truncated = zero if rollout_logprobs is None else ((raw > tis_cap) & valid).sum() / n
-        metrics = {
-            "ratio": torch.where(valid, ratio.detach(), zero).sum() / n,
-            "clipped": clipped.sum() / n,
-            "tis_weight": torch.where(valid, w, zero).sum() / n,
-            "tis_truncated": truncated,
-        }
+        metrics = {"ratio": torch.where(valid, ratio.detach(), zero).sum() / n, "clipped": clipped.sum() / n,
+                   "tis_weight": torch.where(valid, w, zero).sum() / n, "tis_truncated": truncated}
     return loss, metrics
 
 def check_finite(**tensors: torch.Tensor) -> None:
@@ -211,11 +179,8 @@ def check_finite(**tensors: torch.Tensor) -> None:
 
 def response_logprobs(logits, input_ids, temperature=1.0, chunk=1024):
     """log pi(y_t) of each token under the logits at t - 1, temperature applied: (B, T), 0 at t = 0.
-
-    Computed in fp32 over chunks of positions, each recomputed in backward
-    (`torch.utils.checkpoint`), so only the (B, T) result is kept rather than an fp32 copy of
-    the (B, T, V) logits: about 2.5 GB per 4096-token sequence at a vocabulary of 152k.
-    """
+    In fp32 over chunks of positions, each recomputed in backward (torch.utils.checkpoint): only the
+    (B, T) result is kept, not an fp32 copy of the (B, T, V) logits (2.5 GB per 4096 tokens at V = 152k)."""
     from torch.utils.checkpoint import checkpoint
 
     def picked_logprob(z, y):  # z (B, c, V), y (B, c)
