@@ -1,58 +1,47 @@
 """
 sync.py: seed-based weight sync from the trainer to the rollout engines.
 
-After update t is merged, the trainer sends each engine, per target layer, only the bf16 factor
-F (d, r) that RowAdam merged, and the seed. The engine regenerates A_t by sketch.py's seed rule
-and merges W -= F @ A_t itself, exactly as the trainer did: its bf16 weights stay bf16 of the
-trainer's fp32 master, for 2 d r bytes a layer, about r/k of a bf16 sync. Fingerprints (two
-integer checksums per target) confirm it after every sync.
+After update t the trainer sends each engine the seed and, per target, the bf16 factor F (d, r) that RowAdam
+merged (2 d r bytes, about r/k of a bf16 sync); the engine regenerates A_t by sketch.py's seed rule and merges
+W -= F @ A_t as the trainer did, so its weights stay bf16 of the trainer's fp32 master (fingerprints check it).
 
 Use
 ---
-    import sketch
+    import sketch  # tests/test_sync.py::test_the_use_block_runs runs this block
     import sync
     from rowadam import RowAdam, avoid_bf16_ties_
-    engine = sync.EngineWeights(engine_model, base_seed=0, rank=8)  # a bf16 copy + an int16 residual per target
-    layers = sketch.attach(model, rank=8, seed=0)                    # the trainer: S and A_0, weights frozen
+    engine = sync.EngineWeights(engine_model, base_seed=0, rank=8)  # a bf16 model; + an int16 residual per target
+    layers = sketch.attach(model, rank=8, seed=0)                    # the fp32 trainer: S and A_0, weights frozen
     opt = RowAdam(layers)
     masters = {layer.name: avoid_bf16_ties_(layer.module.weight.data) for layer in layers}  # no bf16 ties
     engine.load_full(sync.full_payload(masters, update=0, base_seed=0, rank=8, dtype=torch.float32))
-    loss_fn(model, ids).backward()                                   # into the sketches
+    loss_fn(model, ids).backward()                                   # any loss of a batch, into the sketches
     opt.prepare()
-    factors = opt.merge(alpha)                                       # the trainer: W -= F A_0
+    factors = opt.merge(alpha)                                       # the trainer: W -= F A_0 (alpha: kl_control.py)
     payload = sync.Payload(0, 0, 8, {l.name: f for l, f in zip(layers, factors)})  # F and the seed's update
     engine.apply(payload)                                            # the engine: W -= F A_0, A_0 from the seed
     sync.check_fingerprints(sync.fingerprint(layers), engine.fingerprint())  # equal, or it raises
 
-`model` a Hugging Face causal LM in fp32, `engine_model` a bf16 copy, `ids` a batch, `loss_fn`
-a loss, `alpha` a step (kl_control.py); tests/test_sync.py::test_the_use_block_runs runs it.
-
-The math (arXiv:2610.06647, the method section on seed-based sync)
+The math (arXiv:2610.06647, the method section on seed-based sync; d out rows, k in columns, r rank)
 --------
-The trainer sends alpha eta U (here F; rowadam.py's `U = c D` is the paper's eta U) and a seed
-for A: O(d r) values instead of a (d, k) delta. At update t, per target layer:
-
-    F     = bf16(alpha eta U)                   (d, r), what the trainer merged and sends
+    F     = bf16(alpha eta U)    (d, r), merged and sent instead of a (d, k) delta (rowadam.py's c D is eta U)
     A_t   = sketch.make_projection(r, k, projection_seed(base_seed, t, name))     (r, k)
     W     = bf16(W) + j ulp(W)                  the engine's master, j an int16 (departure 1)
     merge: W = join(bf16, j);  W -= F @ A_t;  bf16, j = split(W)       in the trainer's row chunks
     fingerprint = (sum_i x_i, sum_i x_i (i mod 65521 + 1))            x_i: the 16-bit words of bf16(W)
 
-Defaults: factors in bf16, as the engines merge them (fp32 would double the payload); 65521,
-the largest prime below 2^16 (Adler-32's modulus). Shapes: d out rows, k in columns, r rank.
+Defaults: bf16 factors, as engines merge them (fp32 doubles the payload); 65521, the largest prime < 2^16 (Adler-32).
 
 Departures from the paper
 -------------------------
-1. The engine keeps the trainer's fp32 master as bf16 + an int16 residual: a relative step of
-   6e-5 is far below bf16's resolution, so a plain bf16 merge drifts (test_200_payloads_track_the_trainer_in_both_layouts).
-2. Not the paper's: the exact sparse bf16 delta (`--sync delta`, PULSE, arXiv:2602.03839) for an
-   engine without a master (infra/sparse_delta.py; test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer).
+1. The engine keeps the trainer's fp32 master as bf16 + an int16 residual: a relative step of 6e-5 is far
+   below bf16's resolution, so a plain bf16 merge drifts (test_200_payloads_track_the_trainer_in_both_layouts).
+2. Not the paper's: the exact sparse bf16 delta (`--sync delta`, PULSE, arXiv:2602.03839) for an engine
+   without a master (infra/sparse_delta.py; test_sparse_deltas_keep_engines_without_a_master_equal_to_the_trainer).
 
-Implementation notes: train.py runs the companions: infra/wire.py (one checked uint8 buffer),
-infra/checksum.py (the checksum in bounded blocks), infra/engine_weights.py (vLLM's layout, host
-residuals, streamed syncs, a shape's targets merged together: the same bits, not timed apart), and
-infra/engine_sync.py (the trainer's side, FSDP2). Every payload is
-checked before anything changes; factors of another projection rule (sketch.PROJECTION) too.
+Implementation notes: every payload, its projection rule too, is checked before anything changes. train.py runs
+the companions infra/wire.py (one checked uint8 buffer), infra/checksum.py (the checksum in blocks),
+infra/engine_weights.py (vLLM's layout, host residuals, streamed and batched merges), infra/engine_sync.py (FSDP2).
 """
 
 from dataclasses import dataclass, field
@@ -66,9 +55,9 @@ CHECK_MOD = 65521  # positional weights of the checksum cycle through 1..65521
 
 @dataclass
 class Payload:
-    """What an engine receives for update `update`, per target (clean HF name) in `layers`: the
-    bf16 factor F (d, r) (kind "delta"); the full weight (d, k) (kind "full", `update` the
-    number of updates it contains); a sparse delta (kind "sparse", infra/sparse_delta.py)."""
+    """What an engine receives for update `update`, per target (clean HF name) in `layers`: the bf16 factor
+    F (d, r) (kind "delta"), the full weight (d, k) (kind "full", `update` the updates it holds) or a sparse
+    delta (kind "sparse", infra/sparse_delta.py)."""
 
     update: int
     base_seed: int
@@ -100,8 +89,7 @@ class _Slot:
         return self.param.detach()[self.row:self.row + self.rows]  # (d, k) bf16 view
 
 def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """fp32 master (c, k) from its bf16 rounding `hi` and int16 residual `lo` (in fp32 ulps): fp32
-    words of one sign are ordered like integers, also across binades."""
+    """fp32 master (c, k) from bf16 `hi` and int16 residual `lo` in fp32 ulps (words of one sign order as integers)."""
     return hi.to(torch.float32).view(torch.int32).add_(lo.to(hi.device)).view(torch.float32)
 
 def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +99,8 @@ def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo.to(torch.int16)
 
 def store_master(master: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
-    """Write an fp32 master (c, k) as its bf16 `weight` and int16 `residual` in place, a bf16 tie
-    first moved one ulp toward zero (rowadam.avoid_bf16_ties_'s rule); `master` is consumed. On
-    the fp32 words: hi = (bits + 0x7FFF) & ~0xFFFF, bits - hi in [-32767, 32768], a tie -> 32767."""
+    """An fp32 master (c, k) into bf16 `weight` + int16 `residual` in place, `master` consumed, a bf16 tie moved one
+    ulp toward zero (avoid_bf16_ties_): hi = (bits + 0x7FFF) & ~0xFFFF, bits - hi in [-32767, 32768], a tie 32767."""
     bits = master.view(torch.int32)
     hi = bits.add(0x7FFF).bitwise_and_(-0x10000)  # bf16 values as fp32 words
     weight.copy_(hi.view(torch.float32))  # exact: every value is a bf16
@@ -124,9 +111,8 @@ def bf16_ties(w: torch.Tensor) -> int:
     return int(((w.contiguous().view(torch.int32) & 0xFFFF) == 0x8000).sum())
 
 class EngineWeights:
-    """The rollout engine's target weights: the HF model's bf16 weights, plus an int16 residual
-    that makes each the trainer's exact fp32 master (departure 1). Each payload holds every
-    target, in order (infra/engine_weights.py: vLLM's layout, streamed syncs)."""
+    """The rollout engine's target weights: the HF model's bf16 weights, plus an int16 residual that makes each
+    the trainer's exact fp32 master (departure 1); a payload holds every target (infra/engine_weights.py: streamed)."""
 
     def __init__(self, model, *, base_seed, rank, update=0, checksums=None):
         self.base_seed, self.rank, self.update = base_seed, rank, update
@@ -154,7 +140,6 @@ class EngineWeights:
         return join_master(self.slots[name].weight, self.slots[name].residual)
 
     def _check(self, payload, kind):
-        """What a payload must be, checked before anything changes."""
         got = (payload.kind, payload.base_seed, payload.rank, payload.projection)
         want = (kind, self.base_seed, self.rank, PROJECTION if kind == "delta" else payload.projection)
         odd = sorted(set(payload.layers) ^ set(self.slots))[:3]  # layers missing or unknown
@@ -171,37 +156,31 @@ class EngineWeights:
 
     @torch.no_grad()
     def apply(self, payload: Payload) -> None:
-        """Merge W -= F @ A_update into every target, A_update from the seed; the engine then
-        expects the next update."""
+        """W -= F @ A_update on every target, A_update from the seed; the engine then expects the next update."""
         self._check(payload, "delta")
         self._merge_factors(payload)
         self.update += 1
 
     def _merge_factors(self, payload: Payload) -> None:
-        """W -= F @ A_update on every target of a factor payload, exactly as the trainer merges,
-        one target at a time (infra/engine_weights.py's merges a shape's together)."""
+        """W -= F @ A_update as the trainer merges, one target at a time (infra/engine_weights.py: batched)."""
         for name, f in payload.factors.items():
             slot = self.slots[name]
-            device = slot.param.device
-            signs = make_signs(self.rank, slot.weight.shape[1], projection_seed(self.base_seed, payload.update, slot.name),
-                               device=device)  # (r, k)
-            self._merge_factor(slot, f.to(device), projection_from_signs(signs))  # A_update in fp32, as the trainer's
+            seed = projection_seed(self.base_seed, payload.update, slot.name)
+            signs = make_signs(self.rank, slot.weight.shape[1], seed, device=slot.param.device)  # (r, k)
+            self._merge_factor(slot, f.to(slot.param.device), projection_from_signs(signs))  # A_update, fp32
 
     def _merge_factor(self, slot: _Slot, f: torch.Tensor, a: torch.Tensor) -> None:
-        """W -= F @ A on one target, chunk by chunk, `a` A_update (r, k) in fp32: rebuild the
-        fp32 master, merge exactly as the trainer does, split it again."""
+        """W -= F @ A on one target by row chunks, `a` A_update (r, k) in fp32: join, merge as the trainer, split."""
         w = slot.weight  # (d, k) bf16
         step = rows_per_chunk(w.shape[1])
         for start in range(0, slot.rows, step):
-            stop = min(start + step, slot.rows)
-            master = join_master(w[start:stop], slot.residual[start:stop])  # (c, k) fp32
+            master = join_master(w[start:start + step], slot.residual[start:start + step])  # (c, k) fp32
             merge_rows(master, f, a, row_offset=start, chunk_rows=step, avoid_ties=False)  # W -= F A
-            store_master(master, w[start:stop], slot.residual[start:stop])  # ties avoided here
+            store_master(master, w[start:start + step], slot.residual[start:start + step])  # ties avoided here
 
     @torch.no_grad()
     def load_full(self, payload: Payload) -> None:
-        """Replace every target weight: fp32 ones set the exact master (no bf16 ties allowed),
-        bf16 ones a master equal to the bf16 weight; the engine then expects update `payload.update`."""
+        """Replace every target (fp32: the exact master, no bf16 ties; bf16: residual 0); expect `payload.update`."""
         self._check(payload, "full")
         for name, w in payload.layers.items():
             self._load(self.slots[name], w)
@@ -210,10 +189,9 @@ class EngineWeights:
     def _load(self, slot: _Slot, w: torch.Tensor) -> None:  # bf16 w: the master w itself, residual 0
         step = rows_per_chunk(w.shape[1])
         for start in range(0, slot.rows, step):
-            chunk = w[start:start + step].to(slot.param.device, torch.float32)  # (c, k)
-            hi, lo = split_master(chunk)
-            slot.weight[start:start + chunk.shape[0]].copy_(hi)
-            slot.residual[start:start + chunk.shape[0]].copy_(lo)
+            hi, lo = split_master(w[start:start + step].to(slot.param.device, torch.float32))  # (c, k) each
+            slot.weight[start:start + step].copy_(hi)
+            slot.residual[start:start + step].copy_(lo)
 
     def fingerprint(self) -> dict:
         return dict(zip(self.slots, self.checksums(s.weight for s in self.slots.values())))
@@ -234,8 +212,7 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
     return word_checksums([t])[0]
 
 def fingerprint(layers_or_model, checksums=word_checksums) -> dict:
-    """Checksums of bf16(W) per target, from a model or from sketch.attach's layers (one process;
-    under FSDP2, infra/engine_sync.fingerprint sums the row shards)."""
+    """Checksums of bf16(W) per target of a model or of sketch.attach's layers (FSDP2: infra/engine_sync.py)."""
     model = isinstance(layers_or_model, torch.nn.Module)
     mods = target_modules(layers_or_model) if model else {l.name: l.module for l in layers_or_model}
     names = sorted(mods)
