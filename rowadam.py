@@ -47,9 +47,8 @@ Implementation notes
 - S is the per-token mean loss's sketch, not divided again by the token count.
   tests/test_rowadam.py::test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss.
 - A refusal changes nothing; S = 0 gives D = 0. tests/test_rowadam.py::test_failures_change_nothing.
-- Faster: infra/batched.py's `BatchedRowAdam`, the same bits over stacks of layers: prepare 5.9 -> 3.7 ms,
-  merge 7.0 -> 3.2 ms on the toy's 14 layers (bench/README.md, `loop_phases_companions`).
-  tests/test_rowadam.py::test_batched_rowadam_equals_the_reference.
+- Faster: infra/batched.py's `BatchedRowAdam` (tests/test_rowadam.py::test_batched_rowadam_equals_the_reference),
+  layer stacks, the same bits: prepare 5.9 -> 3.7 ms, merge 7.0 -> 3.2 ms (bench/README.md, `loop_phases_companions`).
 Shape legend: d out rows, k in columns, r rank; n rows this process holds (n = d in one process).
 """
 
@@ -164,14 +163,12 @@ class RowAdam:
         if whole:  # every process refuses, or none
             dist.all_reduce(backwards, group=group)
         if int(backwards) == 0:
-            raise ValueError("no backward reached a sketch since the last merge() or discard(): "
-                             "call loss.backward() between merges")
+            raise ValueError("no backward since the last merge() or discard(): call loss.backward() between merges")
         for S in self._sketches() if whole else ():
             dist.all_reduce(S, group=group)  # in place: the summed sketches are the batch's
         S_sq = self._sketch_squares()  # (L,) float64 ||S_l||^2: the norm returned, and the finiteness check
         if not torch.isfinite(S_sq).all():
-            raise FloatingPointError("summed sketch is not finite (or its squared norm overflows float64): "
-                                     "nothing was changed; discard() drops the batch")
+            raise FloatingPointError("summed sketch not finite (or its norm^2 overflows): discard() drops the batch")
         self.directions, self._pending_moments = self._directions(self.update + 1, per_layer)
         return math.sqrt(S_sq.sum().item())
 

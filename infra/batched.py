@@ -151,7 +151,8 @@ def row_adam_groups(sketches, moments, rows, *, step, beta2=0.95, eps=1e-8, grou
     # row_adam_direction's refusals, over every layer's rows
     for S, v in zip([S.flatten(0, 1) for S in sketches], [v.flatten() for v in moments]):
         if S.dim() != 2 or v.shape != (S.shape[0],):
-            raise ValueError(f"sketch must be (n, r) and its second moment (n,), got {tuple(S.shape)}, {tuple(v.shape)}")
+            raise ValueError(f"sketch must be (n, r) and its second moment (n,), got {tuple(S.shape)}, "
+                             f"{tuple(v.shape)}")
     if step < 1 or not 0.0 <= beta2 < 1.0 or not eps > 0:
         raise ValueError(f"need step >= 1 (1-based: update + 1), beta2 in [0, 1), eps > 0; got {step}, {beta2}, {eps}")
 
@@ -350,8 +351,7 @@ class BatchedRowAdam(RowAdam):
         return factors, bool(torch.stack([torch.isfinite(F_g).all() for F_g in self._stacked]).all())
 
     def _merge(self, rows, factors):
-        """W -= F A_t, the layers of one weight shape together (`merge_layers`: merge_rows' bits); v committed;
-        S zeroed."""
+        """W -= F A_t, each weight shape's layers together (`merge_layers`: merge_rows' bits); v committed; S = 0."""
         magnitude = entry_magnitude(self.rank, self.layers[0].sketch.dtype)  # |A's entries| as the layers form A
         for (members, *_), F_g in zip(self._groups, self._stacked):
             merge_layers([rows[i] for i in members], F_g, [self.layers[i].signs for i in members], magnitude)
