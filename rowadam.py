@@ -69,9 +69,8 @@ def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8):
     if step < 1 or not 0.0 <= beta2 < 1.0 or not eps > 0:
         raise ValueError(f"need step >= 1 (1-based: update + 1), beta2 in [0, 1), eps > 0; got {step}, {beta2}, {eps}")
     d = torch.full((), float(S.shape[0]), dtype=torch.float64, device=S.device)  # () d, divided by as a tensor
-    # v <- beta2 v + (1 - beta2) mean_j S_ij^2
+    # v <- beta2 v + (1 - beta2) mean_j S_ij^2, then root <- sqrt(v / (1 - beta2^t))
     v = beta2 * v + (1 - beta2) * S.to(v.dtype).square().mean(dim=1)  # (d,)
-    # root <- sqrt(v / (1 - beta2^t))
     root = (v / (1 - beta2**step)).sqrt()  # (d,)
     # den <- root + max(eps mean(root), tiny)
     den = root + torch.clamp(eps * (root.double().sum() / d).to(root.dtype), min=torch.finfo(root.dtype).tiny)  # (d,)
