@@ -22,13 +22,12 @@ The math (arXiv:2610.06647, the method section on the low-rank gradient sketch)
 -----------------------------------------------------------------------------
     S = G A^T = dY^T (X A^T)                                   (d, r)
     A[i, j] = +-1/sqrt(r), each with probability 1/2           E[A^T A] = I_k, so E[S A] = G
-Code -> paper: `sketch` S, `projection` A, `signs` sqrt(r) A (int8), `rank` r, `update` t, the updates merged
-so far: update t uses A_t, then every layer moves to A_{t+1} (`refresh`; Adam's step is t + 1). A_t is never
-sent: each process makes it from `projection_seed(base_seed, t, name)` (sha256) by integer operations on its
-device (`make_signs`), the same bits everywhere; projection version 2 (`PROJECTION`; version 1 is refused):
+Code -> paper: `sketch` S, `projection` A, `signs` sqrt(r) A (int8), `rank` r, `update` t: the updates merged,
+A_t in use until `refresh` moves to A_{t+1} (Adam's step is t + 1). Each process makes A_t, never sent, from
+`projection_seed(base_seed, t, name)` (sha256) by integer operations (`make_signs`), the same bits everywhere:
     mix32(x) = x ^= x >> 16; x *= 0x21F0AAAD; x ^= x >> 15; x *= 0x735A2D97; x ^= x >> 15 (mod 2^32)
     c = i * ceil(k / 16) + b;  h = mix32(mix32(c ^ lo) ^ hi ^ 0x9E3779B9)   (lo, hi: the seed's words)
-    A[i, 16 b + j] = -1/sqrt(r) where bit 16 + j of h is set, else +1/sqrt(r)
+    A[i, 16 b + j] = -1/sqrt(r) where bit 16 + j of h is set, else +1/sqrt(r)    (version `PROJECTION` = 2)
 
 Defaults: r = 256 (`PAPER_RANK`, Table 1), at most `default_rank` (departure 3); `TARGETS`: the paper's (departure 2).
 
@@ -42,12 +41,12 @@ Departures from the paper (numbered; reason; test)
 
 Implementation notes
 --------------------
-Backward reaches the frozen targets through a Hugging Face embedding's output made to require grad, else a
-leaf copy of the module's input; `backwards` counts passes since `zero_()`; a refused attach changes nothing;
-a moved model is refused: tests/test_sketch.py, test_tiny_qwen2_sketches_equal_dense,
-test_plain_module_sketches_equal_dense, test_backwards_counts_the_passes_since_zero,
-test_refused_attach_changes_nothing, test_a_moved_model_is_refused_and_a_cast_one_still_sketches.
-Companions: infra/row_shard.py (departure 1), infra/batched.py (bench/README.md, `loop_phases_companions`).
+Backward reaches frozen targets through a Hugging Face embedding's output made to require grad, else a leaf
+copy of the input; `backwards` counts passes since `zero_()`; a refused attach changes nothing; a moved model
+is refused: tests/test_sketch.py, test_tiny_qwen2_sketches_equal_dense, test_plain_module_sketches_equal_dense,
+test_backwards_counts_the_passes_since_zero, test_refused_attach_changes_nothing,
+test_a_moved_model_is_refused_and_a_cast_one_still_sketches. Companions: infra/row_shard.py (departure 1),
+infra/batched.py (bench/README.md, `loop_phases_companions`).
 
 Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
 """
@@ -94,8 +93,8 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def check_signs(rank: int, width: int, seed: int) -> None:
     if rank <= 0 or width <= 0 or rank * -(-width // SIGNS_PER_WORD) > 2**32 or not 0 <= seed < 2**64:
-        raise ValueError(f"projection needs rank > 0 and width > 0, at most 2^32 counters and a 64-bit unsigned "
-                         f"seed, got {rank} x {width}, seed {seed}")
+        raise ValueError(f"need rank > 0 and width > 0 (2^32 counters at most), a 64-bit unsigned seed: "
+                         f"{rank, width, seed}")
 
 def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor:
     """sqrt(r) A (rank, width) as int8 +-1, projection version `PROJECTION` ("The math")."""
@@ -144,8 +143,7 @@ class _SketchedLinear(torch.autograd.Function):
         return dx, None, None, None, None, None, None, None
 
 def sketch_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b` in `dtype` (the sketch's), one GEMM in the factors' dtype: rounded once to theirs (the
-    authors' way), or its fp32 accumulator where the device writes fp32 from bf16 (`_fp32_out_mm`)."""
+    """`a @ b` in `dtype`, one GEMM in the factors' dtype: rounded once (the authors' way), or fp32 `_fp32_out_mm`."""
     out = _fp32_out_mm(a, b) if a.dtype != dtype and dtype == torch.float32 else None
     return (a @ b).to(dtype) if out is None else out
 
@@ -183,9 +181,8 @@ def sketched_linear(x, weight, bias, projection, sketch, shard=None, *, layer=No
         return F.linear(x, weight, bias)  # no backward will run: P would never be used
     if any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in (x, weight, bias)):
         raise ValueError("forward-mode AD through a sketched layer needs torch.no_grad() (as the KL probe runs)")
-    input_grad = x.requires_grad
-    if not input_grad:  # nothing above requires grad: a leaf copy that does reaches the sketch, no dX
-        x = x.detach().requires_grad_(True)
+    input_grad = x.requires_grad  # False: nothing above requires grad, so a leaf copy that does reaches the sketch
+    x = x if input_grad else x.detach().requires_grad_(True)  # (..., k)
     return _SketchedLinear.apply(x, weight, bias, projection, sketch, shard, input_grad, layer)
 
 @dataclass(eq=False)
@@ -237,8 +234,7 @@ def refresh(layers, update: int) -> None:
         layer.update = update
 
 def target_modules(model: nn.Module, targets=TARGETS) -> dict:
-    """{clean name: module} of the targets: names matching a module's last name part or its whole
-    clean name, in module order; or a {name: module} mapping of `model`'s modules (`_mapped_targets`)."""
+    """{clean name: module} of the modules whose last name part or clean name is in `targets`, or a mapping's."""
     if isinstance(targets, Mapping):
         return _mapped_targets(model, targets)
     names = (targets,) if isinstance(targets, str) else tuple(targets)  # one name, not its letters
@@ -281,8 +277,7 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
         if rank is not None and rank > module.in_features:  # default_rank never exceeds it
             raise ValueError(f"rank {rank} exceeds in_features {module.in_features} of {name}: choose a smaller rank")
         if "forward" in vars(module):  # detach() could not restore what it would replace
-            raise RuntimeError(f"target {name} already has its own forward (sketches attached through another module, "
-                               "or a hook library's): detach that first")
+            raise RuntimeError(f"{name} already has its own forward (another attach, a hook's): detach that first")
     rank = default_rank(found.values()) if rank is None else rank
     try:  # a Hugging Face model's input embedding, hooked as its enable_input_require_grads does (implementation notes)
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
