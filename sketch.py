@@ -27,7 +27,7 @@ A_t in use until `refresh` moves to A_{t+1} (Adam's step is t + 1). Each process
 `projection_seed(base_seed, t, name)` (sha256) by integer operations (`make_signs`), the same bits everywhere:
     mix32(x) = x ^= x >> 16; x *= 0x21F0AAAD; x ^= x >> 15; x *= 0x735A2D97; x ^= x >> 15 (mod 2^32)
     c = i * ceil(k / 16) + b;  h = mix32(mix32(c ^ lo) ^ hi ^ 0x9E3779B9)   (lo, hi: the seed's words)
-    A[i, 16 b + j] = -1/sqrt(r) where bit 16 + j of h is set, else +1/sqrt(r)    (version `PROJECTION` = 2)
+    A[i, 16 b + j] = -1/sqrt(r) where bit 16 + j of h is set, else +1/sqrt(r)    (`PROJECTION` = 2; 1 is refused)
 
 Defaults: r = 256 (`PAPER_RANK`, Table 1), at most `default_rank` (departure 3); `TARGETS`: the paper's (departure 2).
 
@@ -93,8 +93,8 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def check_signs(rank: int, width: int, seed: int) -> None:
     if rank <= 0 or width <= 0 or rank * -(-width // SIGNS_PER_WORD) > 2**32 or not 0 <= seed < 2**64:
-        raise ValueError(f"need rank > 0 and width > 0 (2^32 counters at most), a 64-bit unsigned seed: "
-                         f"{rank, width, seed}")
+        raise ValueError(f"a projection needs rank > 0 and width > 0 (2^32 counters at most) and a 64-bit unsigned "
+                         f"seed, got rank, width, seed = {rank, width, seed}")
 
 def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor:
     """sqrt(r) A (rank, width) as int8 +-1, projection version `PROJECTION` ("The math")."""
@@ -260,7 +260,7 @@ def default_rank(modules) -> int:
 def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TARGETS, *,
            update: int = 0, shard=None) -> list[LayerSketch]:
     """Sketch every target nn.Linear (`target_modules`) at `rank` (None: `default_rank`), A_update from `seed`,
-    and freeze every parameter. Returns the layers in module order; `detach(model)` undoes it."""
+    freeze every parameter; `shard`: departure 1. Returns the layers in module order; `detach(model)` undoes it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach needs an nn.Module, got {type(model).__name__}")
     if getattr(model, "_logra_attached", None) is not None:
@@ -277,7 +277,7 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
         if rank is not None and rank > module.in_features:  # default_rank never exceeds it
             raise ValueError(f"rank {rank} exceeds in_features {module.in_features} of {name}: choose a smaller rank")
         if "forward" in vars(module):  # detach() could not restore what it would replace
-            raise RuntimeError(f"{name} already has its own forward (another attach, a hook's): detach that first")
+            raise RuntimeError(f"{name} already has its own forward (another attach's, a hook's): detach that first")
     rank = default_rank(found.values()) if rank is None else rank
     try:  # a Hugging Face model's input embedding, hooked as its enable_input_require_grads does (implementation notes)
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
