@@ -7,16 +7,13 @@ never builds G: forward keeps `P = X A^T` (N, r) instead of X (N, k), and backwa
 
 Use
 ---
-    import sketch
-
+    import sketch  # `model`: a Hugging Face causal LM (fp32), `ids` (B, T); any other module names `targets`
     layers = sketch.attach(model, rank=8, seed=0)  # S = 0 and A_0 on every target nn.Linear; all frozen
     logits = model(input_ids=ids).logits           # (B, T, V)
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()                                # S += G A^T in every target; no parameter gets a .grad
     sketches = {layer.name: layer.sketch for layer in layers}  # (d, r) fp32 each: what RowAdam reads
     sketch.detach(model)                           # nn.Linear's forward and the requires_grad flags again
-
-`model`: a Hugging Face causal LM (fp32 weights), `ids` (B, T); any other module names its `targets`.
 
 The math (arXiv:2610.06647, the method section on the low-rank gradient sketch)
 -----------------------------------------------------------------------------
@@ -41,9 +38,9 @@ Departures from the paper (numbered; reason; test)
 
 Implementation notes
 --------------------
-Backward reaches frozen targets through a Hugging Face embedding's output made to require grad, else a leaf
-copy of the input; `backwards` counts passes since `zero_()`; a refused attach changes nothing; a moved model
-is refused: tests/test_sketch.py, test_tiny_qwen2_sketches_equal_dense, test_plain_module_sketches_equal_dense,
+Backward reaches frozen targets through a Hugging Face embedding's output made to require grad, else a leaf copy
+of the input; `backwards` counts passes since `zero_()`; a refused attach changes nothing; a moved model is refused:
+tests/test_sketch.py, test_tiny_qwen2_sketches_equal_dense, test_plain_module_sketches_equal_dense,
 test_backwards_counts_the_passes_since_zero, test_refused_attach_changes_nothing,
 test_a_moved_model_is_refused_and_a_cast_one_still_sketches. Companions: infra/row_shard.py (departure 1),
 infra/batched.py (bench/README.md, `loop_phases_companions`).
@@ -157,16 +154,13 @@ def _fp32_out_mm(a: torch.Tensor, b: torch.Tensor):
             _FP32_OUT_MM[kind] = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", kind.upper())
         except (AttributeError, RuntimeError):  # an older torch: no such overload or query
             _FP32_OUT_MM[kind] = False
-    if not _FP32_OUT_MM[kind]:
-        return None
     try:
-        return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b, out_dtype=torch.float32) if _FP32_OUT_MM[kind] else None
     except torch.OutOfMemoryError:
         raise
-    except (TypeError, RuntimeError) as e:  # a build whose overload takes other inputs
+    except (TypeError, RuntimeError) as e:  # a build whose overload takes other inputs: None from now on
         _FP32_OUT_MM[kind] = False
         warnings.warn(f"torch.mm(..., out_dtype=torch.float32) failed on {kind} ({e}): products rounded from now on")
-        return None
 
 def sketched_linear(x, weight, bias, projection, sketch, shard=None, *, layer=None):
     """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r), or this process's
@@ -246,10 +240,8 @@ def _mapped_targets(model: nn.Module, targets: Mapping) -> dict:
     found = {clean_name(n): m for n, m in targets.items()}
     if len(found) < len(targets) or len({id(m) for m in found.values()}) < len(found):
         raise ValueError("targets name a module twice, or two names clean to one: give each module one name")
-    members = {id(m) for m in model.modules()}
-    foreign = [name for name, m in found.items() if id(m) not in members]
-    if foreign:
-        raise ValueError(f"{foreign}: not a module of this {type(model).__name__}; attach the model that holds them")
+    if not {id(m) for m in found.values()} <= {id(m) for m in model.modules()}:
+        raise ValueError(f"a target is not a module of this {type(model).__name__}: attach the model that holds it")
     return found
 
 def default_rank(modules) -> int:
@@ -303,10 +295,9 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
 
 def detach(model: nn.Module) -> None:
     """Undo `attach`: plain nn.Linear forwards, original requires_grad flags, no hook."""
-    state = getattr(model, "_logra_attached", None)
-    if state is None:
+    if getattr(model, "_logra_attached", None) is None:
         raise RuntimeError("model has no sketches attached")
-    layers, frozen, hook = state
+    layers, frozen, hook = model._logra_attached
     for layer in layers:
         del layer.module.forward
     for n, p in model.named_parameters():
