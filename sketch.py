@@ -7,8 +7,7 @@ never builds G: forward keeps `P = X A^T` (N, r) instead of X (N, k), and backwa
 
 Use
 ---
-    import sketch
-
+    import sketch  # `model`: a Hugging Face causal LM (fp32), `ids` (B, T); any other module names `targets`
     layers = sketch.attach(model, rank=8, seed=0)  # S = 0 and A_0 on every target nn.Linear; all frozen
     logits = model(input_ids=ids).logits           # (B, T, V)
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
@@ -16,48 +15,35 @@ Use
     sketches = {layer.name: layer.sketch for layer in layers}  # (d, r) fp32 each: what RowAdam reads
     sketch.detach(model)                           # nn.Linear's forward and the requires_grad flags again
 
-`model`: a Hugging Face causal LM with fp32 weights, `ids` (B, T) (tests/test_sketch.py runs this);
-any other module names its targets (`targets=("fc1", "fc2")` or a `{name: module}` mapping).
-
 The math (arXiv:2610.06647, the method section on the low-rank gradient sketch)
 -----------------------------------------------------------------------------
     S = G A^T = dY^T (X A^T)                                   (d, r)
     A[i, j] = +-1/sqrt(r), each with probability 1/2           E[A^T A] = I_k, so E[S A] = G
-Code -> paper: `sketch` S, `projection` A, `signs` sqrt(r) A (int8), `rank` r, `update` t. A is
-redrawn every update and never sent: each process makes A_t from `projection_seed(base_seed, t,
-name)` (sha256) by integer operations on its device (`make_signs`), the same bits everywhere.
-Projection version 2 (`PROJECTION`; version 1, a host draw, is refused where recorded):
+Code -> paper: `sketch` S, `projection` A, `signs` sqrt(r) A (int8), `rank` r, `update` t: the updates merged,
+A_t in use until `refresh` moves to A_{t+1} (Adam's step is t + 1). Each process makes A_t, never sent, from
+`projection_seed(base_seed, t, name)` (sha256) by integer operations (`make_signs`), the same bits everywhere:
     mix32(x) = x ^= x >> 16; x *= 0x21F0AAAD; x ^= x >> 15; x *= 0x735A2D97; x ^= x >> 15 (mod 2^32)
     c = i * ceil(k / 16) + b;  h = mix32(mix32(c ^ lo) ^ hi ^ 0x9E3779B9)   (lo, hi: the seed's words)
-    A[i, 16 b + j] = -1/sqrt(r) where bit 16 + j of h is set, else +1/sqrt(r)
-The update counter t, one for the project: the updates merged so far, from 0; update t uses A_t,
-then every layer moves to A_{t+1} (`refresh`). A step counted from 1 (Adam's) is t + 1.
+    A[i, 16 b + j] = -1/sqrt(r) where bit 16 + j of h is set, else +1/sqrt(r)    (`PROJECTION` = 2; 1 is refused)
 
-Defaults: r = 256 (`PAPER_RANK`, Table 1's LoGRA runs), capped by `default_rank` (departure 3);
-targets: the paper's attention/MLP projections (`TARGETS`; departure 2).
+Defaults: r = 256 (`PAPER_RANK`, Table 1), at most `default_rank` (departure 3); `TARGETS`: the paper's (departure 2).
 
 Departures from the paper (numbered; reason; test)
 -------------------------------------------------
-1. Row-sharded S under FSDP2 (`attach(..., shard=infra.row_shard.RowShard(group))`): summed by a
-   reduce-scatter per micro-batch, d/world rows a process. tests/test_rowadam.py,
-   test_row_sharded_state_equals_one_process_bitwise.
-2. A fused target (Phi-3's qkv_proj) is one layer, one A and one S, as the model computes it.
+1. S row-sharded as FSDP2 shards W, to fit: tests/test_rowadam.py, test_row_sharded_state_equals_one_process_bitwise.
+2. A fused target (Phi-3's qkv_proj) is one layer, one A and one S, as the model computes it:
    tests/test_architectures.py, test_every_family_trains_and_its_engines_follow.
 3. r at most half the narrowest target's width, a power of 2, so S holds at most half of G
-   (bench/README.md, `defaults`). tests/test_sketch.py, test_default_rank_is_half_the_narrowest_width.
+   (bench/README.md, `defaults`): tests/test_sketch.py, test_default_rank_is_half_the_narrowest_width.
 
 Implementation notes
 --------------------
-- All parameters frozen; backward reaches a target through a Hugging Face embedding's output made
-  to require grad (tests/test_sketch.py, test_tiny_qwen2_sketches_equal_dense), or a leaf copy of
-  a plain module's input (tests/test_sketch.py, test_plain_module_sketches_equal_dense). A refused
-  attach changes nothing (tests/test_sketch.py, test_refused_attach_changes_nothing); a moved model
-  is refused, a cast one still sketches (tests/test_sketch.py, test_a_moved_model_is_refused_and_a_cast_one_still_sketches).
-- `backwards` counts passes since `zero_()`: RowAdam refuses a batch none reached.
-  tests/test_sketch.py, test_backwards_counts_the_passes_since_zero.
-- `dY^T P` is one GEMM in the activations' dtype (`sketch_product`), added to S (never `addmm_`:
-  one process and a reduce-scatter add the same products). Fast companion: infra/batched.py (every
-  layer's signs at once, in RowAdam's merge; bench/README.md, `loop_phases_companions`).
+Backward reaches frozen targets through a Hugging Face embedding's output made to require grad, else a leaf copy
+of the input; `backwards` counts passes since `zero_()`; a refused attach changes nothing; a moved model is refused:
+tests/test_sketch.py, test_tiny_qwen2_sketches_equal_dense, test_plain_module_sketches_equal_dense,
+test_backwards_counts_the_passes_since_zero, test_refused_attach_changes_nothing,
+test_a_moved_model_is_refused_and_a_cast_one_still_sketches. Companions: infra/row_shard.py (departure 1),
+infra/batched.py (bench/README.md, `loop_phases_companions`).
 
 Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
 """
@@ -103,10 +89,9 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 def check_signs(rank: int, width: int, seed: int) -> None:
-    if rank <= 0 or width <= 0 or rank * -(-width // SIGNS_PER_WORD) > 2**32:
-        raise ValueError(f"projection needs rank > 0 and width > 0 and at most 2^32 counters, got {rank} x {width}")
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"a projection seed is a 64-bit unsigned integer, got {seed}")
+    if rank <= 0 or width <= 0 or rank * -(-width // SIGNS_PER_WORD) > 2**32 or not 0 <= seed < 2**64:
+        raise ValueError(f"a projection needs rank > 0 and width > 0 (2^32 counters at most) and a 64-bit unsigned "
+                         f"seed, got rank, width, seed = {rank, width, seed}")
 
 def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor:
     """sqrt(r) A (rank, width) as int8 +-1, projection version `PROJECTION` ("The math")."""
@@ -141,63 +126,57 @@ class _SketchedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         p, weight = ctx.saved_tensors
-        sketch = ctx.sketch
         dy2 = dy.reshape(-1, dy.shape[-1])  # (N, d)
         # Sketch: S += dY^T P, formed in the activations' dtype, added into the fp32 sketch.
         # Shapes: (d, N) @ (N, r) -> (d, r)
-        product = sketch_product(dy2.t(), p, sketch.dtype)
+        product = sketch_product(dy2.t(), p, ctx.sketch.dtype)
         if ctx.shard is not None:  # this process keeps its rows of the sum over processes (departure 1)
             product = ctx.shard.reduce(product)
-        sketch.add_(product)  # not addmm_: the implementation notes
+        ctx.sketch.add_(product)  # not addmm_: one process and a reduce-scatter add the same products
         if ctx.layer is not None:
             ctx.layer.backwards += 1  # a Python int on the host: no device read
         # Input gradient: dX = dY W, as in any linear layer. Shapes: (..., d) @ (d, k) -> (..., k)
         dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] and ctx.input_grad else None
         return dx, None, None, None, None, None, None, None
 
+def sketch_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b` in `dtype`, one GEMM in the factors' dtype: rounded once (the authors' way), or fp32 `_fp32_out_mm`."""
+    out = _fp32_out_mm(a, b) if a.dtype != dtype and dtype == torch.float32 else None
+    return (a @ b).to(dtype) if out is None else out
+
 _FP32_OUT_MM = {}  # device type -> whether torch.mm(a, b, out_dtype=torch.float32) exists there, asked once
 
-def sketch_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b` in `dtype` (the sketch's) from factors in the activations' dtype, one GEMM at their
-    rate: its fp32 accumulator where the device writes fp32 from bf16 (CUDA's aten::mm.dtype),
-    else rounded once to the factors' dtype (the authors' way)."""
-    if a.dtype == dtype:
-        return a @ b
+def _fp32_out_mm(a: torch.Tensor, b: torch.Tensor):
+    """`torch.mm(a, b, out_dtype=torch.float32)` (CUDA's aten::mm.dtype), or None where it is missing or fails."""
     kind = a.device.type
     if kind not in _FP32_OUT_MM:
         try:
             _FP32_OUT_MM[kind] = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", kind.upper())
         except (AttributeError, RuntimeError):  # an older torch: no such overload or query
             _FP32_OUT_MM[kind] = False
-    if _FP32_OUT_MM[kind] and dtype == torch.float32:
-        try:
-            return torch.mm(a, b, out_dtype=dtype)
-        except (TypeError, RuntimeError) as e:  # a build whose overload takes other inputs (not out of memory)
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
-            _FP32_OUT_MM[kind] = False
-            warnings.warn(f"torch.mm(..., out_dtype=torch.float32) failed on {kind} ({e}): products rounded from now on")
-    return (a @ b).to(dtype)
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32) if _FP32_OUT_MM[kind] else None
+    except torch.OutOfMemoryError:
+        raise
+    except (TypeError, RuntimeError) as e:  # a build whose overload takes other inputs: None from now on
+        _FP32_OUT_MM[kind] = False
+        warnings.warn(f"torch.mm(..., out_dtype=torch.float32) failed on {kind} ({e}): products rounded from now on")
 
 def sketched_linear(x, weight, bias, projection, sketch, shard=None, *, layer=None):
-    """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r) in place; `shard`:
-    this process's rows (departure 1); `layer`: the LayerSketch whose `backwards` it counts. Under
-    `torch.no_grad()` (rollouts, the KL probe's forward-mode AD) a plain `F.linear`."""
+    """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r), or this process's
+    rows of it (`shard`), counting into `layer.backwards`; under `torch.no_grad()` a plain `F.linear`."""
     d, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
-    if projection.shape[-1] != k or projection.dim() != 2:
-        raise ValueError(f"projection must be (r, {k}), got {tuple(projection.shape)}")
     rows = d if shard is None else shard.rows(d)[1]
-    if sketch.shape != (rows, projection.shape[0]):
-        raise ValueError(f"sketch must be ({rows}, {projection.shape[0]}), got {tuple(sketch.shape)}")
+    if (x.shape[-1] != k or projection.shape[-1] != k or projection.dim() != 2
+            or sketch.shape != (rows, projection.shape[0])):
+        raise ValueError(f"x must have {k} features, projection must be (r, {k}) and sketch must be ({rows}, r), "
+                         f"got x {tuple(x.shape)}, projection {tuple(projection.shape)}, sketch {tuple(sketch.shape)}")
     if not torch.is_grad_enabled():
         return F.linear(x, weight, bias)  # no backward will run: P would never be used
     if any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in (x, weight, bias)):
         raise ValueError("forward-mode AD through a sketched layer needs torch.no_grad() (as the KL probe runs)")
-    input_grad = x.requires_grad
-    if not input_grad:  # nothing above requires grad: a leaf copy that does reaches the sketch, no dX
-        x = x.detach().requires_grad_(True)
+    input_grad = x.requires_grad  # False: nothing above requires grad, so a leaf copy that does reaches the sketch
+    x = x if input_grad else x.detach().requires_grad_(True)  # (..., k)
     return _SketchedLinear.apply(x, weight, bias, projection, sketch, shard, input_grad, layer)
 
 @dataclass(eq=False)
@@ -210,7 +189,7 @@ class LayerSketch:
     sketch: torch.Tensor  # (d, r), or this process's (n, r) rows with a shard; fp32 (float64 for float64 models)
     base_seed: int
     update: int = 0  # t of the A_t in use (the update counter)
-    shard: object = None  # whose rows this process holds (departure 1), or None: every row
+    shard: object = None  # this process's rows (departure 1): infra/row_shard.py's RowShard, or None: every row
     backwards: int = 0  # backward passes into `sketch` since the last zero_() (0: backward never reached it)
 
     group = property(lambda self: None if self.shard is None else self.shard.group)  # the rows' process group
@@ -231,7 +210,7 @@ class LayerSketch:
                                f"{self.sketch.device}: move the model before attach, or detach and attach again")
         if not torch.is_grad_enabled():  # no backward follows (a rollout, the KL probe): no A to form
             return F.linear(x, m.weight, m.bias)
-        a = self.projection_as(x.dtype)  # (r, k) A_t in the activations' dtype
+        a = projection_from_signs(self.signs, x.dtype)  # (r, k) A_t in the activations' dtype
         return sketched_linear(x, m.weight, m.bias, a, self.sketch, self.shard, layer=self)
 
     def refresh(self, update: int) -> None:
@@ -249,40 +228,31 @@ def refresh(layers, update: int) -> None:
         layer.update = update
 
 def target_modules(model: nn.Module, targets=TARGETS) -> dict:
-    """{clean name: module} of the targets: names matching a module's last name part or its whole
-    clean name, in module order; or a {name: module} mapping, as given (its names seed A)."""
+    """{clean name: module} of the modules whose last name part or clean name is in `targets`, or a mapping's."""
     if isinstance(targets, Mapping):
-        found = {}
-        for name, module in targets.items():
-            clean = clean_name(name)
-            if clean in found or any(m is module for m in found.values()):
-                raise ValueError(f"targets name {clean} or its module twice: give each module one name")
-            found[clean] = module
-        return found
+        return _mapped_targets(model, targets)
     names = (targets,) if isinstance(targets, str) else tuple(targets)  # one name, not its letters
     return {clean_name(n): m for n, m in model.named_modules()
             if n.rsplit(".", 1)[-1] in names or clean_name(n) in names}
 
-def _input_embedding(model: nn.Module):  # a Hugging Face model's input embedding, or None
-    try:
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    except NotImplementedError:  # PreTrainedModel's own, for a model that has no embedding
-        return None
-    return embedding if isinstance(embedding, nn.Module) else None
+def _mapped_targets(model: nn.Module, targets: Mapping) -> dict:
+    """The mapping as given (its names, cleaned, seed A), refused unless it names modules of `model`, each once."""
+    found = {clean_name(n): m for n, m in targets.items()}
+    if len(found) < len(targets) or len({id(m) for m in found.values()}) < len(found):
+        raise ValueError("targets name a module twice, or two names clean to one: give each module one name")
+    if not {id(m) for m in found.values()} <= {id(m) for m in model.modules()}:
+        raise ValueError(f"a target is not a module of this {type(model).__name__}: attach the model that holds it")
+    return found
 
 def default_rank(modules) -> int:
-    """The paper's 256, or half the narrowest target's input width rounded down to a power of 2
-    where that is smaller (64 -> 32, 576 -> 256; departure 3)."""
+    """The paper's 256, or half the narrowest target's input width rounded down to a power of 2 (departure 3)."""
     narrowest = min(m.in_features for m in modules)
     return max(1, min(PAPER_RANK, 2 ** int(math.floor(math.log2(max(narrowest // 2, 1))))))
 
 def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TARGETS, *,
            update: int = 0, shard=None) -> list[LayerSketch]:
-    """Sketch every target `nn.Linear` of `model` (`target_modules`) at `rank` (None: `default_rank`),
-    A_update drawn from `seed`; freeze every parameter (RowAdam's merge changes the targets). `shard`:
-    this process's rows of each S (departure 1: `rows(d)`, `reduce`, `gather`, `check(name, module)`).
-    Returns the layers in module order; a refusal changes nothing. Undo with `detach(model)`."""
-    # -- checks: nothing of the model changes until all of them have passed
+    """Sketch every target nn.Linear (`target_modules`) at `rank` (None: `default_rank`), A_update from `seed`,
+    freeze every parameter; `shard`: departure 1. Returns the layers in module order; `detach(model)` undoes it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach needs an nn.Module, got {type(model).__name__}")
     if getattr(model, "_logra_attached", None) is not None:
@@ -290,53 +260,44 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank <= 0):
         raise ValueError(f"rank must be a positive int (or None: default_rank's rule), got {rank!r}")
     found = target_modules(model, targets)
-    members = {id(m) for m in model.modules()}
-    for name, module in found.items():
-        if id(module) not in members:
-            raise ValueError(f"target {name} is not a module of this {type(model).__name__}: attach the model that holds it")
+    if not found:
+        what = "an empty mapping" if isinstance(targets, Mapping) else f"no nn.Linear named one of {targets}"
+        raise ValueError(f"{what} in {type(model).__name__}: pass `targets`, names of its nn.Linear or a mapping")
+    for name, module in found.items():  # every check before anything of the model changes
         if not isinstance(module, nn.Linear):
-            raise TypeError(f"target {name} is a {type(module).__name__}, not nn.Linear: remove its name from `targets`")
+            raise TypeError(f"target {name} is a {type(module).__name__}, not nn.Linear: remove it from `targets`")
         if rank is not None and rank > module.in_features:  # default_rank never exceeds it
             raise ValueError(f"rank {rank} exceeds in_features {module.in_features} of {name}: choose a smaller rank")
         if "forward" in vars(module):  # detach() could not restore what it would replace
-            raise RuntimeError(f"target {name} already has its own forward (sketches attached through "
-                               f"another module, or a hook library that patched it): detach that first")
-        if shard is not None:
-            shard.check(name, module)
-    if not found:
-        what = "an empty mapping" if isinstance(targets, Mapping) else f"no nn.Linear named one of {targets}"
-        raise ValueError(f"{what} in {type(model).__name__}: pass `targets`, names of its nn.Linear modules or a mapping")
+            raise RuntimeError(f"{name} already has its own forward (another attach's, a hook's): detach that first")
     rank = default_rank(found.values()) if rank is None else rank
-    embedding = _input_embedding(model)  # None: the sketched layers' own leaf inputs (implementation notes)
-
-    # -- the state of each layer: allocated before the model is touched
+    try:  # a Hugging Face model's input embedding, hooked as its enable_input_require_grads does (implementation notes)
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except NotImplementedError:  # PreTrainedModel's own, for a model that has no embedding
+        embedding = None
     layers = []
-    for clean, module in found.items():
-        weight = module.weight
-        rows = module.out_features if shard is None else shard.rows(module.out_features)[1]
-        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32  # S's dtype
-        s = torch.zeros(rows, rank, device=weight.device, dtype=acc)  # (d, r) S, or this process's (n, r)
-        signs = torch.empty((), dtype=torch.int8, device=weight.device).expand(rank, module.in_features)  # shape
-        layers.append(LayerSketch(clean, module, signs, s, seed, update, shard))
-    refresh(layers, update)  # the signs of A_update (refuses update < 0)
-
-    # -- the changes, none of which can fail
-    for layer in layers:
+    for name, module in found.items():
+        w = module.weight
+        rows = module.out_features if shard is None else shard.check(name, module)  # d, or n (departure 1)
+        acc = torch.float64 if w.dtype == torch.float64 else torch.float32  # S's dtype
+        s = torch.zeros(rows, rank, device=w.device, dtype=acc)  # S = 0 (d, r), or this process's (n, r)
+        signs = make_signs(rank, module.in_features, projection_seed(seed, update, name), device=w.device)  # (r, k)
+        layers.append(LayerSketch(name, module, signs, s, seed, update, shard))
+    for layer in layers:  # the changes, none of which can fail
         layer.module.forward = layer.forward  # an instance attribute: `del` restores nn.Linear.forward
     frozen = {n: p.requires_grad for n, p in model.named_parameters()}  # restored by detach
     for p in model.parameters():
         p.requires_grad_(False)
-    hook = None if embedding is None else embedding.register_forward_hook(  # Hugging Face's enable_input_require_grads
+    hook = None if not isinstance(embedding, nn.Module) else embedding.register_forward_hook(
         lambda module, args, out: out.requires_grad_(True) if torch.is_grad_enabled() else out)
     model._logra_attached = (layers, frozen, hook)
     return layers
 
 def detach(model: nn.Module) -> None:
     """Undo `attach`: plain nn.Linear forwards, original requires_grad flags, no hook."""
-    state = getattr(model, "_logra_attached", None)
-    if state is None:
+    if getattr(model, "_logra_attached", None) is None:
         raise RuntimeError("model has no sketches attached")
-    layers, frozen, hook = state
+    layers, frozen, hook = model._logra_attached
     for layer in layers:
         del layer.module.forward
     for n, p in model.named_parameters():

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import rowadam
-from rowadam import RowAdam, avoid_bf16_ties_, check_direction_inputs, local_rows, merge_rows
+from rowadam import RowAdam, avoid_bf16_ties_, local_rows, merge_rows
 from sketch import MASK32, ROUND_KEY, SIGNS_PER_WORD, check_signs, mix32, projection_from_signs, projection_seed
 
 SIGN_BATCH = 2**20  # hashed words per batch of make_signs_many (its int64 work: a few 8 MiB tensors)
@@ -148,7 +148,13 @@ def row_adam_groups(sketches, moments, rows, *, step, beta2=0.95, eps=1e-8, grou
     all (departure 1). Returns (D (L, n, r) and new v (L, n) per stack); changes nothing in
     place but `out` (preallocated (L, n, r) buffers for D). The division by d and every
     rounding are `row_adam_direction`'s, whose reductions over a layer's rows these are."""
-    check_direction_inputs([S.flatten(0, 1) for S in sketches], [v.flatten() for v in moments], step, beta2, eps)
+    # row_adam_direction's refusals, over every layer's rows
+    for S, v in zip([S.flatten(0, 1) for S in sketches], [v.flatten() for v in moments]):
+        if S.dim() != 2 or v.shape != (S.shape[0],):
+            raise ValueError(f"sketch must be (n, r) and its second moment (n,), got {tuple(S.shape)}, "
+                             f"{tuple(v.shape)}")
+    if step < 1 or not 0.0 <= beta2 < 1.0 or not eps > 0:
+        raise ValueError(f"need step >= 1 (1-based: update + 1), beta2 in [0, 1), eps > 0; got {step}, {beta2}, {eps}")
 
     def reduced(parts, op=None):  # per-stack (L,) float64 partials, all reduced in one collective
         if group is None:
@@ -286,18 +292,16 @@ class BatchedRowAdam(RowAdam):
             dist.all_reduce(S_sq, group=self.group)  # this process's rows -> all rows (departure 1)
         return S_sq
 
-    def _directions(self, step):
-        """D of every stack in its U buffer, and the stacks' new v (`row_adam_groups`)."""
-        return row_adam_groups(self._sketches(), [v for _, _, v, _, _ in self._groups],
-                               [d for *_, d in self._groups], step=step, beta2=self.beta2, eps=self.eps,
-                               group=self.group, out=[U for _, _, _, U, _ in self._groups])  # (L, n, r) each
-
-    def _scale(self, D, per_layer):
+    def _directions(self, step, per_layer):
+        """(U = c D of every layer, views of the stacks' U buffers; the stacks' new v), by `row_adam_groups`."""
+        D, new_v = row_adam_groups(self._sketches(), [v for _, _, v, _, _ in self._groups],
+                                   [d for *_, d in self._groups], step=step, beta2=self.beta2, eps=self.eps,
+                                   group=self.group, out=[U for _, _, _, U, _ in self._groups])  # (L, n, r) each
         if per_layer:
             self._scale_per_layer(D)  # U = c_l D per layer (departure 3)
         else:
             self._scale_all_layers(D)  # U = c D, the paper's one scale
-        return list(self._u)  # (n, r) each: views of the groups' U
+        return list(self._u), new_v  # (n, r) each: views of the groups' U
 
     def _scale_all_layers(self, D):
         """U = c D in place for every layer, c = update_ratio sqrt( sum ||W||^2 / sum ||D A||^2 ),
@@ -346,14 +350,15 @@ class BatchedRowAdam(RowAdam):
                 factors[i] = F_g[j]  # (n, r), in the layers' order
         return factors, bool(torch.stack([torch.isfinite(F_g).all() for F_g in self._stacked]).all())
 
-    def _merge(self, rows, factors, moments):
-        """W -= F A_t, the layers of one weight shape together (`merge_layers`: merge_rows' bits); v committed."""
+    def _merge(self, rows, factors):
+        """W -= F A_t, each weight shape's layers together (`merge_layers`: merge_rows' bits); v committed; S = 0."""
         magnitude = entry_magnitude(self.rank, self.layers[0].sketch.dtype)  # |A's entries| as the layers form A
         for (members, *_), F_g in zip(self._groups, self._stacked):
             merge_layers([rows[i] for i in members], F_g, [self.layers[i].signs for i in members], magnitude)
-        for (_, _, v, _, _), new in zip(self._groups, moments):
+        for (_, _, v, _, _), new in zip(self._groups, self._pending_moments):
             v.copy_(new)
         self._stacked = None
+        self._zero_sketches()
 
     refresh = staticmethod(refresh)  # every layer's signs made together
 

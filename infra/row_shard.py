@@ -71,8 +71,9 @@ class RowShard:
     def gather(self, local: torch.Tensor, d: int) -> torch.Tensor:
         return gather_rows(local, d, self.group)
 
-    def check(self, name: str, module) -> None:
-        """Refuse a target whose weight is not sharded by rows over the group as FSDP2 does."""
+    def check(self, name: str, module) -> int:
+        """This process's row count of the target's sketch; refuses a target whose weight is not sharded
+        by rows over the group as FSDP2 does."""
         rows = self.rows(module.out_features)[1]
         weight = module.weight
         local = weight.to_local().shape[0] if hasattr(weight, "to_local") else None
@@ -80,6 +81,7 @@ class RowShard:
             raise ValueError(f"{name}: row-sharded sketches need the weight sharded the same way (FSDP2 "
                              f"fully_shard over the group: {rows} rows here), got "
                              f"{'a replicated weight' if local is None else f'{local} local rows'}")
+        return rows
 
     def saved(self, v: torch.Tensor, weight, d: int):
         """This process's rows of a per-row state (a moment (n,)) as a DTensor on the weight's

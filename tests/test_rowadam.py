@@ -85,8 +85,11 @@ def test_direction_bad_input_leaves_moment(bad, match):
     kw.update(bad)
     moment = kw["second_moment"]
     before = moment.clone()
+    S, v = kw.pop("sketch"), kw.pop("second_moment")
     with pytest.raises(ValueError, match=match):
-        rowadam.row_adam_direction(kw.pop("sketch"), kw.pop("second_moment"), **kw)
+        rowadam.row_adam_direction(S, v, **kw)
+    with pytest.raises(ValueError, match=match):  # infra/batched.py's stacks refuse the same inputs
+        batched.row_adam_groups([S[None]], [v[None]], [torch.tensor([3.0], dtype=F64)], **kw)
     assert torch.equal(moment, before)
 
 
