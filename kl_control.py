@@ -10,7 +10,6 @@ Use
     import ppo
     import sketch
     from rowadam import RowAdam
-
     temperature = 1.0                                  # the rollout's sampling temperature
     layers = sketch.attach(model, seed=0)              # S and A on every target nn.Linear
     opt = RowAdam(layers)
@@ -37,14 +36,14 @@ torch.optim step, bit for bit: `LoGRAOptimizer(model, RowAdam(layers)).step(ids,
 
 The math (in the paper's symbols)
 ---------------------------------
-U = opt.directions (the paper's eta U); the budget in nats per generated token; m = Mismatch.m; T the sampling
-temperature. At a scored position, logits z and u = dz/dalpha (forward AD, every target's dW = -U A):
+U = opt.directions (the paper's eta U), T the sampling temperature, budgets in nats per generated token; at a
+scored position, logits z and u = dz/dalpha (forward AD, every target's dW = -U A):
     p = softmax(z / T),  q = u / T,  kl1 = 0.5 sum_v p_v (q_v - sum_w p_w q_w)^2
 so KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3); KL1 = Probe.kl1, the mean kl1 over the probed generated tokens.
     alpha    = min(alpha_max, sqrt(budget / KL1))                          solve_alpha
     budget_n = end + (start - end) 0.5 (1 + cos(pi min(n / (H - 1), 1)))    kl_budget (the paper's)
     observed = max(0, mean(rollout_logprob - trainer_logprob))   on responses that ended with EOS
-    m <- 0.7 m + 0.3 observed,   budget <- max(budget - m, 0.5 budget)     Mismatch
+    m <- 0.7 m + 0.3 observed,   budget <- max(budget - m, 0.5 budget)     Mismatch (m: Mismatch.m)
 
 Defaults, the paper's (method section, Table 1's setup): alpha_max 3, the 4096-token cut, the budget 2e-4 -> 2e-5
 (kl_budget, H the run's updates), Mismatch's 0.7 and 0.5, 2 responses probed a process.
@@ -114,8 +113,8 @@ class Probe:
 
 
 def probe_count(mask, responses=None, tokens=PROBE_FLOOR) -> int:
-    """The first `responses` rows of `mask` (B, T) (None: an eighth, at least 2; departure 3), and more
-    until they hold `tokens` generated tokens (all when fewer). train.py's presets pass 2 and 512."""
+    """The first `responses` rows of `mask` (B, T) (None: an eighth, at least 2; departure 3), and more until
+    they hold `tokens` generated tokens (all when fewer)."""
     responses = max(PROBE_RESPONSES, -(-len(mask) // PROBE_SHARE)) if responses is None else responses
     seen = itertools.accumulate(mask.sum(dim=1).tolist(), initial=0)  # generated tokens in the first i rows
     return next((i for i, n in enumerate(seen) if i >= responses and n >= tokens), len(mask))
@@ -183,11 +182,13 @@ def probe_mode(model):
             import torch._decomp.decompositions_for_jvp  # noqa: F401
     training, attn = [m for m in model.modules() if m.training], model.config._attn_implementation
     model.eval()
-    model.set_attn_implementation("eager")  # a no-op where it is eager already
+    if attn != "eager":
+        model.set_attn_implementation("eager")
     try:
         yield
     finally:
-        model.set_attn_implementation(attn)
+        if attn != "eager":
+            model.set_attn_implementation(attn)
         for m in training:
             m.training = True
 
@@ -302,8 +303,8 @@ class Mismatch:
 
     @torch.no_grad()
     def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos=None, group=None):
-        """The module docstring's rule over the responses with `ended_with_eos` ((B,) bool; None: all,
-        departure 4); returns `observed`, or None (m unchanged) when none counts."""
+        """The rule above over the responses with `ended_with_eos` ((B,) bool; None: all, departure 4):
+        returns `observed`, or None (m unchanged) when none counts."""
         if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape) or not (
                 ended_with_eos is None or ended_with_eos.shape == response_mask.shape[:1]):
             raise ValueError(f"rollout log-probs, trainer log-probs and mask must have one shape (B, T), and "
@@ -411,9 +412,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if was != has:  # refused before anything is loaded; per_layer absent: saved before the option, one scale
             note = "" if "per_layer" in state else " (saved before the option existed)"
             raise ValueError(f"this state was saved with calibrate={was[0]}, per_layer={was[1]}{note}, and this "
-                             f"optimizer has calibrate={has[0]}, per_layer={has[1]}: make them the same to resume "
-                             f"(infra/one_call.py's start='scratch' calibrates and scales per layer; the defaults "
-                             f"do neither)")
+                             f"optimizer has calibrate={has[0]}, per_layer={has[1]}: make them the same (one_call.py's "
+                             f"start='scratch' calibrates and scales per layer; the defaults do neither)")
         self.rowadam.load_state_dict(state["rowadam"])
         self.mismatch.load_state_dict(state["mismatch"])
         if self.calibration is not None:  # a state from before calibration existed: rho starts at 1
