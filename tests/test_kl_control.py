@@ -699,8 +699,8 @@ def test_the_one_call_optimizer_is_the_three_calls_bitwise(form):
     defaults (or THREE_CALLS), and infra/one_call.py's with start="pretrained": the README's three
     calls with every default; one_call's with every default but calibrate=False (start="auto":
     "scratch" for this model, built from a config), and kl_control's with one_call.SCRATCH's
-    settings but its calibration, the same calls with RowAdam's scale per layer and SCRATCH's cap
-    and budget share. One optimizer line and `step(ids, mask)` replace the three calls in an AdamW loop.
+    other settings (no calibration), the same calls with RowAdam's scale per layer and SCRATCH's
+    cap and budget share. One optimizer line and `step(ids, mask)` replace the three calls in an AdamW loop.
     (With calibration: the next tests.)"""
     batches = [policy_batch(seed) for seed in (1, 2, 3)]
     one = tiny_qwen2(seed=4, initializer_range=0.2)  # a budget that binds: alpha is the solve's, not the cap
@@ -986,6 +986,15 @@ def test_the_one_call_optimizer_resumes_from_its_state_dict():
     adamw_loop(again, resumed, batches[2:])
     assert resumed.update == opt.update == 4 and resumed.last == opt.last
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    # kl_control's own state, and the form it had before the cap's count moved to one_call.py: both load
+    plain = kl_control.LoGRAOptimizer(again, rowadam.RowAdam(resumed.layers))
+    earlier = {**plain.state_dict(), "capped": 3, "warned": True}
+    plain.load_state_dict(earlier)
+    paper = one_call.LoGRAOptimizer(again, plain.rowadam, start="pretrained")
+    paper.load_state_dict(earlier)
+    assert (paper.capped, paper.warned) == (3, True) and paper.update == plain.update == earlier["rowadam"]["update"]
+    paper.load_state_dict(plain.state_dict())
+    assert (paper.capped, paper.warned) == (0, False)
 
 
 def test_a_left_padded_batch_without_its_attention_mask_is_refused_before_anything_changes():
