@@ -1,9 +1,8 @@
 """
-kl_control.py: predicted-KL step control with mismatch subtraction (arXiv:2610.06647, its method section on
-predicted-KL step control; Table 1's setup). Before a step is merged, `probe` predicts how far it moves the
-policy's next-token distributions (a second-order KL, by forward-mode AD through the model's own forward), and
-alpha scales it so that the prediction spends a KL budget: "an estimate used for control, not a guarantee";
-`realised_kl` measures what it caused.
+kl_control.py: predicted-KL step control with mismatch subtraction (arXiv:2610.06647, its method section;
+Table 1's setup). Before a step is merged, `probe` predicts how far it moves the policy's next-token
+distributions (a second-order KL, by forward-mode AD through the model's own forward), and alpha scales it so
+that the prediction spends a KL budget, "an estimate used for control, not a guarantee"; `realised_kl` measures it.
 
 Use
 ---
@@ -11,7 +10,6 @@ Use
     import ppo
     import sketch
     from rowadam import RowAdam
-
     temperature = 1.0                                  # the rollout's sampling temperature
     layers = sketch.attach(model, seed=0)              # S and A on every target nn.Linear
     opt = RowAdam(layers)
@@ -33,51 +31,40 @@ Use
 `ids` (B, T) prompt and response tokens (generate's: `am` its attention_mask, prompts padded on the left),
 `mask` (B, T) True on generated tokens only (never a row's first position). With a rollout engine:
 `mismatch.observe(rollout_logp, logp.detach(), mask, eos)`, then `budget = mismatch.adjust(budget)`. As one
-torch.optim step, these calls bit for bit: `LoGRAOptimizer(model, RowAdam(layers)).step(ids, mask, am)`
-(knobs: alpha_max, entropy_share, kl_start, kl_end, horizon, per_layer, calibrate, keep_positions, probe);
-random weights: `**SCRATCH` (infra/one_call.py picks by `start`). Faster: infra/probe_decoder.py's `fast_probe`,
-no dense dW nor (B, T, V) logits: the toy's probe 31 -> 8.5 ms at batch 32, 40 -> 14 ms at 512
-(bench/README.md, `loop_phases_companions`).
+torch.optim step, bit for bit: `LoGRAOptimizer(model, RowAdam(layers)).step(ids, mask, am)`. In infra/: one_call.py
+(settings by how the weights start), probe_decoder.py's `fast_probe` (the toy's probe 31 -> 8.5 ms: bench/README.md).
 
 The math (in the paper's symbols)
 ---------------------------------
-U = opt.directions (the paper's eta U); KL1 = Probe.kl1, the predicted KL per generated token at alpha = 1;
-the budget in nats per generated token; m = Mismatch.m; T the sampling temperature. At a scored position,
-logits z and u = dz/dalpha (forward AD, every target's dW = -U A):
+U = opt.directions (the paper's eta U), T the sampling temperature, budgets in nats per generated token; at a
+scored position, logits z and u = dz/dalpha (forward AD, every target's dW = -U A):
     p = softmax(z / T),  q = u / T,  kl1 = 0.5 sum_v p_v (q_v - sum_w p_w q_w)^2
-so KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3); KL1 = mean kl1 over the probed generated tokens.
+so KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3); KL1 = Probe.kl1, the mean kl1 over the probed generated tokens.
     alpha    = min(alpha_max, sqrt(budget / KL1))                          solve_alpha
     budget_n = end + (start - end) 0.5 (1 + cos(pi min(n / (H - 1), 1)))    kl_budget (the paper's)
     observed = max(0, mean(rollout_logprob - trainer_logprob))   on responses that ended with EOS
-    m <- 0.7 m + 0.3 observed,   budget <- max(budget - m, 0.5 budget)     Mismatch
+    m <- 0.7 m + 0.3 observed,   budget <- max(budget - m, 0.5 budget)     Mismatch (m: Mismatch.m)
 
-Defaults: the paper's (method section, Table 1's setup): alpha_max 3, the 4096-token cut, the budget
-2e-4 -> 2e-5 (kl_budget, H the run's updates), Mismatch's 0.7 and 0.5, 2 responses probed a process.
+Defaults, the paper's (method section, Table 1's setup): alpha_max 3, the 4096-token cut, the budget 2e-4 -> 2e-5
+(kl_budget, H the run's updates), Mismatch's 0.7 and 0.5, 2 responses probed a process.
 
 Departures from the paper: every other default (reason, bench/README.md's table; its test)
 -----------------------------------------------------------------------------------------
-1. The fast path's tangent -(X A^T) U^T in the activations' dtype (fp32: no better, 2x the largest transient);
-   test_kl1_in_bf16_against_float64.
+1. Tangents in the activations' dtype (fp32: no better, 2x the largest transient); test_kl1_in_bf16_against_float64.
 2. KL1 = 0 gives alpha = min(1, alpha_max), the paper divides by zero; test_solve_alpha.
 3. Probed: an eighth of the batch (a choice), >= 2 responses, >= 128 tokens, a fixed share of the update's cost;
    test_the_default_probe_scores_the_papers_share_of_the_batch.
-4. Mismatch.observe(ended_with_eos=None) counts every response (fixed-length ones never end with EOS);
-   test_mismatch_without_eos_flags.
-5. SCRATCH calibrates KL1 by rho (Calibration): random weights realised half the prediction (`defaults_why`);
-   test_the_calibration_rule, test_calibration_spends_the_budget_in_realised_kl.
-6. SCRATCH scales RowAdam's step per layer (random weights, `defaults_why`); test_start_reads_how_the_model_was_made,
-   test_the_one_call_optimizer_is_the_three_calls_bitwise.
+4. ended_with_eos=None counts every response (fixed-length ones never end with EOS); test_mismatch_without_eos_flags.
+5, 6, 8. The settings for random weights (KL1 calibrated, RowAdam per layer, cap and budget): infra/one_call.py.
 7. The default budget is min(0.2 H, 2 / L) (H entropy a token, L tokens a response; `defaults`): no horizon;
    test_the_default_budget_is_a_share_of_the_entropy_capped_per_response.
-8. SCRATCH's alpha_max 9, entropy share 0.4 (random weights, `defaults_tuning`; trained: `defaults_smollm2`);
-   test_the_budgets_shares.
 """
 
+import contextlib
+import itertools
 import math
-import os
 import sys
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -86,11 +73,7 @@ import torch.distributed as dist
 MAX_TOKENS = 4096  # each probed sequence cut to its first 4096 tokens: the paper's "at most 4096 tokens"
 PROBE_RESPONSES, PROBE_SHARE, PROBE_FLOOR = 2, 8, 128  # the probe's size: probe_count, departure 3
 ENTROPY_SHARE, PER_RESPONSE = 0.2, 2.0  # budget_for's rule: departure 7
-SCRATCH = dict(per_layer=True, alpha_max=9.0, entropy_share=0.4, calibrate=True)  # random weights: departures 5, 6, 8
-CALIBRATION_POSITIONS = 256  # positions whose logits calibration keeps (departure 5; 78 MB at V = 152k in bf16)
-CAPPED_UPDATES = 5  # updates in a row at alpha_max before LoGRAOptimizer warns (a choice, not measured)
 KL_CHUNK_POSITIONS = 64  # positions per block of realised_kl's float64 work (32 V bytes a position)
-NO_TOKEN = "no generated token to score: response_mask has no position after the first"
 
 
 def _all_reduce(total, group):
@@ -101,8 +84,7 @@ def _all_reduce(total, group):
 def token_kl(logits, tangent, temperature=1.0):
     """kl1 = 0.5 Var_p(tangent / T), p = softmax(logits / T), per position (...,), in float64."""
     if logits.shape != tangent.shape or not temperature > 0:
-        raise ValueError(f"need logits {tuple(logits.shape)} and tangent {tuple(tangent.shape)} of one shape and "
-                         f"temperature > 0, got {temperature}")
+        raise ValueError(f"need one shape and temperature > 0: {logits.shape}, {tangent.shape}, {temperature}")
     z = logits.to(torch.float64) / temperature  # (..., V)
     q = tangent.to(torch.float64) / temperature  # (..., V)
     p = torch.softmax(z, dim=-1)  # (..., V)
@@ -131,31 +113,23 @@ class Probe:
 
 
 def probe_count(mask, responses=None, tokens=PROBE_FLOOR) -> int:
-    """The first `responses` rows of `mask` (B, T) (None: an eighth, at least 2; departure 3), and more
-    until they hold `tokens` generated tokens (all when fewer). train.py's presets pass 2 and 512."""
-    if responses is None:
-        responses = max(PROBE_RESPONSES, -(-len(mask) // PROBE_SHARE))
-    count, seen = 0, 0
-    for n in mask.sum(dim=1).tolist():  # generated tokens of each response
-        if count >= responses and seen >= tokens:
-            break
-        count, seen = count + 1, seen + n
-    return max(count, min(responses, len(mask)))
+    """The first `responses` rows of `mask` (B, T) (None: an eighth, at least 2; departure 3), and more until
+    they hold `tokens` generated tokens (all when fewer)."""
+    responses = max(PROBE_RESPONSES, -(-len(mask) // PROBE_SHARE)) if responses is None else responses
+    seen = itertools.accumulate(mask.sum(dim=1).tolist(), initial=0)  # generated tokens in the first i rows
+    return next((i for i, n in enumerate(seen) if i >= responses and n >= tokens), len(mask))
 
 
 def _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask):
-    """The probed rows cut to `max_tokens`: ids (B', T'), scored positions (B', T' - 1) (t when
-    token t + 1 was generated), attention mask or None."""
+    """The probed rows cut to `max_tokens`: ids (B', T'), scored positions (B', T' - 1), attention mask or None."""
     shapes = [tuple(t.shape) for t in (input_ids, response_mask, attention_mask) if t is not None]
-    if input_ids.dim() != 2 or len(set(shapes)) > 1:
-        raise ValueError(f"input_ids, response_mask and attention_mask {shapes} differ in shape, or are not (B, T)")
-    if not (max_tokens >= 2 and min_tokens >= 0 and (max_responses is None or max_responses >= 1)):
-        raise ValueError(f"max_tokens must be >= 2, min_tokens must be >= 0, max_responses must be >= 1 (or None); "
-                         f"got {max_tokens}, {min_tokens}, {max_responses}")
-    scored = response_mask[:, :max_tokens].bool()[:, 1:]  # (B, T' - 1)
+    if input_ids.dim() != 2 or len(set(shapes)) > 1 or not (
+            max_tokens >= 2 and min_tokens >= 0 and (max_responses is None or max_responses >= 1)):
+        raise ValueError(f"input_ids, response_mask and attention_mask {shapes} must be (B, T), not differ in shape; "
+                         f"max_tokens must be >= 2, min_tokens must be >= 0, max_responses must be >= 1 or None")
+    scored = response_mask[:, :max_tokens].bool()[:, 1:]  # (B, T' - 1): t when token t + 1 was generated
     n = probe_count(scored, None, min_tokens) if max_responses is None else max_responses
-    am = None if attention_mask is None else attention_mask[:n, :max_tokens]
-    return input_ids[:n, :max_tokens], scored[:n], am
+    return input_ids[:n, :max_tokens], scored[:n], None if attention_mask is None else attention_mask[:n, :max_tokens]
 
 
 def _check_probe_inputs(layers, directions, temperature, keep_positions):
@@ -167,50 +141,47 @@ def _check_probe_inputs(layers, directions, temperature, keep_positions):
         if not isinstance(u, torch.Tensor) or u.shape != layer.sketch.shape:
             got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
             raise ValueError(f"{layer.name}: direction {got}, but the layer's U is {tuple(layer.sketch.shape)}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature}")
-    if not keep_positions >= 0:
-        raise ValueError(f"keep_positions must be >= 0, got {keep_positions}")
-
-
-def _check_counts(first, count):
-    """Refuse a mask on a row's first position (its token has no log-prob) or with nothing to score."""
-    if first:
-        raise ValueError(f"response_mask covers the first position of {int(first)} row(s): a row's first token has "
-                         f"no log-prob, so it cannot be generated; mark only the response, after a prompt token")
-    if count == 0:
-        raise ValueError(NO_TOKEN)
+    if not (math.isfinite(temperature) and temperature > 0 and keep_positions >= 0):
+        raise ValueError(f"temperature must be a finite number > 0 and keep_positions must be >= 0: {temperature}, "
+                         f"{keep_positions}")
 
 
 def left_padded_rows(input_ids, pad_token_id) -> torch.Tensor:
     """Rows that begin with more `pad_token_id` tokens than another (padded on the left): a 0-dim count."""
     if pad_token_id is None or input_ids.numel() == 0:
-        return torch.zeros((), dtype=torch.long)
+        return torch.zeros((), dtype=torch.long, device=input_ids.device)
     lead = (input_ids == pad_token_id).long().cumprod(1).sum(1)  # (B,) leading pad tokens
     return (lead > lead.min()).sum()
 
 
 def check_batch(input_ids, response_mask, *, attention_mask=None, max_responses=None, min_tokens=PROBE_FLOOR,
-                max_tokens=MAX_TOKENS, group=None, pad_token_id=None) -> None:
-    """Refuse, before anything is computed and on every process alike, a batch the probe would
-    refuse, or one padded on the left without its `attention_mask`."""
-    _, scored, _ = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
+                max_tokens=MAX_TOKENS, group=None, pad_token_id=None):
+    """`_scored`'s rows, after refusing on every process alike a mask on a row's first position (that token
+    has no log-prob), one with nothing to score, and rows padded on the left without their attention_mask."""
+    ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     left = left_padded_rows(input_ids, pad_token_id if attention_mask is None else None)
     counts = torch.stack([response_mask[:, 0].bool().sum(), scored.sum(), left]).to(torch.float64)  # (3,)
     _all_reduce(counts, group)
     first, count, left = counts.tolist()
-    _check_counts(first, count)
-    if left:
-        raise ValueError(f"{int(left)} row(s) begin with more pad tokens (id {pad_token_id}) than others: the batch "
-                         f"was padded on the left; pass its attention_mask, step(ids, mask, attention_mask)")
+    if first:
+        raise ValueError(f"response_mask covers the first position of {int(first)} row(s): mark only the response")
+    if not count or left:
+        raise ValueError("no generated token to score: response_mask has no position after the first" if not count
+                         else f"{int(left)} row(s) begin with more pad tokens (id {pad_token_id}) than others: the "
+                         f"batch was padded on the left; pass its attention_mask, step(ids, mask, attention_mask)")
+    return ids, scored, am
 
 
-@contextmanager
+@contextlib.contextmanager
 def probe_mode(model):
-    """Every module in eval mode and eager attention (SDPA has no forward AD), restored on exit."""
+    """Every module in eval mode and eager attention (SDPA has no forward AD), restored on exit; torch's JVP
+    decompositions imported (forward AD's first use would) without torch.jit's warnings."""
+    if "torch._decomp.decompositions_for_jvp" not in sys.modules:
+        with warnings.catch_warnings(), contextlib.suppress(ImportError):
+            warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
+            import torch._decomp.decompositions_for_jvp  # noqa: F401
     training, attn = [m for m in model.modules() if m.training], model.config._attn_implementation
-    for m in training:
-        m.training = False
+    model.eval()
     if attn != "eager":
         model.set_attn_implementation("eager")
     try:
@@ -220,18 +191,6 @@ def probe_mode(model):
             model.set_attn_implementation(attn)
         for m in training:
             m.training = True
-
-
-def _quiet_jvp_import():
-    """Import torch's JVP decompositions (forward AD's first use does) without torch.jit's warnings."""
-    if "torch._decomp.decompositions_for_jvp" in sys.modules:
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.* is deprecated", category=DeprecationWarning)
-        try:
-            import torch._decomp.decompositions_for_jvp  # noqa: F401
-        except ImportError:
-            pass
 
 
 @torch.no_grad()
@@ -250,9 +209,7 @@ def probe_logits(model, layers, directions, input_ids, attention_mask=None):
     def logits(target_weights):  # (B, T, V)
         return torch.func.functional_call(model, target_weights, kwargs=dict(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False)).logits
-
     with probe_mode(model):
-        _quiet_jvp_import()
         return torch.func.jvp(logits, (weights,), (tangents,))
 
 
@@ -262,16 +219,14 @@ def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.
     """KL1 of the directions U and the policy's entropy over the probed responses (`probe_count`), with
     the logits at the first `keep_positions` scored positions (realised_kl's "before"). Weights untouched."""
     _check_probe_inputs(layers, directions, temperature, keep_positions)
-    ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
+    ids, scored, am = check_batch(input_ids, response_mask, attention_mask=attention_mask, max_responses=max_responses,
+                                  min_tokens=min_tokens, max_tokens=max_tokens, group=group)
     z, u = probe_logits(model, layers, directions, ids, am)  # (B', T', V) each
     z, u = z[:, :-1][scored], u[:, :-1][scored]  # (M, V): the positions that sampled a generated token
-    # (sum kl1, scored positions, sum entropy, probed responses, rows whose mask covers position 0)
     total = torch.stack([token_kl(z, u, temperature).sum(), z.new_tensor(z.shape[0], dtype=torch.float64),
-                         token_entropy(z, temperature).sum(), z.new_tensor(ids.shape[0], dtype=torch.float64),
-                         response_mask[:, 0].bool().sum().to(z.device, torch.float64)])
+                         token_entropy(z, temperature).sum(), z.new_tensor(ids.shape[0], dtype=torch.float64)])
     _all_reduce(total, group)
-    kl_sum, count, entropy_sum, responses, first = total.tolist()
-    _check_counts(first, count)
+    kl_sum, count, entropy_sum, responses = total.tolist()
     kept = z[:keep_positions] if keep_positions > 0 else None  # (kept, V)
     return Probe(kl_sum / count, kept, 0 if kept is None else kept.shape[0], ids.shape[0], max_tokens,
                  float(temperature), entropy_sum / count, count / responses, scored_logits)
@@ -301,13 +256,11 @@ def realised_kl(probe, model, input_ids, response_mask, *, attention_mask=None, 
     if new_logits.shape != probe.logits.shape:
         raise ValueError(f"the probe kept logits {tuple(probe.logits.shape)}, but these inputs give "
                          f"{tuple(new_logits.shape)}: pass the probe's own input_ids, response_mask and attention_mask")
-    total = torch.zeros(2, dtype=torch.float64, device=new_logits.device)
-    for start in range(0, new_logits.shape[0], KL_CHUNK_POSITIONS):
-        stop = start + KL_CHUNK_POSITIONS
-        old = torch.log_softmax(probe.logits[start:stop].double() / probe.temperature, dim=-1)  # (c, V)
-        new = torch.log_softmax(new_logits[start:stop].double() / probe.temperature, dim=-1)
+    total = torch.tensor([0.0, len(new_logits)], dtype=torch.float64, device=new_logits.device)  # (sum KL, count)
+    for old, new in zip(probe.logits.split(KL_CHUNK_POSITIONS), new_logits.split(KL_CHUNK_POSITIONS)):  # (c, V)
+        old = torch.log_softmax(old.double() / probe.temperature, dim=-1)
+        new = torch.log_softmax(new.double() / probe.temperature, dim=-1)
         total[0] += (old.exp() * (old - new)).sum()  # sum_v p_old (log p_old - log p_new)
-        total[1] += old.shape[0]
     _all_reduce(total, group)
     kl_sum, count = total.tolist()
     return kl_sum / count if count else 0.0
@@ -317,8 +270,7 @@ def solve_alpha(kl1, *, budget, alpha_max=3.0) -> float:
     """alpha = min(alpha_max, sqrt(budget / KL1)); KL1 == 0 gives min(1, alpha_max) (departure 2)."""
     kl1 = float(kl1)
     if not (math.isfinite(kl1) and kl1 >= 0 and math.isfinite(budget) and budget > 0 and alpha_max > 0):
-        raise ValueError(f"need a finite predicted KL >= 0 (else an uncontrolled update), budget > 0 and "
-                         f"alpha_max > 0, got {kl1}, {budget}, {alpha_max}")
+        raise ValueError(f"need a finite KL1 >= 0 (else an uncontrolled update), budget > 0, alpha_max > 0: {kl1}")
     return min(1.0, alpha_max) if kl1 == 0.0 else min(alpha_max, math.sqrt(budget / kl1))
 
 
@@ -336,8 +288,7 @@ def budget_for(probe, *, entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE)
 def kl_budget(update, *, start, end, horizon) -> float:
     """The paper's cosine annealing from `start` at update 0 to `end` at horizon - 1 and after (exact ends)."""
     if not (update >= 0 and horizon >= 2 and start > 0 and end > 0):
-        raise ValueError(f"need update >= 0, horizon >= 2, start > 0 and end > 0 (nats per token), got {update}, "
-                         f"{horizon}, {start}, {end}")
+        raise ValueError(f"need update >= 0, horizon >= 2, start > 0 and end > 0: {update}, {horizon}, {start}, {end}")
     w = 0.5 * (1.0 + math.cos(math.pi * min(update / (horizon - 1), 1.0)))  # 1 -> 0
     return w * start + (1.0 - w) * end
 
@@ -352,8 +303,8 @@ class Mismatch:
 
     @torch.no_grad()
     def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos=None, group=None):
-        """The module docstring's rule over the responses with `ended_with_eos` ((B,) bool; None: all,
-        departure 4); returns `observed`, or None (m unchanged) when none counts."""
+        """The rule above over the responses with `ended_with_eos` ((B,) bool; None: all, departure 4):
+        returns `observed`, or None (m unchanged) when none counts."""
         if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape) or not (
                 ended_with_eos is None or ended_with_eos.shape == response_mask.shape[:1]):
             raise ValueError(f"rollout log-probs, trainer log-probs and mask must have one shape (B, T), and "
@@ -366,10 +317,9 @@ class Mismatch:
         _all_reduce(total, group)
         gap_sum, count = total.tolist()
         self.active = count > 0
-        if count == 0:
-            return None
-        self.m = self.momentum * self.m + (1.0 - self.momentum) * (observed := max(0.0, gap_sum / count))
-        return observed
+        if self.active:
+            self.m = self.momentum * self.m + (1.0 - self.momentum) * (observed := max(0.0, gap_sum / count))
+        return observed if self.active else None
 
     def adjust(self, budget) -> float:
         """max(budget - m, 0.5 budget); the budget whole when the last batch counted nothing."""
@@ -382,69 +332,24 @@ class Mismatch:
         self.m, self.momentum = float(state["m"]), float(state["momentum"])
 
 
-class Calibration:
-    """Departure 5: rho, KL1's scale learnt where the budget bound: log rho <- 0.7 log rho + 0.3 log
-    clamp(realised / (alpha^2 KL1), 0.1, 10); then alpha = min(alpha_max, sqrt(budget / (rho KL1)))."""
-    KEYS = ("log_scale", "momentum", "low", "high")  # its state
-
-    def __init__(self, momentum=0.7, low=0.1, high=10.0):
-        if not 0.0 <= momentum < 1.0 or not 0.0 < low <= 1.0 <= high:
-            raise ValueError(f"need 0 <= momentum < 1 and 0 < low <= 1 <= high, got {momentum}, {low}, {high}")
-        self.momentum, self.low, self.high, self.log_scale = momentum, low, high, 0.0
-
-    @property
-    def scale(self) -> float:
-        return math.exp(self.log_scale)
-
-    def observe(self, realised, predicted):
-        """Learn from one update: the clamped ratio, or None (nothing learnt)."""
-        realised, predicted = float(realised), float(predicted)
-        if not (math.isfinite(realised) and math.isfinite(predicted) and predicted > 0):
-            return None
-        ratio = min(max(realised / predicted, self.low), self.high)
-        self.log_scale = self.momentum * self.log_scale + (1.0 - self.momentum) * math.log(ratio)
-        return ratio
-
-    def state_dict(self):
-        return {k: getattr(self, k) for k in self.KEYS}
-
-    def load_state_dict(self, state):
-        self.log_scale, self.momentum, self.low, self.high = (float(state[k]) for k in self.KEYS)
-
-
-def capped_message(updates, alpha_max, update_ratio) -> str:
-    return (f"alpha has been at its cap alpha_max={alpha_max:g} for {updates} updates in a row: the KL budget does "
-            f"not bind, update_ratio (RowAdam's, now {update_ratio:g}) sets the step; change it only if a held-out "
-            f"metric says so (bench/README.md, defaults)")
-
-
-def _caller_stacklevel(*files) -> int:
-    """warnings.warn's stacklevel for the first frame outside this file, `files` and torch."""
-    torch_dir, frame, level = os.path.dirname(torch.__file__) + os.sep, sys._getframe(1), 1
-    while frame and (frame.f_code.co_filename in (__file__, *files) or frame.f_code.co_filename.startswith(torch_dir)):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 class LoGRAOptimizer(torch.optim.Optimizer):
-    """The Use block as one torch.optim step (the module docstring's): `loss.backward(); opt.step(ids, mask)`,
-    or `opt.batch = (ids, attention_mask, mask); opt.step()`; a batch the probe would refuse changes nothing, a
-    later failure discards it. `last`: alpha, budget, kl_predicted, entropy, kl_scale (rho), kl_realised."""
+    """The Use block as one torch.optim step, `opt.step(ids, mask, attention_mask)` (or `opt.batch = (ids,
+    attention_mask, mask); opt.step()`): a batch the probe would refuse changes nothing, a later failure discards
+    it. `last`: alpha, budget, kl_predicted, entropy, kl_scale, kl_realised (keep_positions > 0). For a trainer
+    (settings by start, `log`, a warning when alpha sits at its cap, KL1's calibration): infra/one_call.py's."""
+    calibration = None  # KL1's scale (.scale, .observe(realised, predicted)): one_call.py's; None: the paper's alpha
 
     def __init__(self, model, rowadam, *, temperature=1.0, alpha_max=3.0, kl_start=None, kl_end=None, horizon=None,
-                 entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE, calibrate=False, per_layer=False,
-                 keep_positions=None, max_responses=None, group=None, log=None, probe=probe):
+                 entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE, per_layer=False, keep_positions=0,
+                 max_responses=None, group=None, probe=probe):
         self.schedule = (kl_start, kl_end, horizon)
         if None in self.schedule and any(v is not None for v in self.schedule):
             raise ValueError("the paper's budget schedule needs kl_start, kl_end and horizon (the run's updates) "
                              "together; leave all three out for the default budget (budget_for)")
-        _check_probe_inputs([], [], temperature, 0)  # the temperature
-        keep_positions = (CALIBRATION_POSITIONS if calibrate else 0) if keep_positions is None else keep_positions
-        if not (alpha_max > 0 and entropy_share > 0 and per_response > 0 and keep_positions >= 0) or \
-                (calibrate and keep_positions == 0):
-            raise ValueError(f"need alpha_max > 0, entropy_share > 0, per_response > 0, keep_positions >= 0 (and "
-                             f"keep_positions > 0 to calibrate: from the realised KL), got {alpha_max}, "
-                             f"{entropy_share}, {per_response}, {keep_positions}")
+        _check_probe_inputs([], [], temperature, keep_positions)
+        if not (alpha_max > 0 and entropy_share > 0 and per_response > 0):
+            raise ValueError(f"need alpha_max > 0, entropy_share > 0, per_response > 0: {alpha_max}, {entropy_share}, "
+                             f"{per_response}")
         if not all(hasattr(rowadam, a) for a in ("prepare", "merge", "discard", "directions", "layers")):
             raise TypeError(f"LoGRAOptimizer(model, rowadam) takes a RowAdam over the model's sketched layers, got "
                             f"{type(rowadam).__name__}")
@@ -452,14 +357,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.model, self.rowadam, self.layers, self.group = model, rowadam, rowadam.layers, group
         self.temperature, self.alpha_max, self.probe = float(temperature), float(alpha_max), probe
         self.keep_positions, self.max_responses, self.per_layer = keep_positions, max_responses, bool(per_layer)
-        self.mismatch, self.calibration = Mismatch(), Calibration() if calibrate else None
-        self.log, self.batch, self.last, self.factors = log or (lambda name, value: None), None, {}, None
-        self.capped, self.warned = 0, False  # updates in a row with alpha at alpha_max; capped_message said
+        self.mismatch, self.batch, self.last, self.factors = Mismatch(), None, {}, None
         self.shares = {"entropy_share": entropy_share, "per_response": per_response}
 
-    @property
-    def update(self) -> int:
-        return self.rowadam.update
+    update = property(lambda self: self.rowadam.update)  # RowAdam's counter of merged updates
 
     def zero_grad(self, set_to_none=True):
         """Nothing to zero: no target weight has a gradient, and `merge` zeroed the sketches."""
@@ -469,8 +370,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if closure is not None or (ids is not None and mask is None):
             raise ValueError("step(ids, mask) takes no closure, and the response mask (B, T) with the ids")
         if ids is None and self.batch is None:
-            raise RuntimeError("step() needs the batch its backward ran on: step(ids, mask), or set "
-                               "opt.batch = (ids, attention_mask, mask) first")
+            raise RuntimeError("step() needs the batch its backward ran on: step(ids, mask), or opt.batch first")
         ids, attention_mask, mask = self.batch if ids is None else (ids, attention_mask, mask)
         self.batch, pad = None, next((p for c in ("generation_config", "config") if isinstance(
             p := getattr(getattr(self.model, c, None), "pad_token_id", None), int)), None)
@@ -478,8 +378,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             check_batch(ids, mask, attention_mask=attention_mask, max_responses=self.max_responses, group=self.group,
                         pad_token_id=pad)
         except ValueError as e:
-            raise ValueError(f"{e} (nothing was changed: the sketches still hold the batch's backward, so call "
-                             f"step again with the corrected batch, without a new backward)") from None
+            raise ValueError(f"{e} (nothing was changed: call step again with the corrected batch, without a new "
+                             f"backward)") from None
         opt, (kl_start, kl_end, horizon) = self.rowadam, self.schedule
         try:
             opt.prepare(self.group, per_layer=self.per_layer)  # U per layer (d, r); nothing changed yet
@@ -499,31 +399,22 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if self.keep_positions:
             self.last["kl_realised"] = realised_kl(probe, self.model, ids, mask, attention_mask=attention_mask,
                                                    group=self.group)
-            if self.calibration and alpha < self.alpha_max:  # the budget set this step: learn rho
+            if self.calibration and alpha < self.alpha_max:  # the budget set this step: learn KL1's scale
                 self.calibration.observe(self.last["kl_realised"], self.last["kl_predicted"])
-        for name, value in self.last.items():
-            self.log(f"logra/{name}", value)
-        self.capped = self.capped + 1 if alpha >= self.alpha_max else 0
-        if self.capped >= CAPPED_UPDATES and not self.warned:  # said once an optimizer
-            self.warned = True
-            warnings.warn(capped_message(self.capped, self.alpha_max, opt.update_ratio),
-                          stacklevel=_caller_stacklevel())
 
     def state_dict(self) -> dict:
-        return {"rowadam": self.rowadam.state_dict(), "mismatch": self.mismatch.state_dict(), "capped": self.capped,
-                "warned": self.warned, "calibration": self.calibration and self.calibration.state_dict(),
-                "per_layer": self.per_layer}
+        return {"rowadam": self.rowadam.state_dict(), "mismatch": self.mismatch.state_dict(),
+                "calibration": self.calibration and self.calibration.state_dict(), "per_layer": self.per_layer}
 
     def load_state_dict(self, state: dict) -> None:
         saved, has = state.get("calibration"), (self.calibration is not None, self.per_layer)
         was = (saved is not None if "calibration" in state else has[0], state.get("per_layer", False))
         if was != has:  # refused before anything is loaded; per_layer absent: saved before the option, one scale
-            raise ValueError(f"this state was saved with calibrate={was[0]}, per_layer={was[1]}"
-                             f"{'' if 'per_layer' in state else ' (saved before the option existed)'}, and this "
-                             f"optimizer has calibrate={has[0]}, per_layer={has[1]}: make them the same to resume "
-                             f"(SCRATCH, start='scratch', calibrates and scales per layer; the defaults do neither)")
+            note = "" if "per_layer" in state else " (saved before the option existed)"
+            raise ValueError(f"this state was saved with calibrate={was[0]}, per_layer={was[1]}{note}, and this "
+                             f"optimizer has calibrate={has[0]}, per_layer={has[1]}: make them the same (one_call.py's "
+                             f"start='scratch' calibrates and scales per layer; the defaults do neither)")
         self.rowadam.load_state_dict(state["rowadam"])
         self.mismatch.load_state_dict(state["mismatch"])
-        self.capped, self.warned = int(state["capped"]), bool(state["warned"])
         if self.calibration is not None:  # a state from before calibration existed: rho starts at 1
             self.calibration.load_state_dict(saved or {**self.calibration.state_dict(), "log_scale": 0.0})

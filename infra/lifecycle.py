@@ -31,8 +31,7 @@ import sys
 
 import torch
 
-import kl_control
-from infra import checkpoint, launch, metrics, planning, run_dir as run_dirs
+from infra import checkpoint, launch, metrics, one_call, planning, run_dir as run_dirs
 from infra.errors import os_advice, os_cause
 from infra.options import Config
 
@@ -220,12 +219,12 @@ class Run:
 
     def watch_alpha(self, alpha: float) -> None:
         """Count the updates in a row with alpha at --alpha-max; when they reach
-        kl_control.CAPPED_UPDATES, say once a run (as kl_control.LoGRAOptimizer warns) that the
+        one_call.CAPPED_UPDATES, say once a run (as one_call.LoGRAOptimizer warns) that the
         budget does not bind and that --update-ratio is the knob."""
         self.capped = self.capped + 1 if alpha >= self.cfg.alpha_max else 0
-        if self.capped >= kl_control.CAPPED_UPDATES and not self.warned:
+        if self.capped >= one_call.CAPPED_UPDATES and not self.warned:
             self.warned = True
-            self.log(f"warning: {kl_control.capped_message(self.capped, self.cfg.alpha_max, self.cfg.update_ratio)}"
+            self.log(f"warning: {one_call.capped_message(self.capped, self.cfg.alpha_max, self.cfg.update_ratio)}"
                      f" (--update-ratio)")
 
     def record(self, completed: int, row: dict, times: dict):

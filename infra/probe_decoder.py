@@ -35,9 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-import kl_control
 from kl_control import MAX_TOKENS, PROBE_FLOOR, Probe, probe_mode, token_entropy, token_kl
-from kl_control import _check_counts, _check_probe_inputs, _scored
+from kl_control import _check_probe_inputs, _scored, check_batch
 
 # Bytes of output-head work per probe chunk: a scored position holds about 56 V bytes at once
 # (the head's logits and tangent, and token_kl's float64 softmax and products), so at a
@@ -139,12 +138,6 @@ class _ConstantOperands(TorchFunctionMode):
             tangent = tangent.to(out.dtype).expand(out.shape)
         return fwAD.make_dual(out, tangent)
 
-
-
-def _dual_level():
-    """`fwAD.dual_level()`, without torch.jit's warnings (kl_control._quiet_jvp_import)."""
-    kl_control._quiet_jvp_import()
-    return fwAD.dual_level()
 
 
 def _split(x):
@@ -388,19 +381,18 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
     all-gathers inside).
     """
     _check_probe_inputs(layers, directions, temperature, keep_positions)
-    ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
+    ids, scored, am = check_batch(input_ids, response_mask, attention_mask=attention_mask, max_responses=max_responses,
+                                  min_tokens=min_tokens, max_tokens=max_tokens, group=group)  # on every process alike
     decoder = model.get_decoder()
-    # (sum kl1, scored positions, sum entropy, probed responses, rows whose mask covers position 0)
-    total = torch.zeros(5, dtype=torch.float64, device=ids.device)
-    total[3] = ids.shape[0]
-    total[4] = response_mask[:, 0].bool().sum()  # read with the sums below: no host read of its own
+    # (sum kl1, scored positions, sum entropy, probed responses)
+    total = torch.tensor([0.0, 0.0, 0.0, ids.shape[0]], dtype=torch.float64, device=ids.device)
     kept = []
     with _root_gathered(model), contextlib.ExitStack() as stack:
         if _written_out(model, ids.shape[1]):  # the decoder and its tangent written out (above)
             tangents = {layer.module: (layer, u) for layer, u in zip(layers, directions)}
             hidden, tangent = written_decoder(model, ids, am, tangents)
         else:  # forward-mode AD through the model's own decoder (in eval mode, eager attention), tangents injected
-            for context in (probe_mode(model), injected_tangents(layers, directions), _dual_level(),
+            for context in (probe_mode(model), injected_tangents(layers, directions), fwAD.dual_level(),
                             _ConstantOperands()):
                 stack.enter_context(context)
             hidden, tangent = fwAD.unpack_dual(decoder(input_ids=ids, attention_mask=am,
@@ -419,8 +411,7 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
                 kept.append(z[:need].clone() if need < len(z) else z)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total, group=group)
-    kl_sum, count, entropy_sum, responses, first = total.tolist()
-    _check_counts(first, count)  # on every process alike: the counts are reduced
+    kl_sum, count, entropy_sum, responses = total.tolist()
     logits = torch.cat(kept) if keep_positions > 0 else None  # (kept, V)
     return Probe(kl_sum / count, logits, 0 if logits is None else logits.shape[0], ids.shape[0], max_tokens,
                  float(temperature), entropy_sum / count, count / responses, scored_logits)

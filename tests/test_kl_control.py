@@ -652,10 +652,11 @@ def test_the_use_block_runs_one_update():
 
 
 def test_the_docstrings_are_self_contained_and_cite_tests_that_exist():
-    """Each test that the module docstring cites is defined here, and no
-    docstring or comment sends a reader who copied kl_control.py to another file's departures."""
+    """Each test that the module docstring cites (and infra/one_call.py's, where departures 5, 6 and 8
+    went) is defined here, and no docstring or comment sends a reader who copied kl_control.py to
+    train.py's departures."""
     source = open(kl_control.__file__).read()
-    cited = set(re.findall(r"\b(test_\w+)\b(?!\.py)", kl_control.__doc__))  # the departures name their tests here
+    cited = set(re.findall(r"\b(test_\w+)\b(?!\.py)", kl_control.__doc__ + one_call.__doc__))  # the departures' tests
     assert len(cited) >= 8 and not {c for c in cited if c not in globals()}, cited - set(globals())
     assert not re.search(r"train\.py's departure|SPEC", source)
 
@@ -687,7 +688,7 @@ def adamw_loop(model, opt, batches):
 
 
 # LoGRAOptimizer's settings that make it the README's three calls with every default
-THREE_CALLS = dict(calibrate=False, per_layer=False, alpha_max=3.0, entropy_share=kl_control.ENTROPY_SHARE)
+THREE_CALLS = dict(per_layer=False, alpha_max=3.0, entropy_share=kl_control.ENTROPY_SHARE)
 
 
 @pytest.mark.parametrize("form", ["three calls", "defaults", "pretrained", "scratch uncalibrated",
@@ -697,16 +698,17 @@ def test_the_one_call_optimizer_is_the_three_calls_bitwise(form):
     weights, moments, counter, and its `last` alpha is theirs. kl_control.LoGRAOptimizer with its
     defaults (or THREE_CALLS), and infra/one_call.py's with start="pretrained": the README's three
     calls with every default; one_call's with every default but calibrate=False (start="auto":
-    "scratch" for this model, built from a config), and kl_control's with **SCRATCH but
-    calibrate=False, the same calls with RowAdam's scale per layer and SCRATCH's cap and budget
-    share. One optimizer line and `step(ids, mask)` replace the three calls in an AdamW loop.
+    "scratch" for this model, built from a config), and kl_control's with one_call.SCRATCH's
+    other settings (no calibration), the same calls with RowAdam's scale per layer and SCRATCH's
+    cap and budget share. One optimizer line and `step(ids, mask)` replace the three calls in an AdamW loop.
     (With calibration: the next tests.)"""
     batches = [policy_batch(seed) for seed in (1, 2, 3)]
     one = tiny_qwen2(seed=4, initializer_range=0.2)  # a budget that binds: alpha is the solve's, not the cap
     make, settings = {"three calls": (kl_control, THREE_CALLS), "defaults": (kl_control, {}),
                       "pretrained": (one_call, dict(start="pretrained", probe=kl_control.probe)),
                       "scratch uncalibrated": (one_call, dict(calibrate=False, probe=kl_control.probe)),
-                      "SCRATCH uncalibrated": (kl_control, dict(kl_control.SCRATCH, calibrate=False))}[form]
+                      "SCRATCH uncalibrated": (kl_control, {k: v for k, v in one_call.SCRATCH.items()
+                                                            if k != "calibrate"})}[form]
     opt = make.LoGRAOptimizer(one, rowadam.RowAdam(sketch.attach(one, seed=2)), **settings)
     if make is one_call:  # its probe is fast_probe unless given: here the three calls' own, for their bits
         assert opt.start == ("pretrained" if form == "pretrained" else "scratch")
@@ -726,11 +728,11 @@ def test_the_one_call_optimizer_is_the_three_calls_bitwise(form):
         ra.prepare(per_layer=not paper)
         probe = kl_control.probe(three, layers, ra.directions, ids, mask)
         budget = kl_control.budget_for(probe) if paper else \
-            kl_control.budget_for(probe, entropy_share=kl_control.SCRATCH["entropy_share"])
+            kl_control.budget_for(probe, entropy_share=one_call.SCRATCH["entropy_share"])
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget, **({} if paper else
-                                                                    dict(alpha_max=kl_control.SCRATCH["alpha_max"])))
+                                                                    dict(alpha_max=one_call.SCRATCH["alpha_max"])))
         ra.merge(alpha)
-        assert alpha < (3.0 if paper else kl_control.SCRATCH["alpha_max"])
+        assert alpha < (3.0 if paper else one_call.SCRATCH["alpha_max"])
     assert opt.update == ra.update == 3 and opt.last["alpha"] == alpha
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), three.state_dict().values()))
     assert all(torch.equal(a, b) for a, b in zip(opt.rowadam.moments, ra.moments))
@@ -770,7 +772,7 @@ def test_start_reads_how_the_model_was_made(tmp_path):
     assert (scratch.start, scratch.per_layer, scratch.alpha_max, scratch.shares["entropy_share"]) == \
         ("scratch", True, 9.0, 0.4)
     assert paper.calibration is None and paper.keep_positions == 0
-    assert scratch.calibration is not None and scratch.keep_positions == kl_control.CALIBRATION_POSITIONS
+    assert scratch.calibration is not None and scratch.keep_positions == one_call.CALIBRATION_POSITIONS
 
     bare = NoConfig(tiny_qwen2(seed=3))
     assert one_call.model_start(bare) is None
@@ -804,7 +806,7 @@ def test_the_calibration_rule():
     """Calibration's moving geometric mean, against the formula worked out here: ratios clamped
     to [0.1, 10], log rho <- 0.7 log rho + 0.3 log ratio from rho = 1; nothing learnt from a
     prediction of 0 or a realised KL that is not finite; its state round-trips."""
-    cal = kl_control.Calibration()
+    cal = one_call.Calibration()
     assert cal.scale == 1.0
     expected = 0.0
     for realised, predicted, clamped in ((0.02, 0.05, 0.4), (3.0, 0.1, 10.0), (0.0, 0.2, 0.1), (-1e-18, 1.0, 0.1),
@@ -816,12 +818,12 @@ def test_the_calibration_rule():
     for realised, predicted in ((0.1, 0.0), (float("nan"), 0.1), (float("inf"), 0.1), (0.1, float("nan"))):
         assert cal.observe(realised, predicted) is None
         assert cal.scale == pytest.approx(math.exp(expected), rel=1e-12)
-    again = kl_control.Calibration()
+    again = one_call.Calibration()
     again.load_state_dict(copy.deepcopy(cal.state_dict()))
     assert again.scale == cal.scale
     for bad in (dict(momentum=1.0), dict(low=0.0), dict(low=2.0), dict(high=0.5)):
         with pytest.raises(ValueError):
-            kl_control.Calibration(**bad)
+            one_call.Calibration(**bad)
 
 
 def calibrated_by_hand(model, layers, batches, state=None):
@@ -851,7 +853,7 @@ def calibrated_by_hand(model, layers, batches, state=None):
 
 def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     """infra/one_call.py's LoGRAOptimizer with calibrate=True (the default of its start "scratch"),
-    and kl_control's with **SCRATCH (the form a copier writes), over four updates where the budget
+    and kl_control's with SCRATCH's settings and a Calibration (its slot), over four updates where the budget
     binds (weights at std 0.2) are bit for bit the update written out by hand (`calibrated_by_hand`):
     weights, alpha, and the scale, which moved away from 1 (so the comparison covers it). Its state
     saved after two updates and loaded into a fresh optimizer on a copy gives the last two updates' bits.
@@ -870,8 +872,10 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     seen = calibrated_by_hand(by_hand, sketch.attach(by_hand, seed=6), batches)
     assert opt.calibration.log_scale == seen[-1] and len(set(seen)) > 1, seen
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), by_hand.state_dict().values()))
-    copier = tiny_qwen2(seed=9, initializer_range=0.2)  # kl_control's own with **SCRATCH: start='scratch' exactly
-    copied = kl_control.LoGRAOptimizer(copier, rowadam.RowAdam(sketch.attach(copier, seed=6)), **kl_control.SCRATCH)
+    copier = tiny_qwen2(seed=9, initializer_range=0.2)  # kl_control's own, calibrated: start='scratch' exactly
+    copied = kl_control.LoGRAOptimizer(copier, rowadam.RowAdam(sketch.attach(copier, seed=6)), keep_positions=256,
+                                       **{k: v for k, v in one_call.SCRATCH.items() if k != "calibrate"})
+    copied.calibration = one_call.Calibration()
     adamw_loop(copier, copied, batches)
     assert copied.last == opt.last and copied.calibration.log_scale == seen[-1]
     assert all(torch.equal(a, b) for a, b in zip(copier.state_dict().values(), by_hand.state_dict().values()))
@@ -886,7 +890,7 @@ def test_the_calibrated_optimizer_is_its_formula_bitwise_and_resumes():
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), again.state_dict().values()))
 
     plain = one_call.LoGRAOptimizer(again, resumed.rowadam, calibrate=False)
-    with pytest.raises(ValueError, match="saved with calibrate=True.*SCRATCH, start='scratch', calibrates"):
+    with pytest.raises(ValueError, match="saved with calibrate=True.*start='scratch' calibrates"):
         plain.load_state_dict(state)
     assert plain.update == resumed.update == 4  # refused before anything was loaded (the state is at 2)
     with pytest.raises(ValueError, match="saved with calibrate=False"):
@@ -982,6 +986,15 @@ def test_the_one_call_optimizer_resumes_from_its_state_dict():
     adamw_loop(again, resumed, batches[2:])
     assert resumed.update == opt.update == 4 and resumed.last == opt.last
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    # kl_control's own state, and the form it had before the cap's count moved to one_call.py: both load
+    plain = kl_control.LoGRAOptimizer(again, rowadam.RowAdam(resumed.layers))
+    earlier = {**plain.state_dict(), "capped": 3, "warned": True}
+    plain.load_state_dict(earlier)
+    paper = one_call.LoGRAOptimizer(again, plain.rowadam, start="pretrained")
+    paper.load_state_dict(earlier)
+    assert (paper.capped, paper.warned) == (3, True) and paper.update == plain.update == earlier["rowadam"]["update"]
+    paper.load_state_dict(plain.state_dict())
+    assert (paper.capped, paper.warned) == (0, False)
 
 
 def test_a_left_padded_batch_without_its_attention_mask_is_refused_before_anything_changes():
@@ -1085,7 +1098,7 @@ def test_the_budgets_shares():
     ra.prepare(per_layer=True)
     probe = kl_control.probe(three, layers, ra.directions, ids, mask)
     budget = kl_control.budget_for(probe, entropy_share=0.05, per_response=0.5)
-    alpha = kl_control.solve_alpha(probe.kl1, budget=budget, alpha_max=kl_control.SCRATCH["alpha_max"])
+    alpha = kl_control.solve_alpha(probe.kl1, budget=budget, alpha_max=one_call.SCRATCH["alpha_max"])
     ra.merge(alpha)
     assert opt.last["budget"] == budget != kl_control.budget_for(probe) and opt.last["alpha"] == alpha < 9.0
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), three.state_dict().values()))
@@ -1106,7 +1119,7 @@ def test_alpha_at_its_cap_is_warned_about_once():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         adamw_loop(model, capped, batches)
-    assert capped.last["alpha"] == kl_control.SCRATCH["alpha_max"] and capped.capped == 7
+    assert capped.last["alpha"] == one_call.SCRATCH["alpha_max"] and capped.capped == 7
     said = [w for w in caught if issubclass(w.category, UserWarning) and "its cap" in str(w.message)]
     lines = [str(w.message) for w in said]
     assert len(lines) == 1 and "for 5 updates in a row" in lines[0] and "update_ratio (RowAdam's" in lines[0], lines
@@ -1172,7 +1185,7 @@ def test_the_cap_warnings_advice_holds_in_miniature():
     0.63 and 0.44 at the default, 0.31 and 0.28 at 3x, 0.15 and 0.23 at 10x)."""
     for seed in (0, 1):
         default, capped, said = lookback_accuracy(seed, rowadam.UPDATE_RATIO)
-        assert capped >= kl_control.CAPPED_UPDATES and len(said) == 1, (capped, said)
+        assert capped >= one_call.CAPPED_UPDATES and len(said) == 1, (capped, said)
         assert "only if a held-out metric says so" in said[0]
         for factor in (3, 10):
             raised, _, _ = lookback_accuracy(seed, factor * rowadam.UPDATE_RATIO)
@@ -1240,20 +1253,21 @@ def test_the_readmes_trainer_blocks_run():
     """README.md's "LoGRA in your trainer" blocks, run as written on the tiny Qwen2 (weights at
     std 0.2): the three calls with every default merge one update, and the one-call form, on a
     model of the same weights and batch, merges the same bits; with the settings the README
-    names for random weights (`**kl_control.SCRATCH`) it merges one update of its own."""
+    names for random weights (infra/one_call.py's, `start="scratch"`) it merges one update of its own."""
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     section = readme[readme.index("## LoGRA in your trainer"):readme.index("## Results")]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 2
     assert "its defaults are the calls above bit for bit" in section.replace("\n", " ")
-    scratch = re.search(r"for random weights \(a model built from a config\) add `(\*\*kl_control\.SCRATCH)`",
-                        section.replace("\n", " "))
+    scratch = re.search(r"for random weights \(a model built from a config\) `(one_call)\.LoGRAOptimizer\(\.\.\., "
+                        r"(start=\"scratch\")\)` \(`from infra import one_call`", section.replace("\n", " "))
     assert scratch, "the README names the settings for random weights"
     constructor = "RowAdam(sketch.attach(model, seed=0)))"
     assert blocks[1].count(constructor) == 1
     ids, mask, advantages = policy_batch(21)
     models = []
-    for block in blocks + [blocks[1].replace(constructor, constructor[:-1] + ", " + scratch.group(1) + ")")]:
+    random = blocks[1].replace("kl_control.LoGRAOptimizer(", scratch.group(1) + ".LoGRAOptimizer(")
+    for block in blocks + [random.replace(constructor, constructor[:-1] + ", " + scratch.group(2) + ")")]:
         model = tiny_qwen2(seed=8, initializer_range=0.2)
 
         class Loss:  # `loss` as the block's loop has it: the forward runs when the block calls backward
@@ -1261,8 +1275,8 @@ def test_the_readmes_trainer_blocks_run():
                 reinforce_loss(model, ids, mask, advantages).backward()
 
         # attention_mask None: this batch holds no padding (a padded one: the left-padding test)
-        ns = dict(torch=torch, sketch=sketch, RowAdam=rowadam.RowAdam, kl_control=kl_control, model=model, ids=ids,
-                  mask=mask, attention_mask=None, loss=Loss())
+        ns = dict(torch=torch, sketch=sketch, RowAdam=rowadam.RowAdam, kl_control=kl_control, one_call=one_call,
+                  model=model, ids=ids, mask=mask, attention_mask=None, loss=Loss())
         exec(block, ns)
         assert ns["opt"].update == 1
         models.append([w.clone() for w in model.state_dict().values()])

@@ -233,7 +233,7 @@ CALLS = {
                             "torch.zeros(4)); assert torch.equal(y, x) and torch.equal(dy, x) and 'qwen2' in "
                             "probe_decoder.WRITTEN_OUT"),
     "infra.one_call": ("import torch; assert one_call.model_start(torch.nn.Linear(1, 1)) is None and "
-                       "one_call.STARTS['scratch'] is one_call.kl_control.SCRATCH"),
+                       "one_call.STARTS['scratch'] is one_call.SCRATCH"),
 }
 
 
