@@ -1,25 +1,17 @@
-"""
-kl_control.py: predicted-KL step control with mismatch subtraction (arXiv:2610.06647, its method section;
-Table 1's setup). Before a step is merged, `probe` predicts how far it moves the policy's next-token
-distributions (a second-order KL, by forward-mode AD through the model's own forward), and alpha scales it so
-that the prediction spends a KL budget, "an estimate used for control, not a guarantee"; `realised_kl` measures it.
+"""kl_control.py: predicted-KL step control (arXiv:2610.06647, its method section; Table 1's setup). Before a step
+is merged, `probe` predicts how far it moves the policy's next-token distributions (a second-order KL, by forward AD
+through the model's own forward); alpha scales the step to spend a KL budget ("an estimate ..., not a guarantee").
 
 Use
 ---
-    import kl_control
-    import ppo
-    import sketch
-    from rowadam import RowAdam
-    temperature = 1.0                                  # the rollout's sampling temperature
+    import kl_control, ppo, rowadam, sketch
     layers = sketch.attach(model, seed=0)              # S and A on every target nn.Linear
-    opt = RowAdam(layers)
-    logp = ppo.response_logprobs(model(input_ids=ids, attention_mask=am).logits, ids, temperature)  # (B, T)
-    loss, _ = ppo.policy_loss(logp, advantages, mask, num_tokens=ppo.global_token_count(mask))
-    loss.backward()                                    # into the sketches S = G A^T
+    opt = rowadam.RowAdam(layers)
+    logp = ppo.response_logprobs(model(input_ids=ids, attention_mask=am).logits, ids, temperature=1.0)  # (B, T)
+    ppo.policy_loss(logp, advantages, mask, num_tokens=ppo.global_token_count(mask))[0].backward()  # S = G A^T
     try:
         opt.prepare()                                  # the directions U (d, r): opt.directions
-        probe = kl_control.probe(model, layers, opt.directions, ids, mask, temperature=temperature,
-                                 attention_mask=am, keep_positions=256)  # KL1, entropy; logits for kl_real
+        probe = kl_control.probe(model, layers, opt.directions, ids, mask, attention_mask=am, keep_positions=256)
         budget = kl_control.budget_for(probe)          # departure 7; the paper's: kl_budget(...)
         alpha = kl_control.solve_alpha(probe.kl1, budget=budget)  # min(3, sqrt(budget / KL1))
     except Exception:
@@ -28,40 +20,29 @@ Use
     factors = opt.merge(alpha)                         # W -= F A, F = bf16(alpha U)
     kl_real = kl_control.realised_kl(probe, model, ids, mask, attention_mask=am)  # the step's exact KL a token
 
-`ids` (B, T) prompt and response tokens (generate's: `am` its attention_mask, prompts padded on the left),
-`mask` (B, T) True on generated tokens only (never a row's first position). With a rollout engine:
-`mismatch.observe(rollout_logp, logp.detach(), mask, eos)`, then `budget = mismatch.adjust(budget)`. As one
-torch.optim step, bit for bit: `LoGRAOptimizer(model, RowAdam(layers)).step(ids, mask, am)`. In infra/: one_call.py
-(settings by how the weights start), probe_decoder.py's `fast_probe` (the toy's probe 31 -> 8.5 ms: bench/README.md).
+`ids`, `am` from generate, `mask` (B, T) True on generated tokens. With an engine: `mismatch.observe(rollout_logp,
+logp.detach(), mask, eos)`, `budget = mismatch.adjust(budget)`. One torch.optim step, bit for bit: LoGRAOptimizer.
+In infra/: one_call.py (settings by start), probe_decoder.py (probe 31 -> 8.5 ms: `loop_phases_companions`).
 
-The math (in the paper's symbols)
----------------------------------
-U = opt.directions (the paper's eta U), T the sampling temperature, budgets in nats per generated token; at a
-scored position, logits z and u = dz/dalpha (forward AD, every target's dW = -U A):
-    p = softmax(z / T),  q = u / T,  kl1 = 0.5 sum_v p_v (q_v - sum_w p_w q_w)^2
-so KL(p || p(alpha)) = alpha^2 kl1 + O(alpha^3); KL1 = Probe.kl1, the mean kl1 over the probed generated tokens.
-    alpha    = min(alpha_max, sqrt(budget / KL1))                          solve_alpha
-    budget_n = end + (start - end) 0.5 (1 + cos(pi min(n / (H - 1), 1)))    kl_budget (the paper's)
-    observed = max(0, mean(rollout_logprob - trainer_logprob))   on responses that ended with EOS
-    m <- 0.7 m + 0.3 observed,   budget <- max(budget - m, 0.5 budget)     Mismatch (m: Mismatch.m)
-
+The math (U = opt.directions, the paper's eta U; T the sampling temperature; budgets in nats a generated token):
+    z, u = the logits and dz/dalpha at a scored position (every target's dW = -U A),  p = softmax(z / T),  q = u / T
+    kl1 = 0.5 sum_v p_v (q_v - sum_w p_w q_w)^2,  KL(p || p(alpha)) ~ alpha^2 kl1,  KL1 = Probe.kl1 its mean
+    alpha = min(alpha_max, sqrt(budget / KL1))                                  solve_alpha
+    budget_n = end + (start - end) 0.5 (1 + cos(pi min(n / (H - 1), 1)))       kl_budget (the paper's)
+    m <- 0.7 m + 0.3 max(0, mean(rollout - trainer logprob) over the responses ended by EOS)         Mismatch
+    budget <- max(budget - m, 0.5 budget)
 Defaults, the paper's (method section, Table 1's setup): alpha_max 3, the 4096-token cut, the budget 2e-4 -> 2e-5
 (kl_budget, H the run's updates), Mismatch's 0.7 and 0.5, 2 responses probed a process.
 
-Departures from the paper: every other default (reason, bench/README.md's table; its test)
------------------------------------------------------------------------------------------
+Departures from the paper (reason, bench/README.md's table; test); 5, 6, 8 (random weights): infra/one_call.py
 1. Tangents in the activations' dtype (fp32: no better, 2x the largest transient); test_kl1_in_bf16_against_float64.
 2. KL1 = 0 gives alpha = min(1, alpha_max), the paper divides by zero; test_solve_alpha.
-3. Probed: an eighth of the batch (a choice), >= 2 responses, >= 128 tokens, a fixed share of the update's cost;
-   test_the_default_probe_scores_the_papers_share_of_the_batch.
+3. Probed: an eighth of the batch (a choice), >= 2 responses, >= 128 tokens; test_probe_scores_an_eighth_of_the_batch.
 4. ended_with_eos=None counts every response (fixed-length ones never end with EOS); test_mismatch_without_eos_flags.
-5, 6, 8. The settings for random weights (KL1 calibrated, RowAdam per layer, cap and budget): infra/one_call.py.
-7. The default budget is min(0.2 H, 2 / L) (H entropy a token, L tokens a response; `defaults`): no horizon;
-   test_the_default_budget_is_a_share_of_the_entropy_capped_per_response.
+7. Budget min(0.2 H, 2 / L), H entropy a token, L tokens a response (`defaults`); test_budget_for_shares_the_entropy.
 """
 
 import contextlib
-import itertools
 import math
 import sys
 import warnings
@@ -74,6 +55,7 @@ MAX_TOKENS = 4096  # each probed sequence cut to its first 4096 tokens: the pape
 PROBE_RESPONSES, PROBE_SHARE, PROBE_FLOOR = 2, 8, 128  # the probe's size: probe_count, departure 3
 ENTROPY_SHARE, PER_RESPONSE = 0.2, 2.0  # budget_for's rule: departure 7
 KL_CHUNK_POSITIONS = 64  # positions per block of realised_kl's float64 work (32 V bytes a position)
+CAPPED_UPDATES = 5  # updates in a row at alpha_max before LoGRAOptimizer warns (a choice, not measured)
 
 
 def _all_reduce(total, group):
@@ -116,7 +98,7 @@ def probe_count(mask, responses=None, tokens=PROBE_FLOOR) -> int:
     """The first `responses` rows of `mask` (B, T) (None: an eighth, at least 2; departure 3), and more until
     they hold `tokens` generated tokens (all when fewer)."""
     responses = max(PROBE_RESPONSES, -(-len(mask) // PROBE_SHARE)) if responses is None else responses
-    seen = itertools.accumulate(mask.sum(dim=1).tolist(), initial=0)  # generated tokens in the first i rows
+    seen = [0, *mask.sum(dim=1).cumsum(0).tolist()]  # generated tokens in the first i rows
     return next((i for i, n in enumerate(seen) if i >= responses and n >= tokens), len(mask))
 
 
@@ -142,8 +124,7 @@ def _check_probe_inputs(layers, directions, temperature, keep_positions):
             got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
             raise ValueError(f"{layer.name}: direction {got}, but the layer's U is {tuple(layer.sketch.shape)}")
     if not (math.isfinite(temperature) and temperature > 0 and keep_positions >= 0):
-        raise ValueError(f"temperature must be a finite number > 0 and keep_positions must be >= 0: {temperature}, "
-                         f"{keep_positions}")
+        raise ValueError(f"temperature must be finite and > 0, keep_positions >= 0: {temperature}, {keep_positions}")
 
 
 def left_padded_rows(input_ids, pad_token_id) -> torch.Tensor:
@@ -156,8 +137,8 @@ def left_padded_rows(input_ids, pad_token_id) -> torch.Tensor:
 
 def check_batch(input_ids, response_mask, *, attention_mask=None, max_responses=None, min_tokens=PROBE_FLOOR,
                 max_tokens=MAX_TOKENS, group=None, pad_token_id=None):
-    """`_scored`'s rows, after refusing on every process alike a mask on a row's first position (that token
-    has no log-prob), one with nothing to score, and rows padded on the left without their attention_mask."""
+    """`_scored`'s rows; refused alike on every process: a mask on a row's first position, none to score, or
+    rows padded on the left without their attention_mask."""
     ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     left = left_padded_rows(input_ids, pad_token_id if attention_mask is None else None)
     counts = torch.stack([response_mask[:, 0].bool().sum(), scored.sum(), left]).to(torch.float64)  # (3,)
@@ -174,8 +155,7 @@ def check_batch(input_ids, response_mask, *, attention_mask=None, max_responses=
 
 @contextlib.contextmanager
 def probe_mode(model):
-    """Every module in eval mode and eager attention (SDPA has no forward AD), restored on exit; torch's JVP
-    decompositions imported (forward AD's first use would) without torch.jit's warnings."""
+    """Eval mode and eager attention (SDPA has no forward AD), restored on exit; JVP rules imported quietly."""
     if "torch._decomp.decompositions_for_jvp" not in sys.modules:
         with warnings.catch_warnings(), contextlib.suppress(ImportError):
             warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
@@ -195,8 +175,7 @@ def probe_mode(model):
 
 @torch.no_grad()
 def probe_logits(model, layers, directions, input_ids, attention_mask=None):
-    """(logits z, tangent u = dz/dalpha), (B, T, V) each: the model's own forward with every target
-    weight's tangent dW = -U A, by torch.func.jvp. Whole directions (d, r), one process."""
+    """(z, u = dz/dalpha), (B, T, V) each: torch.func.jvp of the model's own forward, dW = -U A per target."""
     _check_probe_inputs(layers, directions, 1.0, 0)
     if any(layer.group is not None for layer in layers):
         raise ValueError("this probe runs on one process: layers attached with a group need infra/probe_decoder.py")
@@ -216,8 +195,7 @@ def probe_logits(model, layers, directions, input_ids, attention_mask=None):
 @torch.no_grad()
 def probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=None,
           min_tokens=PROBE_FLOOR, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0, group=None) -> Probe:
-    """KL1 of the directions U and the policy's entropy over the probed responses (`probe_count`), with
-    the logits at the first `keep_positions` scored positions (realised_kl's "before"). Weights untouched."""
+    """KL1 of U, the entropy a token, the first `keep_positions` scored logits (realised_kl's), over the probed rows."""
     _check_probe_inputs(layers, directions, temperature, keep_positions)
     ids, scored, am = check_batch(input_ids, response_mask, attention_mask=attention_mask, max_responses=max_responses,
                                   min_tokens=min_tokens, max_tokens=max_tokens, group=group)
@@ -244,8 +222,7 @@ def scored_logits(model, input_ids, response_mask, *, max_responses=None, min_to
 
 @torch.no_grad()
 def realised_kl(probe, model, input_ids, response_mask, *, attention_mask=None, group=None) -> float:
-    """Exact KL(pi_old || pi_new) per token, in float64, at the positions whose logits `probe` (of the
-    same inputs) kept before the merge, reduced across processes: what alpha^2 KL1 predicts."""
+    """Exact KL(pi_old || pi_new) a token in float64 where `probe` kept logits before the merge (alpha^2 KL1's)."""
     if not isinstance(probe, Probe) or probe.logits is None:
         raise (TypeError(f"realised_kl takes the Probe that probe(...) returned, got {type(probe).__name__}")
                if not isinstance(probe, Probe) else ValueError("the probe kept no logits (keep_positions=0), so "
@@ -278,10 +255,9 @@ def budget_for(probe, *, entropy_share=ENTROPY_SHARE, per_response=PER_RESPONSE)
     """Departure 7's budget, nats per generated token: min(entropy_share H, per_response / L), at least 1e-12."""
     if not isinstance(probe, Probe):
         raise TypeError(f"budget_for takes the Probe that probe(...) returned, got {type(probe).__name__}")
-    if not (entropy_share > 0 and per_response > 0):
-        raise ValueError(f"need entropy_share > 0 and per_response > 0, got {entropy_share}, {per_response}")
-    if not (math.isfinite(probe.entropy) and math.isfinite(probe.tokens_per_response)):
-        raise ValueError("this Probe carries no entropy or response length: pass the Probe that probe(...) returned")
+    if not (entropy_share > 0 and per_response > 0 and math.isfinite(probe.entropy + probe.tokens_per_response)):
+        raise ValueError(f"need entropy_share > 0 and per_response > 0 (got {entropy_share}, {per_response}) and a "
+                         f"Probe from probe(...): one with no entropy or response length sets no budget")
     return max(min(entropy_share * probe.entropy, per_response / probe.tokens_per_response), 1e-12)
 
 
@@ -303,8 +279,7 @@ class Mismatch:
 
     @torch.no_grad()
     def observe(self, rollout_logprobs, trainer_logprobs, response_mask, ended_with_eos=None, group=None):
-        """The rule above over the responses with `ended_with_eos` ((B,) bool; None: all, departure 4):
-        returns `observed`, or None (m unchanged) when none counts."""
+        """The rule above over `ended_with_eos` ((B,); None: all, departure 4): `observed`, or None if none counts."""
         if not (rollout_logprobs.shape == trainer_logprobs.shape == response_mask.shape) or not (
                 ended_with_eos is None or ended_with_eos.shape == response_mask.shape[:1]):
             raise ValueError(f"rollout log-probs, trainer log-probs and mask must have one shape (B, T), and "
@@ -333,10 +308,9 @@ class Mismatch:
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
-    """The Use block as one torch.optim step, `opt.step(ids, mask, attention_mask)` (or `opt.batch = (ids,
-    attention_mask, mask); opt.step()`): a batch the probe would refuse changes nothing, a later failure discards
-    it. `last`: alpha, budget, kl_predicted, entropy, kl_scale, kl_realised (keep_positions > 0). For a trainer
-    (settings by start, `log`, a warning when alpha sits at its cap, KL1's calibration): infra/one_call.py's."""
+    """The Use block as one step, `opt.step(ids, mask, attention_mask)` (or `opt.batch = (ids, attention_mask, mask)`
+    first): a batch the probe would refuse changes nothing, a later failure discards it; warns once when alpha sits
+    at its cap. `last`: alpha, budget, kl_predicted, entropy, kl_scale, kl_realised. Calibration: infra/one_call.py."""
     calibration = None  # KL1's scale (.scale, .observe(realised, predicted)): one_call.py's; None: the paper's alpha
 
     def __init__(self, model, rowadam, *, temperature=1.0, alpha_max=3.0, kl_start=None, kl_end=None, horizon=None,
@@ -351,14 +325,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError(f"need alpha_max > 0, entropy_share > 0, per_response > 0: {alpha_max}, {entropy_share}, "
                              f"{per_response}")
         if not all(hasattr(rowadam, a) for a in ("prepare", "merge", "discard", "directions", "layers")):
-            raise TypeError(f"LoGRAOptimizer(model, rowadam) takes a RowAdam over the model's sketched layers, got "
-                            f"{type(rowadam).__name__}")
+            raise TypeError(f"LoGRAOptimizer takes a RowAdam over the sketched layers, got {type(rowadam).__name__}")
         super().__init__([layer.module.weight for layer in rowadam.layers], {"lr": 0.0})
         self.model, self.rowadam, self.layers, self.group = model, rowadam, rowadam.layers, group
         self.temperature, self.alpha_max, self.probe = float(temperature), float(alpha_max), probe
         self.keep_positions, self.max_responses, self.per_layer = keep_positions, max_responses, bool(per_layer)
         self.mismatch, self.batch, self.last, self.factors = Mismatch(), None, {}, None
-        self.shares = {"entropy_share": entropy_share, "per_response": per_response}
+        self.shares, self.capped, self.warned = {"entropy_share": entropy_share, "per_response": per_response}, 0, False
 
     update = property(lambda self: self.rowadam.update)  # RowAdam's counter of merged updates
 
@@ -401,20 +374,26 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                                                    group=self.group)
             if self.calibration and alpha < self.alpha_max:  # the budget set this step: learn KL1's scale
                 self.calibration.observe(self.last["kl_realised"], self.last["kl_predicted"])
+        self.capped = self.capped + 1 if alpha >= self.alpha_max else 0  # the budget did not bind
+        if self.capped >= CAPPED_UPDATES and not self.warned:  # said once an optimizer, at the caller's line
+            self.warned = True
+            warnings.warn(f"alpha has been at its cap alpha_max={self.alpha_max:g} for {self.capped} updates in a row: "
+                          f"the KL budget does not bind, update_ratio (RowAdam's: {opt.update_ratio:g}) sets the step; "
+                          f"change it only if a held-out metric says so (bench/README.md, defaults)", stacklevel=4)
 
     def state_dict(self) -> dict:
-        return {"rowadam": self.rowadam.state_dict(), "mismatch": self.mismatch.state_dict(),
-                "calibration": self.calibration and self.calibration.state_dict(), "per_layer": self.per_layer}
+        return {"rowadam": self.rowadam.state_dict(), "mismatch": self.mismatch.state_dict(), "capped": self.capped,
+                "warned": self.warned, "calibration": self.calibration and self.calibration.state_dict(),
+                "per_layer": self.per_layer}
 
     def load_state_dict(self, state: dict) -> None:
         saved, has = state.get("calibration"), (self.calibration is not None, self.per_layer)
         was = (saved is not None if "calibration" in state else has[0], state.get("per_layer", False))
         if was != has:  # refused before anything is loaded; per_layer absent: saved before the option, one scale
-            note = "" if "per_layer" in state else " (saved before the option existed)"
-            raise ValueError(f"this state was saved with calibrate={was[0]}, per_layer={was[1]}{note}, and this "
+            raise ValueError(f"this state was saved with calibrate={was[0]}, per_layer={was[1]}"
+                             f"{'' if 'per_layer' in state else ' (saved before the option existed)'}, and this "
                              f"optimizer has calibrate={has[0]}, per_layer={has[1]}: make them the same (one_call.py's "
                              f"start='scratch' calibrates and scales per layer; the defaults do neither)")
         self.rowadam.load_state_dict(state["rowadam"])
         self.mismatch.load_state_dict(state["mismatch"])
-        if self.calibration is not None:  # a state from before calibration existed: rho starts at 1
-            self.calibration.load_state_dict(saved or {**self.calibration.state_dict(), "log_scale": 0.0})
+        self.capped, self.warned = int(state.get("capped", 0)), bool(state.get("warned", False))

@@ -1,10 +1,8 @@
-"""
-ppo.py: the paper's deliberately simple RL objective.
+"""ppo.py: the paper's deliberately simple RL objective.
 
-One response per prompt, a binary outcome reward, a running baseline shared by all processes,
-REINFORCE with truncated importance sampling (TIS: the engine's bf16 samples reweighted to the
-trainer's distribution) and an optional PPO clip: the setup the paper (arXiv:2610.06647) chose for
-Table 1, to isolate the memory method (group advantages, not the paper's: infra/group_advantages.py).
+One response per prompt, a binary outcome reward, a running baseline shared by all processes, REINFORCE with truncated
+importance sampling (TIS: the engine's bf16 samples reweighted to the trainer's distribution) and an optional PPO clip:
+the paper's setup for Table 1 (arXiv:2610.06647), to isolate the memory method (group advantages, not its: infra/).
 
 Use
 ---
@@ -12,26 +10,22 @@ Use
     rewards = ppo.outcome_reward(correct)                  # (B,) 1 if correct, else -0.01
     baseline = ppo.RunningBaseline()                       # b: kept from batch to batch (and checkpointed)
     advantages = baseline.advantages(rewards)              # (B,) A = r - b; then b moves toward the mean
-    num_tokens = ppo.global_token_count(mask)              # response tokens of the global batch
+    num_tokens = ppo.global_token_count(mask)              # global batch's response tokens; the rest per micro-batch
     logprobs = ppo.response_logprobs(model(input_ids=ids).logits, ids)  # (B, T) log pi(y_t), with grad
     loss, metrics = ppo.policy_loss(logprobs, advantages, mask, rollout_logprobs=rollout_logprobs,
                                     num_tokens=num_tokens)  # REINFORCE with TIS
     loss.backward()
-
-`model` an HF causal LM, `ids` (B, T) tokens, `mask` (B, T) True on the response, `correct` (B,) outcomes
-or scores, `rollout_logprobs` (B, T) the engine's; per micro-batch, the last three lines with one `num_tokens`.
+Inputs (B, T): `ids`, `mask` (True on the response), `rollout_logprobs` (the engine's); `correct` (B,): bools or scores.
 
 The math (the paper's RL setup; B batch, T time)
---------
+------------------------------------------------
     reward     r = 1 if the final answer is correct else failure_reward
     baseline   b <- (1 - w) b + w mean(global batch rewards);  A = r - b, b from before the batch
     TIS        w_t = min(exp(logp_old_t - logp_rollout_t), tis_cap)       detached
     REINFORCE  loss_t = -w_t A logp_t
     PPO        loss_t = -w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A),  rho_t = exp(logp_t - logp_old_t)
     loss       = sum over response tokens of loss_t / num_tokens     (the global batch's count)
-
-Defaults: failure_reward -0.01 (the paper's binary reward); clip_eps None (the paper's one step a
-batch: logp_old = logp.detach(), rho = 1); w 0.1 and tis_cap 2 cite no table: departures 2 and 3.
+Defaults: the paper's failure_reward -0.01, clip_eps None (one step a batch: rho = 1); w 0.1, tis_cap 2: departures 2-3.
 
 Departures from the paper
 -------------------------
@@ -39,9 +33,8 @@ Departures from the paper
 2. The baseline's weight w = 0.1: no source in the paper's text at hand (test_baseline_worked_example).
 3. The TIS cap 2: no source in the paper's text at hand (test_tis_weights).
 
-Implementation notes: the baseline's mean is a float64 (sum, count) reduced over processes, so unequal
-batches agree (test_two_process_baseline_matches_concatenation); `policy_loss` reads nothing back and
-`check_finite` reads once (test_policy_loss_reads_nothing_back); test_the_use_block_runs runs the Use block.
+Implementation notes: the baseline reduces a float64 (sum, count) over processes, so unequal batches agree
+(test_two_process_baseline_matches_concatenation); no host read in `policy_loss` (test_policy_loss_reads_nothing_back).
 """
 
 import torch

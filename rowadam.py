@@ -2,54 +2,41 @@
 
 One second moment per output row (dense Adam: two per weight) turns a layer's sketch S = G A^T (sketch.py)
 into a direction merged into W. No first moment: A is redrawn every update; rows of S line up, columns do not.
+Shape legend: d out rows, k in columns, r rank; n rows this process holds (n = d in one process).
 
 Use
 ---
-    import sketch
-    from rowadam import RowAdam
+    import sketch, rowadam                         # run by tests/test_rowadam.py::test_the_use_block_runs
     layers = sketch.attach(model, rank=8, seed=0)  # S and A_0 on every target nn.Linear; weights frozen
-    opt = RowAdam(layers)                          # the layers' seed (seed=0 would be checked)
-    loss_fn(model, ids).backward()                 # into the sketches S = G A^T; no weight gradient
-    try:
+    opt = rowadam.RowAdam(layers)                  # the layers' seed (seed=0 would be checked)
+    loss_fn(model, ids).backward()                 # your per-token mean loss (ppo.py's): S = G A^T as is
+    try:  # a refusal changes nothing: tests/test_rowadam.py::test_failures_change_nothing
         opt.prepare()                              # U = c D per layer in opt.directions; nothing changed
-        alpha = choose_alpha(layers, opt.directions)
+        alpha = choose_alpha(layers, opt.directions)  # your rule (kl_control.py's)
     except Exception:
         opt.discard()                              # the batch dropped: S zeroed; W, v, counter kept
         raise
     factors = opt.merge(alpha)                     # W -= F A_0, F = bf16(alpha U); v set; update 1; S = 0; A_1
-`loss_fn` (ppo.py's), `choose_alpha` (kl_control.py's): the caller's. tests/test_rowadam.py::test_the_use_block_runs.
 
-The math (arXiv:2610.06647, the method section on RowAdam), per layer, at update t
---------------------------------------------------------------------------------
+The math (arXiv:2610.06647, RowAdam), at update t: tests/test_rowadam.py::test_direction_matches_float64_reference
+------------------------------------------------------------------------------------------------------------------
     v     <- beta2 v + (1 - beta2) mean_j S[i, j]^2          row-wise over the r columns
-    root  <- sqrt(v / (1 - beta2^(t + 1)))                   t + 1: the sketches v has seen
-    den   <- root + max(eps mean(root), tiny)
-    s     <- min(den) / den;  s <- s / sqrt(mean(s^2))        row scales in (0, 1], RMS-normalised
-    D     <- s[:, None] S;  D <- D ||S||_F / ||D||_F          keep the layer's sketch norm
-    c     =  update_ratio sqrt( sum_layers ||W||_F^2 / sum_layers ||D A||_F^2 )
-    W     <- W - F A_t,  F = bf16(alpha c D)                  alpha from kl_control.py
+    root  <- sqrt(v / (1 - beta2^(t + 1))),  den <- root + max(eps mean(root), tiny)   t + 1: the sketches v has seen
+    s     <- min(den) / den;  s <- s / sqrt(mean(s^2));  D <- s[:, None] S;  D <- D ||S||_F / ||D||_F
+    W     <- W - F A_t,  F = bf16(alpha c D),  c = update_ratio sqrt(sum_layers ||W||_F^2 / sum_layers ||D A||_F^2)
 Code -> paper: `D` (`row_adam_direction`) is its U, `U = c D` (`directions`) its eta U, `F` alpha eta U, `moments` v.
-Defaults: beta2 = 0.95, eps = 1e-8, factor dtype bf16, the paper's; update_ratio = 1e-2 (departure 4).
+Defaults: beta2 0.95, eps 1e-8, bf16 factors: the paper's; update_ratio 1e-2 (departure 4; bench/README.md, `defaults`).
 
 Departures from the paper (numbered; reason; test)
 -------------------------------------------------
-1. Row-sharded S, U, v, W under FSDP2 (infra/batched.py's `BatchedRowAdam`), row sums reduced in float64:
-   d/world rows a process. tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.
-2. A moved fp32 weight on a bf16 tie moves one ulp toward zero, so an engine holds bf16 + int16 (sync.py).
+1. S, U, v row-sharded as FSDP2's W, to fit: tests/test_rowadam.py::test_row_sharded_state_equals_one_process_bitwise.
+2. A moved fp32 weight on a bf16 tie moves one ulp toward zero, so an engine holds bf16 + int16 (sync.py):
    tests/test_rowadam.py::test_merge_moves_bf16_ties_one_ulp_toward_zero.
-3. `prepare(per_layer=True)`: c_l = update_ratio ||W_l|| / ||D_l A_l||, for models from random weights.
+3. `prepare(per_layer=True)`: c_l = update_ratio ||W_l|| / ||D_l A_l||, for models from random weights:
    tests/test_rowadam.py::test_per_layer_scale_gives_each_layer_its_share_of_its_weights.
-4. update_ratio 1e-2, not the paper's 6e-5: the KL budget sets the step, update_ratio caps it; 6e-5 left the
-   toy at chance (bench/README.md, `defaults`). tests/test_kl_control.py::test_alpha_at_its_cap_is_warned_about_once.
-
-Implementation notes
---------------------
-- S is the per-token mean loss's sketch, not divided again by the token count.
-  tests/test_rowadam.py::test_the_moment_weights_updates_by_the_sketch_of_the_per_token_mean_loss.
-- A refusal changes nothing; S = 0 gives D = 0. tests/test_rowadam.py::test_failures_change_nothing.
-- Faster: infra/batched.py's `BatchedRowAdam` (tests/test_rowadam.py::test_batched_rowadam_equals_the_reference),
-  layer stacks, the same bits: prepare 5.9 -> 3.7 ms, merge 7.0 -> 3.2 ms (bench/README.md, `loop_phases_companions`).
-Shape legend: d out rows, k in columns, r rank; n rows this process holds (n = d in one process).
+4. update_ratio 1e-2: 6e-5 left the toy at chance: tests/test_kl_control.py::test_alpha_at_its_cap_is_warned_about_once.
+Companion: infra/batched.py's `BatchedRowAdam` (row shards need it; bench/README.md, `loop_phases_companions`):
+prepare 5.9 -> 3.7 ms, merge 7.0 -> 3.2 ms, same bits: tests/test_rowadam.py::test_batched_rowadam_equals_the_reference.
 """
 
 import math

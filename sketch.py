@@ -1,9 +1,9 @@
-"""
-sketch.py: the low-rank gradient sketch of a linear layer, never the full gradient.
+"""sketch.py: the low-rank gradient sketch of a linear layer, never the full gradient.
 
 A linear layer `Y = X W^T (+ b)`, W (d, k), has the weight gradient `G = dY^T X` (d, k). LoGRA
 never builds G: forward keeps `P = X A^T` (N, r) instead of X (N, k), and backward adds
 `dY^T P` into an fp32 sketch S (d, r). Activations kept and the gradient buffer shrink by r/k.
+Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
 
 Use
 ---
@@ -19,13 +19,11 @@ The math (arXiv:2610.06647, the method section on the low-rank gradient sketch)
 -----------------------------------------------------------------------------
     S = G A^T = dY^T (X A^T)                                   (d, r)
     A[i, j] = +-1/sqrt(r), each with probability 1/2           E[A^T A] = I_k, so E[S A] = G
-Code -> paper: `sketch` S, `projection` A, `signs` sqrt(r) A (int8), `rank` r, `update` t: the updates merged,
-A_t in use until `refresh` moves to A_{t+1} (Adam's step is t + 1). Each process makes A_t, never sent, from
-`projection_seed(base_seed, t, name)` (sha256) by integer operations (`make_signs`), the same bits everywhere:
+Code -> paper: `sketch` S, `projection` A, `signs` sqrt(r) A (int8), `rank` r, `update` t (updates merged; `refresh`:
+A_t -> A_{t+1}). Each process makes A_t (`make_signs`), never sent, from `projection_seed(base_seed, t, name)` (sha256):
     mix32(x) = x ^= x >> 16; x *= 0x21F0AAAD; x ^= x >> 15; x *= 0x735A2D97; x ^= x >> 15 (mod 2^32)
     c = i * ceil(k / 16) + b;  h = mix32(mix32(c ^ lo) ^ hi ^ 0x9E3779B9)   (lo, hi: the seed's words)
     A[i, 16 b + j] = -1/sqrt(r) where bit 16 + j of h is set, else +1/sqrt(r)    (`PROJECTION` = 2; 1 is refused)
-
 Defaults: r = 256 (`PAPER_RANK`, Table 1), at most `default_rank` (departure 3); `TARGETS`: the paper's (departure 2).
 
 Departures from the paper (numbered; reason; test)
@@ -36,16 +34,9 @@ Departures from the paper (numbered; reason; test)
 3. r at most half the narrowest target's width, a power of 2, so S holds at most half of G
    (bench/README.md, `defaults`): tests/test_sketch.py, test_default_rank_is_half_the_narrowest_width.
 
-Implementation notes
---------------------
-Backward reaches frozen targets through a Hugging Face embedding's output made to require grad, else a leaf copy
-of the input; `backwards` counts passes since `zero_()`; a refused attach changes nothing; a moved model is refused:
-tests/test_sketch.py, test_tiny_qwen2_sketches_equal_dense, test_plain_module_sketches_equal_dense,
-test_backwards_counts_the_passes_since_zero, test_refused_attach_changes_nothing,
-test_a_moved_model_is_refused_and_a_cast_one_still_sketches. Companions: infra/row_shard.py (departure 1),
-infra/batched.py (bench/README.md, `loop_phases_companions`).
-
-Shape legend: d out rows, k in columns, r rank, N tokens (all leading dims flattened).
+Implementation notes: the code's comments. Tests: tests/test_sketch.py, test_tiny_qwen2_sketches_equal_dense,
+test_plain_module_sketches_equal_dense, test_signs_follow_the_documented_rule, test_refused_attach_changes_nothing.
+Companions: infra/row_shard.py (departure 1), infra/batched.py (bench/README.md, `loop_phases_companions`).
 """
 
 import hashlib

@@ -31,7 +31,8 @@ import sys
 
 import torch
 
-from infra import checkpoint, launch, metrics, one_call, planning, run_dir as run_dirs
+import kl_control
+from infra import checkpoint, launch, metrics, planning, run_dir as run_dirs
 from infra.errors import os_advice, os_cause
 from infra.options import Config
 
@@ -219,13 +220,14 @@ class Run:
 
     def watch_alpha(self, alpha: float) -> None:
         """Count the updates in a row with alpha at --alpha-max; when they reach
-        one_call.CAPPED_UPDATES, say once a run (as one_call.LoGRAOptimizer warns) that the
+        kl_control.CAPPED_UPDATES, say once a run (as kl_control.LoGRAOptimizer warns) that the
         budget does not bind and that --update-ratio is the knob."""
         self.capped = self.capped + 1 if alpha >= self.cfg.alpha_max else 0
-        if self.capped >= one_call.CAPPED_UPDATES and not self.warned:
+        if self.capped >= kl_control.CAPPED_UPDATES and not self.warned:
             self.warned = True
-            self.log(f"warning: {one_call.capped_message(self.capped, self.cfg.alpha_max, self.cfg.update_ratio)}"
-                     f" (--update-ratio)")
+            self.log(f"warning: alpha has been at its cap --alpha-max {self.cfg.alpha_max:g} for {self.capped} updates "
+                     f"in a row: the KL budget does not bind, --update-ratio (now {self.cfg.update_ratio:g}) sets the "
+                     f"step; change it only if a held-out metric says so (bench/README.md, defaults)")
 
     def record(self, completed: int, row: dict, times: dict):
         """An update done: its phases' times in the row, its line, the row and the engine's events

@@ -6,7 +6,7 @@ model's transformers config's: "pretrained" when it names where it was loaded fr
 "scratch" when it names nothing; without a config "scratch", with a warning at the caller's line. A setting
 given explicitly wins over its start's. The probe is infra/probe_decoder.py's `fast_probe` unless `probe=`
 is given (kl_control's default is its reference). After each step, a step post-hook passes each of `last`
-to `log(name, value)` and warns once when alpha has sat at its cap for CAPPED_UPDATES updates in a row.
+to `log(name, value)`.
 
 SCRATCH's departures from the paper, kl_control.py's numbering (reason: bench/README.md's table; test):
 5. KL1 calibrated by rho (`calibrate`, Calibration): random weights realised half the prediction (`defaults_why`);
@@ -27,7 +27,6 @@ SCRATCH = dict(per_layer=True, alpha_max=9.0, entropy_share=0.4, calibrate=True)
 STARTS = {"pretrained": dict(per_layer=False, alpha_max=3.0, entropy_share=kl_control.ENTROPY_SHARE, calibrate=False),
           "scratch": SCRATCH}
 CALIBRATION_POSITIONS = 256  # positions whose logits calibration keeps (departure 5; 78 MB at V = 152k in bf16)
-CAPPED_UPDATES = 5  # updates in a row at alpha_max before LoGRAOptimizer warns (a choice, not measured)
 
 
 def model_start(model) -> str | None:
@@ -70,29 +69,17 @@ class Calibration:
         self.log_scale, self.momentum, self.low, self.high = (float(state[k]) for k in self.KEYS)
 
 
-def capped_message(updates, alpha_max, update_ratio) -> str:
-    return (f"alpha has been at its cap alpha_max={alpha_max:g} for {updates} updates in a row: the KL budget does "
-            f"not bind, update_ratio (RowAdam's, now {update_ratio:g}) sets the step; change it only if a held-out "
-            f"metric says so (bench/README.md, defaults)")
-
-
 def after_step(opt, args, kwargs):
-    """LoGRAOptimizer's step post-hook: `log` each of `last`; count the updates in a row at alpha_max
-    (`capped`) and warn once (`warned`) when they reach CAPPED_UPDATES, at the caller's line (stacklevel 3:
-    past torch.optim's step wrapper)."""
+    """LoGRAOptimizer's step post-hook: `log` each of `last`."""
     for name, value in opt.last.items():
         opt.log(f"logra/{name}", value)
-    opt.capped = opt.capped + 1 if opt.last["alpha"] >= opt.alpha_max else 0
-    if opt.capped >= CAPPED_UPDATES and not opt.warned:
-        opt.warned = True
-        warnings.warn(capped_message(opt.capped, opt.alpha_max, opt.rowadam.update_ratio), stacklevel=3)
 
 
 class LoGRAOptimizer(kl_control.LoGRAOptimizer):
     """kl_control.LoGRAOptimizer(model, rowadam, **STARTS[start], **settings): a setting left None takes its
     start's; `start` ("auto": model_start's) is kept as `self.start`. `calibrate`: alpha from rho KL1
     (`self.calibration`), rho learnt from the realised KL at `keep_positions` (by default CALIBRATION_POSITIONS).
-    `log(name, value)`, `capped` and `warned`: `after_step`'s; the last two are kept in state_dict."""
+    `log(name, value)`: `after_step`'s."""
 
     def __init__(self, model, rowadam, *, start="auto", log=None, **settings):
         if start not in ("auto", *STARTS):
@@ -106,7 +93,7 @@ class LoGRAOptimizer(kl_control.LoGRAOptimizer):
             raise ValueError("calibrate=True learns from the realised KL: it needs keep_positions > 0")
         super().__init__(model, rowadam, **settings)
         self.calibration = Calibration() if calibrate else None
-        self.log, self.capped, self.warned = log or (lambda name, value: None), 0, False
+        self.log = log or (lambda name, value: None)
         self.register_step_post_hook(after_step)
         if unknown:
             warnings.warn("LoGRAOptimizer: this model has no transformers config to tell whether its weights were "
@@ -114,9 +101,8 @@ class LoGRAOptimizer(kl_control.LoGRAOptimizer):
                           "weights pass start='pretrained' (the paper's controller; bench/README.md, "
                           "defaults_smollm2); pass start='scratch' to silence this.", stacklevel=2)
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "capped": self.capped, "warned": self.warned}
-
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)  # its refusals come before anything is loaded
-        self.capped, self.warned = int(state.get("capped", 0)), bool(state.get("warned", False))
+        super().load_state_dict(state)  # its refusals (calibrate, per_layer) come before anything is loaded
+        if self.calibration is not None:  # a state from before calibration existed: rho starts at 1
+            self.calibration.load_state_dict(state.get("calibration") or {**self.calibration.state_dict(),
+                                                                          "log_scale": 0.0})
