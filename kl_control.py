@@ -124,7 +124,7 @@ def _check_probe_inputs(layers, directions, temperature, keep_positions):
             got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
             raise ValueError(f"{layer.name}: direction {got}, but the layer's U is {tuple(layer.sketch.shape)}")
     if not (math.isfinite(temperature) and temperature > 0 and keep_positions >= 0):
-        raise ValueError(f"temperature must be finite and > 0, keep_positions >= 0: {temperature}, {keep_positions}")
+        raise ValueError(f"temperature must be finite > 0, keep_positions must be >= 0: {temperature} {keep_positions}")
 
 
 def left_padded_rows(input_ids, pad_token_id) -> torch.Tensor:

@@ -343,8 +343,8 @@ def test_probe_errors():
         (dict(directions=opt.directions[:-1]), rf"{len(layers)} layers but {len(layers) - 1} directions"),
         (dict(directions=wrong_shape), rf"{re.escape(layers[2].name)}: direction \(8, 24\), but the layer's U "
                                        rf"is \(24, 8\)"),
-        (dict(temperature=0.0), "temperature must be a finite number > 0"),
-        (dict(temperature=float("nan")), "temperature must be a finite number > 0"),
+        (dict(temperature=0.0), "temperature must be finite > 0"),
+        (dict(temperature=float("nan")), "temperature must be finite > 0"),
         (dict(keep_positions=-1), "keep_positions must be >= 0"),
         (dict(max_responses=0), "max_responses must be >= 1"),
         (dict(min_tokens=-1), "min_tokens must be >= 0"),
