@@ -6,7 +6,8 @@ What it is
 `estimate(model_cfg, world, sketch_rank, ...)` builds the model of `model_cfg` on the meta
 device (no memory, no GPU) and counts, per training GPU under `world`-way FSDP2 and per
 engine GPU, the bytes of every persistent buffer and of the largest transient of each phase
-of the optimizer step, for LoGRA and for dense AdamW. `describe(plan, ...)` turns the counts
+of the optimizer step, for LoGRA and for dense AdamW; `peak` and `fits` say whether an update
+fits a GPU, with activation checkpointing or without, its engine beside it or not. `describe(plan, ...)` turns the counts
 into the lines `python train.py --model 7b --dry-run` prints. The counts are checked against
 measured allocations in bench/memory_check.py and tests/test_train_paper_path.py (to 5%).
 
@@ -37,8 +38,16 @@ Assumptions, numbered
    delta`) or full bf16 weights (AdamW's and LoRA's default, `--sync full`) keeps none; the
    delta's transfer buffer is counted for its worst case, every element of one decoder layer
    changed, and the trainer keeps a bf16 shadow of its rows of every target instead.
-3. Activations assume non-reentrant activation checkpointing of every decoder layer, bf16
-   compute (`compute_bytes`), and FSDP2 prefetching one decoder layer ahead.
+3. Activations (`activations`) are counted with non-reentrant activation checkpointing of
+   every decoder layer and without, for each method (LoGRA keeps P = X A^T, AdamW X), from
+   what autograd keeps in the Hugging Face Qwen2/Llama layer with SDPA attention, in bf16
+   compute (`compute_bytes`; measured to 0.6% at small widths: tests/test_memory_plan.py),
+   with FSDP2 prefetching one decoder layer ahead. `peak` is a method's planned peak with
+   either; --checkpointing auto (planning.settle_memory) takes the faster one that `fits`.
+5. --gpus 1 (`phases`, `peak(one_gpu=True)`): the trainer and the in-process engine on one
+   GPU; the engine's bf16 weights (no residual) and its generation (a bf16 KV cache of the
+   rollout's prompts at the full context, the sampler's fp32 rows of logits) beside the
+   trainer, the generation a phase of its own (it runs before training's activations exist).
 4. The KL probe (kl_control.py) forms the attention's (B, H, T, T) softmax and its tangent one
    decoder layer at a time. Its written-out decoder (Qwen2, Qwen3, Llama, Mistral:
    `infra/probe_decoder.written_decoder`, whose primal attention is torch's fused kernel) holds at most
