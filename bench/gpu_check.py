@@ -620,8 +620,8 @@ def best7b(w, device):
                 raise Failed(dict(figures, settings=settings, error=f"{method} {checkpointing}: no end within the "
                                   f"step's time")) from None
             if out.returncode:
-                raise Failed(dict(figures, settings=settings,
-                                  error=f"{method} {checkpointing}: exit {out.returncode}: {out.stderr.strip()[-400:]}"))
+                why = f"{method} {checkpointing}: exit {out.returncode}: {out.stderr.strip()[-400:]}"
+                raise Failed(dict(figures, settings=settings, error=why))
             got = json.loads(out.stdout.strip().splitlines()[-1])
             figures.setdefault("shape", got["shape"])
             entry = {"method": method, "checkpointing": checkpointing, "micro_batch": got["micro_batch"],
@@ -666,7 +666,8 @@ def one_gpu7b(w, device):
 
     timeout = float(os.environ.get("STEP_TIMEOUT", 150))
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one-gpu7b-child", tmp] + (["--cpu"] if device == "cpu" else [])
+        cmd = [sys.executable, os.path.abspath(__file__), "--one-gpu7b-child", tmp]
+        cmd += ["--cpu"] if device == "cpu" else []
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -678,7 +679,8 @@ def one_gpu7b(w, device):
         saved = json.load(open(os.path.join(tmp, "run", "config.json")))
     later = rows[1:]
     median = lambda key: round(statistics.median(r.get(key, 0.0) for r in later), 3)  # noqa: E731
-    figures = {"preset": saved["preset"], "updates": len(rows), "checkpointing": "on" if saved["checkpointing"] else "off",
+    figures = {"preset": saved["preset"], "updates": len(rows),
+               "checkpointing": "on" if saved["checkpointing"] else "off",
                "peak_gib": round(max(r["mem_gib"] for r in rows), 2), "gpu_total_gib": child["gpu_total_gib"],
                "gpu_memory_gib": saved["gpu_memory"], "plan_gib": round(saved["plan_gib"], 2),
                "phases_s": {k: median("time_" + k) for k in PHASES}, "update_s": median("time_s"),

@@ -7,7 +7,8 @@ What it is
 device (no memory, no GPU) and counts, per training GPU under `world`-way FSDP2 and per
 engine GPU, the bytes of every persistent buffer and of the largest transient of each phase
 of the optimizer step, for LoGRA and for dense AdamW; `peak` and `fits` say whether an update
-fits a GPU, with activation checkpointing or without, its engine beside it or not. `describe(plan, ...)` turns the counts
+fits a GPU, with activation checkpointing or without, its engine beside it or not.
+`describe(plan, ...)` turns the counts
 into the lines `python train.py --model 7b --dry-run` prints. The counts are checked against
 measured allocations in bench/memory_check.py and tests/test_train_paper_path.py (to 5%).
 
@@ -406,7 +407,8 @@ def peak(plan: dict, method: str, checkpointing: bool, one_gpu: bool = False) ->
     """A training GPU's planned peak for `method`: its persistent state and its largest phase
     (`phases`); `one_gpu` (--gpus 1): the engine's bf16 weights beside them."""
     engine = plan["engine_weight_bytes"] if one_gpu else 0
-    return plan[f"trainer_{method}_persistent_bytes"] + engine + max(phases(plan, method, checkpointing, one_gpu).values())
+    largest = max(phases(plan, method, checkpointing, one_gpu).values())
+    return plan[f"trainer_{method}_persistent_bytes"] + engine + largest
 
 
 def fits(peak_bytes: int, gpu_bytes: float) -> bool:
@@ -426,6 +428,7 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
     (AdamW and LoGRA), activations, the engine GPU, and `layout`: which GPU runs what."""
     gib = 2**30
     g = lambda key: f"{plan[key] / gib:.2f} GiB"  # noqa: E731
+    acts = plan["trainer_activations"]
     world = plan["world"]
     gain = plan["engine_delta_kv_cache_bytes"] - plan["engine_kv_cache_bytes"]  # KV cache over the factor sync's
     gone = " (no residuals in pinned host memory)" if plan["engine_residual_on_host"] else ""
@@ -452,13 +455,13 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
         f"| {g('trainer_lora_bytes')} ({plan['trainer_lora_bytes'] / plan['trainer_adam_bytes']:.2f}x) |",
         "activations of one micro-batch with activation checkpointing / without (LoGRA keeps P = X A^T a target, "
         "AdamW and LoRA X; infra/memory_plan.activations): " + ", ".join(
-            f"{name} {plan['trainer_activations'][m]['on'] / gib:.2f} / {plan['trainer_activations'][m]['off'] / gib:.2f} GiB"
-            for m, name in NAMES.items())
+            f"{name} {acts[m]['on'] / gib:.2f} / {acts[m]['off'] / gib:.2f} GiB" for m, name in NAMES.items())
         + f"; the KL probe's forward with tangents {g('trainer_probe_activation_bytes')} (after backward; "
         f"{g('trainer_probe_attention_bytes')} of it the eager attention's scores and softmax with their tangents, "
         f"one layer at a time)",
         "a training GPU's peak with checkpointing / without: " + ", ".join(
-            f"{name} {peak(plan, m, True) / gib:.2f} / {peak(plan, m, False) / gib:.2f} GiB" for m, name in NAMES.items()),
+            f"{name} {peak(plan, m, True) / gib:.2f} / {peak(plan, m, False) / gib:.2f} GiB"
+            for m, name in NAMES.items()),
         f"engine GPU ({plan['gpu_bytes'] / 1e9:.0f} GB): bf16 weights {g('engine_weight_bytes')}, exact-merge "
         f"residuals {g('engine_residual_bytes')} (int16) in "
         f"{'pinned host memory' if plan['engine_residual_on_host'] else 'the engine GPU'}, transfer buffer "

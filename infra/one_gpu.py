@@ -44,7 +44,8 @@ def master_weight(module) -> torch.Tensor:
     rows, offset = rowadam.local_rows(module.weight)
     if offset or tuple(rows.shape) != tuple(module.weight.shape):
         raise OneGpuError(f"a target weight of shape {tuple(module.weight.shape)} holds rows {offset}.."
-                          f"{offset + rows.shape[0]} here: --gpus 1 trains on one rank, whose shard is the whole weight")
+                          f"{offset + rows.shape[0]} here: --gpus 1 trains on one rank, whose shard is the whole "
+                          f"weight")
     return rows
 
 

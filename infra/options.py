@@ -399,8 +399,9 @@ def resolve(flags: Flags, overrides: dict, presets: dict) -> Config:
     cfg = dataclasses.replace(presets[flags.model], preset=flags.model, **overrides)
     dropped = {f.name: None for f in KNOBS
                if f.metadata["task"] and cfg.task not in f.metadata["task"] and f.name not in overrides}
-    named = {f.name: f.metadata["words"][getattr(cfg, f.name)] for f in KNOBS
-             if f.metadata["words"] and isinstance(getattr(cfg, f.name), str) and getattr(cfg, f.name) in f.metadata["words"]}
+    values = {f.name: getattr(cfg, f.name) for f in KNOBS if f.metadata["words"]}
+    named = {n: FIELDS[n].metadata["words"][v] for n, v in values.items()
+             if isinstance(v, str) and v in FIELDS[n].metadata["words"]}
     if named.get("checkpointing", cfg.checkpointing) == "auto" and cfg.device != "cuda":
         named["checkpointing"] = True
     if cfg.gpus == 1 and "engine" not in overrides:

@@ -196,12 +196,13 @@ def one_gpu_refusal(plan: dict, method: str, peak: int, where: str, gpu_bytes: f
     state = plan[f"trainer_{method}_persistent_bytes"] - plan["weights"]
     fixed = plan["weights"] + state + plan["engine_weight_bytes"]
     phase, size = max(memory_plan.phases(plan, method, True, True).items(), key=lambda item: item[1])
-    others = [f"{memory_plan.NAMES[m]}'s plans {gib(memory_plan.peak(plan, m, True, True))}" for m in memory_plan.METHODS
-              if m != method and memory_plan.fits(memory_plan.peak(plan, m, True, True), gpu_bytes)]
+    peaks = {m: memory_plan.peak(plan, m, True, True) for m in memory_plan.METHODS if m != method}
+    others = [f"{memory_plan.NAMES[m]}'s plans {gib(p)}" for m, p in peaks.items() if memory_plan.fits(p, gpu_bytes)]
     return (f"--gpus 1: {name}'s update plans {gib(peak)} on one GPU with activation checkpointing, more than {where} "
             f"({gib(gpu_bytes)}) holds at x{memory_plan.FIT_MARGIN:g}: the trainer's fp32 master "
             f"{gib(plan['weights'])}, {name}'s state {gib(state)} and the engine's bf16 weights "
-            f"{gib(plan['engine_weight_bytes'])} ({gib(fixed)}{', more than the GPU alone' if fixed > gpu_bytes else ''})"
+            f"{gib(plan['engine_weight_bytes'])} ({gib(fixed)}"
+            f"{', more than the GPU alone' if fixed > gpu_bytes else ''})"
             f", and its largest phase, {phase}, {gib(size)}; "
             + ("; ".join(others) + " there" if others else "no method fits one GPU: train it on several (torchrun, "
                "--engine-gpus)"))
@@ -219,8 +220,8 @@ def one_gpu_lines(plan: dict, sizes: dict, micro_batch: int, context: int) -> li
             choice = "off" if memory_plan.fits(off, size) else "on" if memory_plan.fits(on, size) else "refused"
             cells.append(f"{gib(on)} / {gib(off)} -> {choice}")
         rows.append(f"| {label} ({gib(size)} GiB) | " + " | ".join(cells) + " |")
-    return [f"one GPU (--gpus 1): the trainer's fp32 master {gib(plan['weights'])} GiB beside the engine's bf16 weights "
-            f"{gib(plan['engine_weight_bytes'])} GiB (no int16 residual: cast from the master after every merge), "
+    return [f"one GPU (--gpus 1): the trainer's fp32 master {gib(plan['weights'])} GiB beside the engine's bf16 "
+            f"weights {gib(plan['engine_weight_bytes'])} GiB (no int16 residual: cast from the master after every merge), "
             f"its generation {gib(plan['one_gpu_generate_bytes'])} GiB (KV cache {gib(plan['one_gpu_kv_cache_bytes'])} "
             f"GiB); micro-batch {micro_batch} x {context} tokens; peak GiB with checkpointing on / off, and "
             f"--checkpointing auto's choice (x{memory_plan.FIT_MARGIN:g}):",
@@ -332,7 +333,9 @@ def check_nodes(cfg: Config, run_dir: str, resume=None) -> tuple[launch.Layout, 
     plan's line (None where nothing is planned)."""
     layout = launch.agreed_layout(os.environ, engine_gpus(cfg))
     cfg = dataclasses.replace(cfg, model=launch.agreed(check_node, cfg, layout))
-    cfg, line = launch.agreed(lambda: settle_memory(cfg, layout.world, gpu_memory(cfg)))
+    gpu = gpu_memory(cfg)  # every rank plans for the smallest of the ranks' GPUs: one choice on every rank
+    gpu = min(f["gpu"] for f in launch.gathered({"gpu": gpu})) if gpu else gpu
+    cfg, line = launch.agreed(lambda: settle_memory(cfg, layout.world, gpu))
     record = cfg.record()
     configs = {hashlib.sha256(json.dumps(f["cfg"], sort_keys=True).encode()).hexdigest(): f["host"]
                for f in launch.gathered({"cfg": record, "host": socket.gethostname()})}

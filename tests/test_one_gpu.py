@@ -72,7 +72,7 @@ def test_cast_weights_equal_the_factor_merged_ones_after_every_update():
         engine_sync.factors(engines[0], layers, factors, update=update, seed=SEED, rank=RANK)
         reference.apply(sync.Payload(update, SEED, RANK, {l.name: f for l, f in zip(layers, factors)}))
         assert one_gpu.refresh(engines[1], modules, update=update) == 0  # no bytes sent
-        naive_weights = {sketch.clean_name(n): m for n, m in naive.named_modules() if n.rsplit(".", 1)[-1] in sketch.TARGETS}
+        naive_weights = sketch.target_modules(naive)
         with torch.no_grad():
             for layer, f in zip(layers, factors):  # bf16 W -= bf16(F A), rounded every update
                 w = naive_weights[layer.name].weight
@@ -119,14 +119,16 @@ SMALL = ["--batch", "8", "--eval-problems", "16", "--eval-every", "0", "--rank",
 DIFFER = {"sync_bytes", "mem_gib", "tokens_per_s", "time_s"}  # the bytes sent; the process's memory; times
 
 
-def test_a_one_gpu_run_is_the_factor_sync_run_but_for_its_bytes_and_times(runs):
+@pytest.mark.parametrize("optimizer", ["logra", "adam", "lora"])
+def test_a_one_gpu_run_is_the_synced_run_but_for_its_bytes_and_times(runs, optimizer):
     """train.py --gpus 1 on the tiny preset (this CPU as its one device): every row equals the
-    factor sync's but for the bytes sent (0), the times and the process's memory; the output
-    check ran after every sync (--check-outputs 1) and passed; config.json records the layout,
-    --checkpointing's choice and the plan's figure."""
-    factor, cast = runs / "one-gpu-factors", runs / "one-gpu-cast"
-    in_process.run([*SMALL, "--updates", "2", "--run-dir", str(factor)])
-    out = in_process.run([*SMALL, "--updates", "2", "--gpus", "1", "--run-dir", str(cast)])
+    run that syncs its engine (LoGRA's factors; AdamW's and LoRA's full bf16 weights) but for
+    the bytes sent (0), the times and the process's memory; the output check ran after every
+    sync (--check-outputs 1) and passed; config.json records the layout, --checkpointing's
+    choice and the plan's figure."""
+    factor, cast = runs / f"one-gpu-{optimizer}-synced", runs / f"one-gpu-{optimizer}-cast"
+    in_process.run([*SMALL, "--updates", "2", "--optimizer", optimizer, "--run-dir", str(factor)])
+    out = in_process.run([*SMALL, "--updates", "2", "--optimizer", optimizer, "--gpus", "1", "--run-dir", str(cast)])
     a = [json.loads(line) for line in open(factor / "metrics.jsonl")]
     b = [json.loads(line) for line in open(cast / "metrics.jsonl")]
     assert len(a) == len(b) == 3
@@ -137,7 +139,8 @@ def test_a_one_gpu_run_is_the_factor_sync_run_but_for_its_bytes_and_times(runs):
     saved = json.load(open(cast / "config.json"))
     assert saved["gpus"] == 1 and saved["checkpointing"] is False and saved["plan_gib"] > 0
     assert json.load(open(factor / "config.json"))["plan_gib"] is None  # a CPU run plans nothing
-    assert f"memory plan: checkpointing off; LoGRA's update {saved['plan_gib']:.2f} GiB" in out.stdout
+    name = {"logra": "LoGRA", "adam": "AdamW", "lora": "LoRA"}[optimizer]
+    assert f"memory plan: checkpointing off; {name}'s update {saved['plan_gib']:.2f} GiB" in out.stdout
 
 
 def test_a_one_gpu_run_resumes_bitwise(runs):
