@@ -178,13 +178,13 @@ def settle_memory(cfg: Config, world: int, gpu_bytes, *, plan=None, label=None, 
     chosen = memory_plan.checkpointing_for(plan, method, gpu_bytes, one) if auto and gpu_bytes else \
         True if auto else cfg.checkpointing
     peak = memory_plan.peak(plan, method, chosen, one)
-    where = label or (f"--gpu-memory {cfg.gpu_memory:g}" if cfg.gpu_memory else
-                      "this GPU's free memory" if gpu_bytes else "a CPU (not planned)")
-    size = f" of {gpu_bytes / GIB:.2f} GiB" if gpu_bytes else ""
-    fit = "" if not gpu_bytes else " fits" if memory_plan.fits(peak, gpu_bytes) else " does not fit"
+    where = label or (f"--gpu-memory {cfg.gpu_memory:g}" if cfg.gpu_memory else "this GPU's free memory")
+    fit = ("a CPU's memory is not planned" if not gpu_bytes else
+           f"{'fits' if memory_plan.fits(peak, gpu_bytes) else 'does not fit'} {where}, {gpu_bytes / GIB:.2f} GiB, "
+           f"at x{memory_plan.FIT_MARGIN:g}")
     line = (f"memory plan: checkpointing {'auto -> ' if auto else ''}{'on' if chosen else 'off'}; {name}'s update "
-            f"{peak / GIB:.2f} GiB per GPU{' with its engine on the same GPU (--gpus 1)' if one else ''}{fit} "
-            f"{where}{size} (x{memory_plan.FIT_MARGIN:g}, infra/memory_plan.peak)")
+            f"{peak / GIB:.2f} GiB per GPU{' with its engine beside it (--gpus 1)' if one else ''}; {fit} "
+            f"(infra/memory_plan.peak)")
     if refuse and one and gpu_bytes and not memory_plan.fits(peak, gpu_bytes):
         raise OptionError(one_gpu_refusal(plan, method, peak, where, gpu_bytes))
     return dataclasses.replace(cfg, checkpointing=chosen, plan_gib=round(peak / GIB, 4)), line
