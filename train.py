@@ -3,6 +3,7 @@ train.py: the whole LoGRA RL loop, top to bottom (arXiv:2610.06647).
 
     python train.py                                   # the tiny preset on this CPU, end to end
     torchrun --nproc_per_node 4 train.py --model 7b   # the paper's run: 4 GPUs + 4 vLLM engines
+    python train.py --model 7b-random --gpus 1        # a 7B's shape: trainer and engine on one GPU
 
 One update, in the order the paper runs it (the loop in `run`):
 
@@ -19,28 +20,24 @@ One update, in the order the paper runs it (the loop in `run`):
     sync      the same bf16 factors go to the engine, which merges them itself; fingerprints
               and a short sample's log-probs confirm both run the same weights (infra/engine_sync.py)
 
-The dense baseline (--optimizer adam) runs the same loop with backward into .grad and one
-AdamW step in place of RowAdam, the probe and the merge, and syncs full bf16 weights; LoRA
-(--optimizer lora, Table 2) the same with adapters as its weights. What runs the loop but is
-not the method is in infra/ (its README); `main` turns its errors into one line and an exit code.
+The dense baseline (--optimizer adam) runs the loop with backward into .grad and one AdamW step in
+place of RowAdam, the probe and the merge, and syncs full bf16 weights; LoRA (--optimizer lora, Table 2)
+the same with adapters. What runs the loop but is not the method is in infra/ (its README).
 
 Shape legend: B responses of this rank (b of a micro-batch), T prompt + padded response tokens, V vocab.
 
 Departures from the paper
 -------------------------
-1. The paper's baseline is "Adam with learning-rate annealing" and gives no schedule: lr_t =
-   adam_lr sqrt(budget_t / budget_0), the KL budget's cosine, so that AdamW's step anneals by the
-   same factor as LoGRA's (whose step goes as sqrt(KL)). Test: tests/test_train.py, test_smoke_run[adam].
-2. The KL probe scores the first `probe_responses` (2) responses of each rank, as the paper
-   does, and more until they hold `probe_tokens` generated tokens: the paper's responses run
-   to thousands of tokens, the tiny task's to a few, and KL1 from 16 tokens is noise (the
-   tiny preset scores 512, i.e. all its responses). With groups (not the paper's) the first
-   response of each group comes first, then the second of each, ... (`logra_step`). Test:
-   tests/test_train_paper_path.py, test_probe_count_sizes_the_probe_in_tokens.
+1. The paper's baseline is "Adam with learning-rate annealing" with no schedule: lr_t = adam_lr sqrt(budget_t /
+   budget_0), the KL budget's cosine, as LoGRA's step goes as sqrt(KL). Test: tests/test_train.py, test_smoke_run[adam].
+2. The KL probe scores the first `probe_responses` (2) responses of each rank, as the paper does, and more
+   until they hold `probe_tokens` generated tokens: the paper's responses run to thousands of tokens, the
+   tiny task's to a few, and KL1 from 16 tokens is noise (the tiny preset scores 512: all its responses).
+   With groups (not the paper's) the first response of each group comes first, then the second of each
+   (`logra_step`). Test: tests/test_train_paper_path.py, test_probe_count_sizes_the_probe_in_tokens.
 """
 
 import atexit
-import copy
 import dataclasses
 import math
 import os
@@ -53,7 +50,8 @@ import kl_control
 import ppo
 import sketch
 import sync
-from infra import engine_sync, group_advantages, launch, lifecycle, metrics, planning, policy, task_data, tasks, vllm_engine
+from infra import engine_sync, group_advantages, launch, lifecycle, metrics, one_gpu, planning, policy, task_data, tasks
+from infra import vllm_engine
 from infra.probe_decoder import fast_probe
 from infra.engine import HFEngine, evaluate, rollout_slots
 from infra.errors import RunError
@@ -71,8 +69,11 @@ PAPER = Config(
     sketch_rank=256, batch=128, micro_batch=2, updates=200, temperature=1.0, max_new_tokens=3072, context=4096,
     update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, alpha_max=3.0, probe_responses=2,
     kl_real_positions=256, adam_lr=1e-6, lora_lr=1e-5, lora_alpha=32.0, eval_every=10, eval_problems=500,
-    eval_samples=4, eval_temperature=0.7, eval_top_p=0.7, gym_tasks="hard", gym_level=2, checkpointing=True,
-    save_every=20, device="cuda", engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800, dist_timeout=3600)
+    eval_samples=4, eval_temperature=0.7, eval_top_p=0.7, gym_tasks="hard", gym_level=2, save_every=20,
+    device="cuda", engine="vllm", engine_gpus="4,5,6,7", engine_timeout=1800, dist_timeout=3600)
+QWEN25_7B = dict(  # Qwen2.5(-Math)-7B's widths
+    hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+    vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6)
 SMOLLM2_135M = dict(  # SmolLM2-135M(-Instruct)'s widths, a Llama
     model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
@@ -96,21 +97,21 @@ PRESETS = {
         sketch_rank=256, batch=32, micro_batch=8, updates=4, max_new_tokens=8, context=32, update_ratio=6e-5,
         kl_start=2e-4, kl_end=2e-5, kl_horizon=300, adam_lr=1e-6, lora_lr=1e-5, warmup_steps=300, warmup_batch=128,
         warmup_lr=3e-4, warmup_unboxed=0.0, eval_every=0, eval_problems=32, eval_samples=1, eval_temperature=1.0,
-        eval_top_p=1.0, checkpointing=True, save_every=0, device="cuda", engine="hf", engine_timeout=600,
-        dist_timeout=1800),
+        eval_top_p=1.0, save_every=0, device="cuda", engine="hf", engine_timeout=600, dist_timeout=1800),
+    # The tiny task on Qwen2.5-7B's shape, random weights (no download), trainer and engine on one GPU.
+    "7b-random": Config(
+        task="arithmetic", model=QWEN25_7B, sketch_rank=256, batch=32, micro_batch=8, updates=3, max_new_tokens=256,
+        context=264, update_ratio=6e-5, kl_start=2e-4, kl_end=2e-5, kl_horizon=300, adam_lr=1e-6, lora_lr=1e-5,
+        eval_every=0, eval_problems=32, eval_samples=1, eval_temperature=1.0, eval_top_p=1.0, save_every=0,
+        device="cuda", engine="hf", gpus=1, engine_timeout=600, dist_timeout=1800),
     "1.5b": dataclasses.replace(PAPER, model_path="Qwen/Qwen2.5-Math-1.5B", model=dict(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True,
-        rope_theta=10000.0, rms_norm_eps=1e-6)),
-    "7b": dataclasses.replace(PAPER, model_path="Qwen/Qwen2.5-Math-7B", model=dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
-        rope_theta=10000.0, rms_norm_eps=1e-6)),
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e4, rms_norm_eps=1e-6)),
+    "7b": dataclasses.replace(PAPER, model_path="Qwen/Qwen2.5-Math-7B", model=QWEN25_7B),
     # Not public (--model-path required); --dry-run assumes Qwen2.5-32B's widths cut to 52 layers (26.9B).
     "27b": dataclasses.replace(PAPER, model=dict(
-        hidden_size=5120, intermediate_size=27648, num_hidden_layers=52, num_attention_heads=40,
-        num_key_value_heads=8, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
-        rope_theta=1000000.0, rms_norm_eps=1e-6)),
+        hidden_size=5120, intermediate_size=27648, num_hidden_layers=52, num_attention_heads=40, num_key_value_heads=8,
+        vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6)),
     # SmolLM2-135M-Instruct: the paper's KL budget and update ratio (not tied to size), rank 64 (11%
     # of its 576-wide inputs; the paper's 256 is 7% of 3584), 32 prompts an update, 512-token answers.
     "smollm2-135m": dataclasses.replace(
@@ -138,10 +139,9 @@ PRESETS = {
 # The run
 
 def main(argv=None):
-    """train.py's one exit for a stop that a module raised (infra/errors.py): a refusal (exit
-    2), an engine lost beyond healing (exit 1) or a stop on a signal (exit 75), as one line on
-    stderr; once per node when every rank raised it. A second Ctrl-C (KeyboardInterrupt) and
-    a file-system error that no module words (an OSError) end in one line too (launch.stop_of)."""
+    """train.py's one exit for a stop that a module raised (infra/errors.py): a refusal (exit 2), an
+    engine lost beyond healing (exit 1) or a stop on a signal (exit 75), as one line on stderr; once per
+    node when every rank raised it; a second Ctrl-C and an OSError no module words too (launch.stop_of)."""
     try:
         return run(argv)
     except (RunError, KeyboardInterrupt, OSError) as raised:
@@ -157,8 +157,7 @@ def run(argv=None):
     """The run the command line asks for: --dry-run's plan, or the set-up and the loop of updates."""
     flags, cfg, world, run_dir = planning.configure(argv, PRESETS)
     if flags.dry_run:
-        return planning.dry_run(cfg, planning.planned_layout(flags.nodes, cfg), PRESETS[cfg.preset].engine_gpus,
-                                as_json=flags.json)
+        return planning.dry_run(cfg, flags.nodes, PRESETS[cfg.preset].engine_gpus, as_json=flags.json)
     r = start_run(flags, cfg, world, run_dir)  # processes, task, policy, engine, optimizer, resume
     cfg, model, engine, task, opt, device = r.cfg, r.model, r.engine, r.task, r.opt, r.device
     modules = sketch.target_modules(model)  # the seven projections of every decoder layer, by name
@@ -176,8 +175,7 @@ def run(argv=None):
         problems = [task.train_problem(i) for i in prompts]
         rollout = engine.generate(task.prompt_ids(problems), seeds, temperature=cfg.temperature,
                                   max_new_tokens=cfg.max_new_tokens)
-        # Padded to the global batch's longest sequence (one all_reduce): a rank's trainer
-        # tensors then have the shapes one process gives them, and so its kernels' sum order.
+        # Padded to the global batch's longest sequence (one all_reduce): shapes and sum orders as one process's
         _, (longest,) = metrics.global_sums([], [rollout.ids.shape[1]], device=device)
         rollout = rollout.padded(int(longest), task.eos)
         timer("rollout")
@@ -224,7 +222,9 @@ def run(argv=None):
         # --- sync: LoGRA's factors and the seed, the changed bf16 elements, or full weights ---
         changed = None  # --sync delta: the share of target elements whose bf16 value changed
         sent = dict(update=update, seed=cfg.seed, rank=cfg.sketch_rank)
-        if r.logra and cfg.sync == "factors":
+        if cfg.gpus == 1:  # one GPU: the engine's bf16 weights cast from the fp32 master, no payload (infra/one_gpu.py)
+            sync_bytes = one_gpu.refresh(engine, modules, update=update)
+        elif r.logra and cfg.sync == "factors":
             sync_bytes = engine_sync.factors(engine, r.layers, kl_step["factors"], **sent)
         elif cfg.sync == "delta":  # any optimizer
             sync_bytes, changed = engine_sync.delta(engine, modules, r.shadow, r.synced, **sent)
@@ -253,9 +253,9 @@ def run(argv=None):
 
 
 def budget_rule(cfg: Config, mismatch, scheduled: float):
-    """The update's KL budget as a function of its probe: the --kl-start schedule's `scheduled`,
-    or with --kl-entropy-share the modules' default rule (kl_control.budget_for, read from the
-    probe's entropy and response length); less the engine/trainer mismatch either way."""
+    """The update's KL budget as a function of its probe: the --kl-start schedule's `scheduled`, or with
+    --kl-entropy-share kl_control.budget_for's rule (the probe's entropy and response length); less the
+    engine/trainer mismatch either way."""
     def budget_of(probe):
         if not cfg.kl_entropy_share:
             return mismatch.adjust(scheduled)
@@ -265,11 +265,10 @@ def budget_rule(cfg: Config, mismatch, scheduled: float):
 
 
 def logra_step(model, opt, layers, rollout, budget_of, cfg: Config, timer) -> dict:
-    """RowAdam, the KL probe, alpha for the budget `budget_of(probe)`, the merge and the realised
-    KL of the merged step: the step's KL control (kl1, alpha, budget, sketch_norm, kl_real,
-    probed; no lr), the method's state bytes and the merged `factors` the sync sends. A failure
-    before the merge discards the prepared update, so weights and optimizer state stay as they
-    were."""
+    """RowAdam, the KL probe, alpha for the budget `budget_of(probe)`, the merge and the realised KL of the
+    merged step: the step's KL control (kl1, alpha, budget, sketch_norm, kl_real, probed; no lr), the
+    method's state bytes and the merged `factors` the sync sends. A failure before the merge discards the
+    prepared update, so weights and optimizer state stay as they were."""
     ids, mask = rollout.ids, rollout.mask
     # --- RowAdam ---------------------------------------------------------------------------
     sketch_norm = opt.prepare()
@@ -302,9 +301,8 @@ def logra_step(model, opt, layers, rollout, budget_of, cfg: Config, timer) -> di
 
 
 def adam_step(opt, budget: float, cfg: Config, timer) -> dict:
-    """AdamW's step (the dense baseline, or LoRA's adapters: infra/lora.py) at the learning rate
-    annealed as the KL budget (departure 1), lr_t = lr sqrt(budget_t / budget_0); the state it
-    holds (gradients and moments, all there before the gradients are dropped). No KL control."""
+    """AdamW's step (the dense baseline, or LoRA's adapters: infra/lora.py) at lr_t = lr sqrt(budget_t /
+    budget_0) (departure 1); the state it holds (gradients and moments, before the gradients are dropped)."""
     for group in opt.param_groups:
         group["lr"] = opt.defaults["lr"] * math.sqrt(budget / cfg.kl_start)
     opt.step()
@@ -319,9 +317,8 @@ def adam_step(opt, budget: float, cfg: Config, timer) -> dict:
 # Set-up: processes, the task, the policy and its engine, the optimizer, a resume
 
 def start_run(flags, cfg: Config, world: int, run_dir: str) -> lifecycle.Run:
-    """The process group and the run directory (lifecycle.open_run), the task, the policy and
-    its engine, the optimizer, the baseline and mismatch estimate, a resume, the engine's
-    weights made the trainer's: everything the loop needs."""
+    """The process group and the run directory (lifecycle.open_run), the task, the policy and its engine,
+    the optimizer, the baseline and mismatch estimate, a resume, the engine's weights made the trainer's."""
     opened = lifecycle.open_run(cfg, world, run_dir, flags.resume, flags.resume_from)
     try:
         return _start_run(flags, opened.cfg, world, run_dir, opened)
@@ -348,12 +345,11 @@ def _start_run(flags, cfg: Config, world: int, run_dir: str, opened) -> lifecycl
 
 
 def setup(cfg: Config, opened, run_dir: str):
-    """(task, model, engine). A chat task: its tokenizer and data (each node's own, a refusal
-    agreed), the checkpoint loaded once and sharded, vLLM engines. The tiny task: the model
-    built and warmed up, the in-process HF engine (or vLLM's CPU build, on a saved copy). The
-    directory becomes the run's (opened.commit) once these inputs are read and pass."""
+    """(task, model, engine). A chat task: its tokenizer and data (each node's own), the checkpoint loaded
+    once and sharded, vLLM engines. The tiny task: the model built and warmed up, the in-process HF engine
+    (or vLLM's CPU build, on a saved copy). The directory becomes the run's once these pass (opened.commit)."""
     layout, rank, device, log = opened.layout, opened.rank, opened.device, opened.log
-    exact = engine_sync.exact(cfg.optimizer, cfg.sync)
+    exact = engine_sync.exact(cfg.optimizer, cfg.sync) and cfg.gpus != 1  # --gpus 1: the engine keeps no master
 
     def start_vllm(**kw):  # on GPUs vLLM gets what the sync's engine state leaves there (the memory plan)
         plan = planning.run_plan(cfg, layout.world)
@@ -381,13 +377,12 @@ def setup(cfg: Config, opened, run_dir: str):
         rank=rank, world=layout.world, device=device, log=log,
         interrupt=lambda: opened.preemption.check("the base policy's warm-up"))
     opened.commit()
-    engine = None
     engine_model = os.path.join(run_dir, "engine-model")
     if cfg.engine == "vllm":  # vLLM loads a checkpoint folder (its weights are then resynced)
         launch.agreed(lambda: model.save_pretrained(engine_model) if rank == 0 else None)
-    else:
-        engine = HFEngine(copy.deepcopy(model).to(torch.bfloat16), base_seed=cfg.seed, sketch_rank=cfg.sketch_rank,
-                          eos=task.eos, pad=task.pad, exact=exact)
+    engine = None if cfg.engine == "vllm" else HFEngine(  # a bf16 copy, generating with a KV cache on GPUs
+        policy.engine_copy(model), base_seed=cfg.seed, sketch_rank=cfg.sketch_rank, eos=task.eos, pad=task.pad,
+        exact=exact, kv_cache=device.type == "cuda")
     policy.freeze_for(model, cfg.optimizer, sketch_rank=cfg.sketch_rank, lora_alpha=cfg.lora_alpha, seed=cfg.seed)
     policy.shard(model, layout.world, cfg.optimizer, device)
     if engine is None:

@@ -37,8 +37,18 @@ full tier runs it (tests/test_gpu_check.py), so that a GPU minute is never lost 
                     realised KL) and AdamW (train, step), each in its own process, with its
                     peak memory against the memory plan's for one rank (infra/memory_plan.py)
 
+    best7b          each method at its fastest setting that fits: LoGRA and AdamW at the paper's
+                    7B on one GPU (depth7b's update, one timed), activation checkpointing on and
+                    off, a setting the memory plan says will not fit this GPU skipped before it
+                    allocates; each setting's time, peak and plan, each method's best
+    one_gpu7b       trainer and engine on one GPU: train.py --model 7b-random --gpus 1 within
+                    74 GiB (--gpu-memory and the allocator's cap), 3 updates of 32 prompts x 256
+                    new tokens; peak, phases, generated tokens per second, the engine's weights
+                    against the master's cast after every refresh, the output check
+
     python bench/gpu_check.py STEP [--cpu] [--out DIR]    one step (what gpu_check.sh runs)
-    python bench/gpu_check.py --depth7b-one METHOD [--cpu]  one method of depth7b (its child process)
+    python bench/gpu_check.py --depth7b-one METHOD [--cpu] [--checkpointing on|off] [--fit]
+                                                          one method of depth7b or best7b (its child process)
     python bench/gpu_check.py --table FILE [FILE ...] [--markdown]   bench/README.md's GPU tables from runs' JSON
 """
 
@@ -56,7 +66,7 @@ import report  # bench/report.py (puts the repository root on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ["versions", "cuda", "kernels", "merge_bitwise", "engine_weights", "probe", "fsdp2", "train", "speed",
-         "depth7b"]
+         "depth7b", "best7b", "one_gpu7b"]
 # The widths: the 7B preset's on a GPU, small ones on the CPU.
 GPU = dict(hidden=3584, inter=18944, heads=28, kv_heads=4, vocab=152064, tokens=4096, rank=256)
 CPU = dict(hidden=256, inter=1024, heads=4, kv_heads=2, vocab=1024, tokens=256, rank=32)
@@ -467,20 +477,23 @@ def depth7b(w, device):
     return figures
 
 
-def depth7b_one(method: str, device: str, timed: int = 2, micro: int = 16) -> dict:
+def depth7b_one(method: str, device: str, timed: int = 2, micro: int = 16, checkpointing: bool = True,
+                fit: bool = False) -> dict:
     """One method's updates at the paper's size: a warm-up update of 2 micro-batches, then
     `timed` whole updates of `micro` micro-batches of 2 x 4096 tokens (4 of 2 x 64 on the CPU: a
     rehearsal, whose figures do not depend on how many micro-batches an update sums), each
     phase timed end to end; the peak memory over the timed updates (CUDA's allocator; on the CPU
     the process's peak RSS, which the plan does not count), and the memory plan's peak for the
-    same shapes on one rank."""
+    same shapes on one rank (infra/memory_plan.peak), with activation checkpointing of every
+    decoder layer or without. `fit`: first ask the plan, as train.py's --checkpointing auto
+    does, whether the update fits this GPU's free memory (memory_plan.fits; on the CPU a
+    rehearsal's budget, `rehearsal_gpu`), and skip it before anything is allocated where not."""
     import torch
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import kl_control
     from infra import probe_decoder
-    import memory_model  # bench/memory_model.py: the plan's peak of a LoGRA rank
     import ppo
     import train
     from infra import memory_plan, policy
@@ -488,6 +501,17 @@ def depth7b_one(method: str, device: str, timed: int = 2, micro: int = 16) -> di
     cuda = device == "cuda"
     widths = dict(train.PRESETS["7b"].model) if cuda else dict(DEPTH_CPU)
     tokens, r, batch = (4096, 256, 2) if cuda else (64, 32, 2)
+    plan = memory_plan.estimate(widths, 1, r, micro_batch=batch, context=tokens, probe_forward_tokens=batch * tokens,
+                                kl_real_positions=256, compute_bytes=2 if cuda else 4, cuda=cuda)
+    planned = memory_plan.peak(plan, method, checkpointing)
+    result = {"shape": f"{widths['num_hidden_layers']} layers, {micro} x {batch} x {tokens} tokens, r = {r}",
+              "checkpointing": "on" if checkpointing else "off", "micro_batch": f"{batch} x {tokens}",
+              "plan_gib": round(planned / 2**30, 2)}
+    if fit:
+        gpu = torch.cuda.mem_get_info()[0] if cuda else rehearsal_gpu(plan)
+        result["gpu_free_gib"] = round(gpu / 2**30, 2)
+        if not memory_plan.fits(planned, gpu):  # the plan says it will not fit: nothing allocated
+            return dict(result, skipped=True)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29543")
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
@@ -498,17 +522,12 @@ def depth7b_one(method: str, device: str, timed: int = 2, micro: int = 16) -> di
     policy.freeze_for(model, method, sketch_rank=r, lora_alpha=None, seed=0)
     policy.shard(model, 1, method, dev)  # FSDP2 on one GPU, bf16 compute over fp32 master weights (as train.py)
     opt, layers = policy.make_optimizer(model, method, sketch_rank=r, seed=0, update_ratio=6e-5, adam_lr=1e-6,
-                                        lora_lr=1e-5, checkpointing=True)
+                                        lora_lr=1e-5, checkpointing=checkpointing)
     g = torch.Generator(device=dev).manual_seed(0)
     ids = torch.randint(3, widths["vocab_size"], (micro, batch, tokens), generator=g, device=dev)
     mask = torch.zeros(micro, batch, tokens, dtype=torch.bool, device=dev)
     mask[:, :, tokens // 4:] = True  # the last three quarters "generated"
     advantages = torch.randn(micro, batch, generator=g, device=dev).sign()
-    plan = memory_plan.estimate(widths, 1, r, micro_batch=batch, context=tokens, probe_forward_tokens=batch * tokens,
-                                kl_real_positions=256, compute_bytes=2 if cuda else 4)
-    plans = {"logra": memory_model.peak(plan),
-             "adam": plan["trainer_adam_persistent_bytes"] + max(plan["trainer_activation_bytes"],
-                                                                 plan["trainer_adam_transient_bytes"])}
 
     def update(micro_batches):
         laps, last = {}, [time.perf_counter()]
@@ -548,7 +567,6 @@ def depth7b_one(method: str, device: str, timed: int = 2, micro: int = 16) -> di
         return laps, {"kl1": probe.kl1, "alpha": alpha, "kl_real": kl_real,
                       "moved": float((after - before).abs().max())}
 
-    result = {"shape": f"{widths['num_hidden_layers']} layers, {micro} x {batch} x {tokens} tokens, r = {r}"}
     phase = "warm-up"
     try:
         update(2)
@@ -563,14 +581,159 @@ def depth7b_one(method: str, device: str, timed: int = 2, micro: int = 16) -> di
         # CUDA's allocator peak over the timed updates; on the CPU the process's peak RSS (not the plan's measure)
         peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     except torch.OutOfMemoryError as e:
-        return dict(result, oom=True, oom_phase=phase, error=str(e).splitlines()[0][:160],
-                    plan_gib=round(plans[method] / 2**30, 2))
+        return dict(result, oom=True, oom_phase=phase, error=str(e).splitlines()[0][:160])
     finally:
         dist.destroy_process_group()
     med = {k: statistics.median(t[k] for t in times) for k in times[0]}  # each phase's median over the timed updates
     result.update(update_s=round(sum(med.values()), 3), phases_s={k: round(v, 3) for k, v in med.items()},
-                  peak_gib=round(peak / 2**30, 2), plan_gib=round(plans[method] / 2**30, 2), oom=False, **seen)
+                  peak_gib=round(peak / 2**30, 2), oom=False, **seen)
     return result
+
+
+def rehearsal_gpu(plan) -> float:
+    """The CPU rehearsal's stand-in for a GPU's free memory: as an H200 holds the 7B's settings
+    (bench/results/gpu_check: AdamW with checkpointing at 126 GiB, not without), the midpoint of
+    AdamW's planned peaks with and without checkpointing, so that best7b's skip is rehearsed."""
+    from infra import memory_plan
+
+    return memory_plan.FIT_MARGIN * (memory_plan.peak(plan, "adam", True) + memory_plan.peak(plan, "adam", False)) / 2
+
+
+def best7b(w, device):
+    """Each method at its fastest setting that fits (issue 72, item 1): LoGRA and AdamW at the
+    paper's 7B on one GPU (`depth7b_one`: 16 micro-batches of 2 x 4096 tokens, one timed update
+    after a warm-up one), with activation checkpointing and without, each in its own process;
+    a setting the memory plan says will not fit this GPU's free memory is skipped before
+    anything is allocated (recorded `skipped`), one that runs out of memory recorded `oom`. The
+    best of each method is its fastest setting that ran."""
+    import subprocess
+
+    deadline = time.time() + float(os.environ.get("STEP_TIMEOUT", 170))
+    settings, figures = [], {}
+    for method in ("logra", "adam"):
+        for checkpointing in ("on", "off"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--depth7b-one", method, "--checkpointing", checkpointing,
+                   "--fit"] + (["--cpu"] if device == "cpu" else [])
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=max(deadline - time.time(), 1))
+            except subprocess.TimeoutExpired:
+                raise Failed(dict(figures, settings=settings, error=f"{method} {checkpointing}: no end within the "
+                                  f"step's time")) from None
+            if out.returncode:
+                why = f"{method} {checkpointing}: exit {out.returncode}: {out.stderr.strip()[-400:]}"
+                raise Failed(dict(figures, settings=settings, error=why))
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            figures.setdefault("shape", got["shape"])
+            entry = {"method": method, "checkpointing": checkpointing, "micro_batch": got["micro_batch"],
+                     "plan_gib": got["plan_gib"], "gpu_free_gib": got.get("gpu_free_gib")}
+            if got.get("skipped"):
+                entry["skipped"] = True
+            elif got.get("oom"):
+                entry.update(oom=True, oom_phase=got["oom_phase"])
+            else:
+                entry.update(update_s=got["update_s"], peak_gib=got["peak_gib"], phases_s=got["phases_s"])
+                if device == "cuda":
+                    entry["peak_over_plan"] = round(got["peak_gib"] / got["plan_gib"], 3)
+                if method == "logra" and not (math.isfinite(got["kl1"]) and got["kl1"] > 0 and got["moved"] > 0):
+                    raise Failed(dict(figures, settings=settings + [entry], error="LoGRA's update moved nothing"))
+            settings.append(entry)
+    figures["settings"] = settings
+    for method in ("logra", "adam"):
+        ran = [e["update_s"] for e in settings if e["method"] == method and "update_s" in e]
+        figures[f"{method}_best_update_s"] = min(ran) if ran else None
+    logra, adam = figures["logra_best_update_s"], figures["adam_best_update_s"]
+    if logra is None:  # LoGRA fits one GPU with checkpointing at 7B (46 GiB): it must have run
+        raise Failed(figures)
+    if adam is not None:
+        figures["best_ratio"] = round(logra / adam, 3)
+    figures["targets_met"] = {"logra_best_le_0.8x_adam_best": adam is not None and logra <= 0.8 * adam,
+                              "plans_within_10pct": all(abs(e.get("peak_over_plan", 1) - 1) <= 0.1 for e in settings)}
+    return figures
+
+
+def one_gpu7b(w, device):
+    """Trainer and engine on one GPU (issue 72, item 2): train.py --model 7b-random --gpus 1
+    --gpu-memory 74, with torch.cuda.set_per_process_memory_fraction at the same 74 GiB (any GPU
+    then holds what an 80 GB H100 does), 3 updates of 32 prompts x 256 new tokens, in its own
+    process (`one_gpu7b_child`). Its figures: each update's peak (CUDA's allocator, train.py's
+    mem_gib), the GPU's memory, the phases' medians over updates 2-3 (sync: the cast refresh,
+    train.py's fingerprints and its output check), generated tokens per second of rollout,
+    `engine_equal` (after every refresh, every target of the engine bit for bit bf16 of the
+    trainer's master), `output_check` (train.py's check of the engine's log-probs against the
+    trainer's after every sync: each mean gap) and the plan's peak. On the CPU: the tiny preset
+    with --gpus 1 and a short warm-up, the same figures."""
+    import subprocess
+
+    timeout = float(os.environ.get("STEP_TIMEOUT", 150))
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one-gpu7b-child", tmp]
+        cmd += ["--cpu"] if device == "cpu" else []
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise Failed({"error": "no end within the step's time"}) from None
+        if out.returncode:
+            raise Failed({"error": f"exit {out.returncode}: {(out.stderr.strip() or out.stdout.strip())[-600:]}"})
+        child = json.loads(out.stdout.strip().splitlines()[-1])
+        rows = [json.loads(line) for line in open(os.path.join(tmp, "run", "metrics.jsonl"))][1:]
+        saved = json.load(open(os.path.join(tmp, "run", "config.json")))
+    later = rows[1:]
+    median = lambda key: round(statistics.median(r.get(key, 0.0) for r in later), 3)  # noqa: E731
+    figures = {"preset": saved["preset"], "updates": len(rows),
+               "checkpointing": "on" if saved["checkpointing"] else "off",
+               "peak_gib": round(max(r["mem_gib"] for r in rows), 2), "gpu_total_gib": child["gpu_total_gib"],
+               "gpu_memory_gib": saved["gpu_memory"], "plan_gib": round(saved["plan_gib"], 2),
+               "phases_s": {k: median("time_" + k) for k in PHASES}, "update_s": median("time_s"),
+               "generated_tokens_per_s": round(statistics.median(r["tokens"] / r["time_rollout"] for r in later), 1),
+               "sync_bytes": max(r["sync_bytes"] for r in rows), "engine_equal": child["engine_equal"],
+               "output_check": child["output_check"]}
+    if device == "cuda":
+        figures["peak_over_plan"] = round(figures["peak_gib"] / figures["plan_gib"], 3)
+    if not (figures["updates"] == 3 and figures["engine_equal"] and figures["output_check"]["passed"]
+            and figures["sync_bytes"] == 0 and (device == "cpu" or figures["peak_gib"] <= saved["gpu_memory"])):
+        raise Failed(figures)
+    return figures
+
+
+def one_gpu7b_child(out: str, device: str) -> dict:
+    """one_gpu7b's process: the allocator capped (CUDA), then train.py's main with the one-GPU
+    layout, every refresh and output check of the run watched (the module functions train.py
+    calls, wrapped here)."""
+    import torch
+
+    import train
+    from infra import engine_sync, launch, one_gpu
+
+    gib, total = 74, None
+    if device == "cuda":
+        total = torch.cuda.mem_get_info()[1]
+        torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
+        argv = ["--model", "7b-random", "--gpus", "1", "--gpu-memory", str(gib), "--updates", "3", "--no-eval-base"]
+    else:  # the tiny preset at a short warm-up, this CPU as its one device
+        argv = ["--model", "tiny", "--gpus", "1", "--gpu-memory", str(gib), "--updates", "3", "--no-eval-base",
+                "--warmup-steps", "20", "--batch", "16", "--eval-problems", "16", "--eval-every", "0",
+                "--check-outputs", "1"]
+    equal, gaps = [], []
+    refresh, check_outputs = one_gpu.refresh, engine_sync.check_outputs
+
+    def watched_refresh(engine, modules, **kw):
+        sent = refresh(engine, modules, **kw)
+        equal.append(all(torch.equal(engine.weights.slots[n].weight.view(torch.int16),
+                                     one_gpu.master_weight(m).detach().to(torch.bfloat16).view(torch.int16))
+                         for n, m in modules.items()))
+        return sent
+
+    def watched_check(*args, **kw):
+        gaps.append(check_outputs(*args, **kw))
+        return gaps[-1]
+
+    one_gpu.refresh, engine_sync.check_outputs = watched_refresh, watched_check
+    train.main([*argv, "--run-dir", os.path.join(out, "run")])
+    launch.release()  # as train.py's __main__: the run's objects freed while the interpreter is whole
+    return {"gpu_total_gib": round(total / 2**30, 2) if total else None,
+            "engine_equal": len(equal) == 3 and all(equal),
+            "output_check": {"checks": len(gaps), "worst_mean_gap": max(gaps) if gaps else None,
+                             "tolerance": engine_sync.OUTPUT_TOLERANCE, "passed": len(gaps) == 3}}
 
 
 # --- running a step, recording it, the table ---------------------------------------------------
@@ -649,7 +812,8 @@ def table(paths) -> str:
 
 def speed_table(paths) -> str:
     """The `speed` step's phases side by side (train.py's laps: the probe's includes RowAdam's
-    prepare, the sync its fingerprints and output check), and the `depth7b` step's."""
+    prepare, the sync its fingerprints and output check), the `depth7b` step's, `best7b`'s
+    settings and `one_gpu7b`'s run."""
     chosen = newest_records([paths] if isinstance(paths, str) else paths)
     out = []
     if "speed" in chosen:
@@ -691,6 +855,30 @@ def speed_table(paths) -> str:
                 f"engine; medians of 2 whole updates after a warm-up one, each method in its own process; the plan: "
                 f"infra/memory_plan.py for one rank (`WORLD_SIZE=1 python train.py --model 7b --dry-run`):",
                 report.table(["", "LoGRA", "AdamW", "LoGRA / AdamW (peak / plan)"], rows)]
+    if "best7b" in chosen:
+        path, r = chosen["best7b"]
+        f = r["figures"]
+        rows = [[{"logra": "LoGRA", "adam": "AdamW"}[e["method"]], e["checkpointing"], e["micro_batch"],
+                 f"{e['update_s']:.2f} s" if "update_s" in e else "skipped (plan)" if e.get("skipped") else
+                 "out of memory", f"{e['peak_gib']:.2f} GiB" if "peak_gib" in e else "", f"{e['plan_gib']:.2f} GiB",
+                 f"{e['peak_over_plan']:.3f}" if "peak_over_plan" in e else ""] for e in f["settings"]]
+        best = ", ".join(f"{name} {f[key]:.2f} s" for name, key in (("LoGRA", "logra_best_update_s"),
+                                                                     ("AdamW", "adam_best_update_s")) if f.get(key))
+        out += [f"`best7b` ({os.path.basename(path)}): {f['shape']}, each method with activation checkpointing and "
+                f"without, one timed update each; the best: {best}"
+                + (f" ({f['best_ratio']:.3f}x)" if "best_ratio" in f else "") + ":",
+                report.table(["method", "checkpointing", "micro-batch", "update", "peak", "plan", "peak / plan"],
+                             rows)]
+    if "one_gpu7b" in chosen:
+        path, r = chosen["one_gpu7b"]
+        f = r["figures"]
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in f["phases_s"].items())
+        out.append(f"`one_gpu7b` ({os.path.basename(path)}): train.py --model {f['preset']} --gpus 1 within "
+                   f"{f['gpu_memory_gib']:g} GiB, {f['updates']} updates, checkpointing {f['checkpointing']}: peak "
+                   f"{f['peak_gib']:.2f} GiB (plan {f['plan_gib']:.2f} GiB), update {f['update_s']:.2f} s ({phases}), "
+                   f"{f['generated_tokens_per_s']:.0f} generated tokens/s, engine equal to the master's cast "
+                   f"{f['engine_equal']}, output check {f['output_check']['passed']} (worst mean gap "
+                   f"{figure(f['output_check']['worst_mean_gap'])} nats)")
     return "\n\n".join(out)
 
 
@@ -703,11 +891,18 @@ def main():
                    help="runs' gpu_check.json, the newest first: print bench/README.md's tables of them")
     p.add_argument("--fail", nargs=2, metavar=("STEP", "WHY"), help="record STEP as failed (gpu_check.sh: a timeout)")
     p.add_argument("--depth7b-one", choices=["logra", "adam"], help=argparse.SUPPRESS)
+    p.add_argument("--checkpointing", choices=["on", "off"], default="on", help=argparse.SUPPRESS)
+    p.add_argument("--fit", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--one-gpu7b-child", metavar="DIR", help=argparse.SUPPRESS)
     args = report.parse_args(p, "gpu_check", "gpu_speed")
     if args.depth7b_one:
         sys.path.insert(0, os.path.join(ROOT, "bench"))
-        print(json.dumps(depth7b_one(args.depth7b_one, "cpu" if args.cpu else "cuda", micro=4 if args.cpu else 16)),
-              flush=True)
+        timed = 1 if args.fit else 2  # best7b: one timed update a setting
+        print(json.dumps(depth7b_one(args.depth7b_one, "cpu" if args.cpu else "cuda", timed=timed,
+                                     micro=4 if args.cpu else 16, checkpointing=args.checkpointing == "on",
+                                     fit=args.fit)), flush=True)
+    elif args.one_gpu7b_child:
+        print(json.dumps(one_gpu7b_child(args.one_gpu7b_child, "cpu" if args.cpu else "cuda")), flush=True)
     elif args.fail:
         record(args.out, args.fail[0], False, {"error": args.fail[1]}, 0.0)
     elif args.table:

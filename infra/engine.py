@@ -37,8 +37,13 @@ Departures from the paper
 
 Implementation notes
 --------------------
-- `HFEngine` generates without a KV cache (tiny prompts and responses): simpler, and fast
-  enough at that size.
+- `HFEngine` generates with a KV cache where `kv_cache` (train.py: on GPUs), else by running
+  the whole sequence again for every new token: the tiny presets' CPU rows were made that way
+  (bench/README.md's tables), and at their size it is as fast. Both draw the same noise; their
+  logits differ by the rounding of other kernels' sums (tests/test_engine.py: the same tokens
+  and log-probs within 1e-5 in fp32).
+- With --gpus 1 (infra/one_gpu.py) the engine keeps no master at all (`exact=False`) and its
+  bf16 weights are cast from the trainer's after every merge.
 """
 
 import hashlib
@@ -159,14 +164,15 @@ class HFEngine:
 
     `sketch_rank` is the rank r of the payloads' factors; `base_seed` the run's seed, from
     which every projection A is regenerated (sync.py). `exact`: keep the trainer's fp32 master
-    (bf16 + an int16 residual) to merge factors; False for sparse deltas and full syncs only.
+    (bf16 + an int16 residual) to merge factors; False for sparse deltas, full syncs and casts
+    only. `kv_cache`: generate with one (the implementation notes).
     """
 
-    def __init__(self, model, *, base_seed, sketch_rank, eos, pad, exact=True):
+    def __init__(self, model, *, base_seed, sketch_rank, eos, pad, exact=True, kv_cache=False):
         self.model = model.eval()
         kind = StreamedEngineWeights if exact else SparseEngineWeights  # a master to merge factors, or none
         self.weights = kind(model, base_seed=base_seed, rank=sketch_rank, checksums=checksums)
-        self.eos, self.pad = eos, pad
+        self.eos, self.pad, self.kv_cache = eos, pad, kv_cache
 
     @torch.no_grad()
     def generate(self, prompts, seeds, *, temperature, max_new_tokens, top_p=1.0) -> Rollout:
@@ -180,8 +186,15 @@ class HFEngine:
         ids = prompts.to(device)
         logprobs = torch.zeros(b, p + max_new_tokens, device=device)
         ended = torch.zeros(b, dtype=torch.bool, device=device)
-        for t in range(max_new_tokens):  # no KV cache (implementation notes)
-            logits = self.model(input_ids=ids).logits[:, -1].float() / temperature  # (B, V)
+        cache = None
+        for t in range(max_new_tokens):
+            if self.kv_cache:  # the prompts once, then one new token a step (the prompts share one length)
+                out = self.model(input_ids=ids if cache is None else ids[:, -1:], past_key_values=cache, use_cache=True,
+                                 logits_to_keep=1)
+                cache = out.past_key_values
+            else:  # the whole sequence again (implementation notes)
+                out = self.model(input_ids=ids)
+            logits = out.logits[:, -1].float() / temperature  # (B, V)
             if top_p < 1.0:
                 logits = top_p_filter(logits, top_p)
             noise = torch.stack([torch.rand(vocab, generator=g, device=device) for g in gens])  # (B, V)

@@ -90,7 +90,9 @@ def open_run(cfg: Config, world: int, run_dir: str, resume_option=None, resume_f
     log = print if rank == 0 else (lambda *a, **k: None)
     # The layout, what each node has (its GPUs, vLLM, the checkpoint), the shared run directory:
     # one verdict on every rank, none left waiting.
-    layout, cfg = planning.check_nodes(cfg, run_dir, resume_option)
+    layout, cfg, planned = planning.check_nodes(cfg, run_dir, resume_option)
+    if planned:  # the memory plan's figure and --checkpointing's choice (config.json records both)
+        log(planned)
     # One run at a time: rank 0 takes the directory's lock before anything in it is read for
     # this run, and a second run on it stops here, naming the holder.
     hold = launch.agreed(lambda: run_dirs.hold(run_dir, warn=log) if rank == 0 else None)

@@ -6,7 +6,9 @@ What it is
 `estimate(model_cfg, world, sketch_rank, ...)` builds the model of `model_cfg` on the meta
 device (no memory, no GPU) and counts, per training GPU under `world`-way FSDP2 and per
 engine GPU, the bytes of every persistent buffer and of the largest transient of each phase
-of the optimizer step, for LoGRA and for dense AdamW. `describe(plan, ...)` turns the counts
+of the optimizer step, for LoGRA and for dense AdamW; `peak` and `fits` say whether an update
+fits a GPU, with activation checkpointing or without, its engine beside it or not.
+`describe(plan, ...)` turns the counts
 into the lines `python train.py --model 7b --dry-run` prints. The counts are checked against
 measured allocations in bench/memory_check.py and tests/test_train_paper_path.py (to 5%).
 
@@ -37,8 +39,16 @@ Assumptions, numbered
    delta`) or full bf16 weights (AdamW's and LoRA's default, `--sync full`) keeps none; the
    delta's transfer buffer is counted for its worst case, every element of one decoder layer
    changed, and the trainer keeps a bf16 shadow of its rows of every target instead.
-3. Activations assume non-reentrant activation checkpointing of every decoder layer, bf16
-   compute (`compute_bytes`), and FSDP2 prefetching one decoder layer ahead.
+3. Activations (`activations`) are counted with non-reentrant activation checkpointing of
+   every decoder layer and without, for each method (LoGRA keeps P = X A^T, AdamW X), from
+   what autograd keeps in the Hugging Face Qwen2/Llama layer with SDPA attention, in bf16
+   compute (`compute_bytes`; measured to 0.6% at small widths: tests/test_memory_plan.py),
+   with FSDP2 prefetching one decoder layer ahead. `peak` is a method's planned peak with
+   either; --checkpointing auto (planning.settle_memory) takes the faster one that `fits`.
+5. --gpus 1 (`phases`, `peak(one_gpu=True)`): the trainer and the in-process engine on one
+   GPU; the engine's bf16 weights (no residual) and its generation (a bf16 KV cache of the
+   rollout's prompts at the full context, the sampler's fp32 rows of logits) beside the
+   trainer, the generation a phase of its own (it runs before training's activations exist).
 4. The KL probe (kl_control.py) forms the attention's (B, H, T, T) softmax and its tangent one
    decoder layer at a time. Its written-out decoder (Qwen2, Qwen3, Llama, Mistral:
    `infra/probe_decoder.written_decoder`, whose primal attention is torch's fused kernel) holds at most
@@ -49,9 +59,12 @@ Assumptions, numbered
    and holds none of it.
 """
 
+import inspect
+
 import torch
 
 import kl_control
+import ppo
 import rowadam
 import sketch
 from infra import batched, probe_decoder
@@ -85,9 +98,67 @@ def engine_overhead(h: int, inter: int, vocab: int, compute_bytes: int = 2) -> i
     return max(step, sampler) + 4 * VLLM_MAX_SEQS * vocab + VLLM_GRAPH_POOL + VLLM_CONTEXT
 
 
+METHODS = ("logra", "adam", "lora")
+NAMES = {"logra": "LoGRA", "adam": "AdamW", "lora": "LoRA"}
+LOGPROB_CHUNK = inspect.signature(ppo.response_logprobs).parameters["chunk"].default  # positions in fp32 at a time
+
+
+def activations(config, *, micro_batch: int, context: int, rank: int, compute_bytes: int = 2, fsdp: bool = True,
+                layer_params: int = 0) -> dict:
+    """The training forward's and backward's activation bytes of one micro-batch (micro_batch x
+    context tokens, N) for each method, with activation checkpointing of every decoder layer
+    ("on") and without ("off"), counted from what autograd keeps (assumption 3; measured:
+    tests/test_memory_plan.py). {"held": {method: {"on", "off"}}, "peak": {...}}: held, what
+    the forward leaves for backward; peak, held with the largest transient of backward.
+
+    A decoder layer keeps, a token: each RMSNorm's fp32 input and 1/rms (2 (4 h + 4)); the
+    attention's q and output, k and v (c (2 q + 2 kv)) and its fp32 log-sum-exp a head (4 H);
+    the MLP's gate and up outputs and the SiLU's (3 c I); and what the targets need for their
+    weights' gradients: LoGRA P = X A^T a target (7 c r, no X: sketch.py), AdamW the inputs X
+    (c h for q, k, v; c h for gate, up; c I for down; o_proj's is the attention's output
+    itself), LoRA those X and its X A^T (7 c r). AdamW's and LoRA's first layer keeps no
+    RMSNorm input (nothing before it has a gradient); LoGRA's embedding output requires one
+    (sketch.attach's hook), and autograd keeps that leaf (c h; in fp32 compute it is the first
+    RMSNorm's input). With checkpointing a layer keeps only its input (c h) and backward
+    recomputes one layer at a time. After the layers: the final RMSNorm's (4 h + 4), the
+    logits (c V) and the fp32 log-probs (4; ppo.response_logprobs keeps no fp32 copy of the
+    logits); RoPE's cos and sin (2 c T D).
+    Backward's largest transient is the output head's or one decoder layer's: a chunk of
+    LOGPROB_CHUNK positions' logits in fp32 four times (the fp32 logits, / temperature, and
+    their two gradients) plus the logits' gradient (c V a token) accumulated over chunks when
+    there are several; or the MLP's three (N, I) gradients (less AdamW's and LoRA's X of
+    down_proj, freed by then), with the recomputed layer under checkpointing. FSDP2 (`fsdp`)
+    gathers two bf16 decoder layers (`layer_params` parameters each), one prefetched.
+    """
+    c, r, tokens = compute_bytes, rank, micro_batch * context
+    h, inter, vocab, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, config.num_key_value_heads * head_dim
+    shared = 2 * (4 * h + 4) + c * (2 * q + 2 * kv) + 4 * heads + 3 * c * inter  # every method's, a token
+    inputs = c * (2 * h + inter)  # the targets' X: q/k/v, gate/up, down (o_proj's: the attention's output)
+    kept = {"logra": 7 * c * r, "adam": inputs, "lora": inputs + 7 * c * r}
+    # layer 0: AdamW's and LoRA's RMSNorm keeps nothing; LoGRA's embedding output, a leaf, is kept
+    first = {"logra": -c * h if c < 4 else 0, "adam": 4 * h + 4, "lora": 4 * h + 4}
+    head = tokens * (4 * h + 4 + c * vocab + 4) + 2 * c * context * head_dim
+    positions = context - 1  # the log-probs score positions 1..T-1
+    chunk = min(positions, LOGPROB_CHUNK)
+    head_backward = 4 * 4 * micro_batch * chunk * vocab + \
+        (c * micro_batch * positions * vocab if positions > chunk else 0)
+    in_flight = 2 * 2 * layer_params if fsdp else 0
+    held, peak = {}, {}
+    for m in METHODS:
+        layer = tokens * (shared + kept[m])  # one decoder layer's saved tensors
+        layer_backward = (3 if m == "logra" else 2) * c * tokens * inter
+        held[m] = {"off": layers * layer - tokens * first[m] + head, "on": layers * c * tokens * h + head}
+        peak[m] = {"off": held[m]["off"] + max(head_backward, layer_backward) + in_flight,
+                   "on": held[m]["on"] + max(head_backward, layer + layer_backward) + in_flight}
+    return {"held": held, "peak": peak}
+
+
 def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int = 2, context: int = 4096,
              probe_forward_tokens: int = 2 * 4096, kl_real_positions: int = 256, compute_bytes: int = 2,
-             gpu_bytes: int = GPU_BYTES) -> dict:
+             gpu_bytes: int = GPU_BYTES, cuda: bool = True, rollout_batch: int = 128) -> dict:
     """Per-GPU bytes of a run under `world`-way FSDP2 at sketch rank `sketch_rank`, from the
     shapes, for training process 0 (it holds the largest shard). `probe_forward_tokens`: the
     tokens of the KL probe's forward pass (the paper's 2 responses of up to 4096 tokens).
@@ -112,6 +183,10 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     payload and decoded positions, every element changed at worst. Full bf16 weights
     ("engine_full_*"): no residual; one decoder layer's bf16 payload. With --sync delta each
     trainer GPU also keeps a bf16 shadow of its rows of every target ("trainer_delta_*").
+    Activations: `activations`, each method with and without checkpointing (`cuda`: bf16
+    compute under FSDP2, whose layers in flight count; else FSDP2 only with world > 1).
+    One GPU (--gpus 1, `one_gpu`): the step's transients without a sync payload ("*_cast_*"),
+    and the in-process engine's generation of `rollout_batch` prompts ("one_gpu_generate_bytes").
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -211,13 +286,19 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
     kl_real_work = kl_real + 32 * min(kl_real_positions, kl_control.KL_CHUNK_POSITIONS) * vocab if kl_real else 0
     phases = {"prepare": prepare, "probe": probe + kl_real, "merge": factors + merge, "sync": factor_sync_bytes}
     logra_transient = max(prepare, probe + kl_real, kl_real + factors + max(merge, factor_sync_bytes, kl_real_work))
-    tokens = micro_batch * context
-    activations = (2 * tokens * h * layers  # bf16 layer inputs kept by activation checkpointing
-                   + 2 * tokens * (4 * h + 2 * kv + 4 * inter)  # one decoder layer recomputed in backward
-                   + 2 * 2 * (layer_targets + 2 * h)  # two unsharded bf16 decoder layers (FSDP2 prefetch)
-                   + 2 * tokens * vocab + 4 * micro_batch * min(context, 1024) * vocab * 2)  # logits, fp32 chunk
-    sketch_activations = 2 * tokens * r * 7  # LoGRA's P = X A^T per target of the recomputed layer
+    acts = activations(config, micro_batch=micro_batch, context=context, rank=r, compute_bytes=compute_bytes,
+                       fsdp=cuda or world > 1, layer_params=layer_targets + 2 * h)
     lora_transient = max(4 * lora_rows, full_sync_bytes + 4 * r * (d_max + k_max))  # LoRA's X A^T: as P
+    # --gpus 1 (infra/one_gpu.py): no payload, the engine's weights cast from the master a target at a
+    # time (LoRA's merged weight formed in fp32 first); the in-process engine's generation: its bf16
+    # KV cache (k and v of every layer for rollout_batch x context tokens, and one layer's once more
+    # while the cache grows), and per prompt the bf16 logits of the last position and at most eight
+    # fp32 (B, V) temporaries of the sampler (infra/engine.py's Gumbel-max draw)
+    logra_cast_transient = max(prepare, probe + kl_real, kl_real + factors + max(merge, kl_real_work))
+    cast_transients = {"logra": logra_cast_transient, "adam": 4 * target_rows,
+                       "lora": max(4 * lora_rows, 4 * max(d * k for d, k in shapes))}
+    kv_cache = 2 * 2 * kv * rollout_batch * context * (layers + 1)
+    generate = kv_cache + rollout_batch * vocab * (2 + 8 * 4)
 
     engine_weights = 2 * total
     overhead = engine_overhead(h, inter, vocab, compute_bytes)
@@ -267,7 +348,10 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
         "lora_adapters": 4 * lora_rows, "lora_grads": 4 * lora_rows, "lora_moments": 8 * lora_rows,
         "trainer_lora_bytes": weights + lora_state + lora_transient,
         "trainer_lora_persistent_bytes": weights + lora_state, "trainer_lora_transient_bytes": lora_transient,
-        "trainer_activation_bytes": activations, "trainer_logra_activation_extra_bytes": sketch_activations,
+        # activations of one micro-batch, each method with checkpointing on and off (`activations`); the
+        # largest with checkpointing, the figure of every method before --checkpointing
+        "trainer_activations": acts["peak"], "trainer_activations_held": acts["held"],
+        "trainer_activation_bytes": max(acts["peak"][m]["on"] for m in METHODS),
         "trainer_probe_activation_bytes": probe_activations + probe_attention,
         "trainer_probe_attention_bytes": probe_attention,
         "engine_gpu_bytes": engine_gpu, "engine_weight_bytes": engine_weights, "engine_residual_bytes": residual,
@@ -285,7 +369,57 @@ def estimate(model_cfg: dict, world: int, sketch_rank: int, *, micro_batch: int 
         # LoRA's delta sync forms the merged weights too, as its full sync does
         "trainer_lora_delta_sync_transient_bytes": full_sync_bytes + delta_sync_bytes,
         "gpu_bytes": gpu_bytes,
+        **{f"trainer_{m}_cast_transient_bytes": b for m, b in cast_transients.items()},
+        "one_gpu_generate_bytes": generate, "one_gpu_kv_cache_bytes": kv_cache, "rollout_batch": rollout_batch,
+        "micro_batch": micro_batch, "context": context,
     }
+
+
+# -----------------------------------------------------------------------------
+# A method's peak, and whether it fits: --checkpointing auto and --gpus 1 (planning.py)
+
+# A plan fits a GPU where FIT_MARGIN times its peak is within the GPU's memory: the device check's
+# measured peaks ran up to 4.1% over the plan (bench/results/gpu_check/gpu_check-27f6fff.json, depth7b:
+# LoGRA 46.09 GiB against 44.28), and the allocator keeps some memory it does not hand out.
+FIT_MARGIN = 1.05
+
+
+def phases(plan: dict, method: str, checkpointing: bool, one_gpu: bool = False) -> dict:
+    """What a training GPU holds beyond its persistent state in each phase of the update, by
+    name: training's activations (with or without `checkpointing`), the step's transients
+    (LoGRA's KL probe runs after backward; its transients are added to every phase, as
+    memory_model.peak adds them); with `one_gpu` (--gpus 1) the engine's generation too, and
+    the step's transients without a sync payload."""
+    act = plan["trainer_activations"][method]["on" if checkpointing else "off"]
+    transient = plan[f"trainer_{method}_{'cast_' if one_gpu else ''}transient_bytes"]
+    found = {f"training's activations ({plan['micro_batch']} x {plan['context']} tokens)": act}
+    if method == "logra":
+        found["the KL probe's forward"] = plan["trainer_probe_activation_bytes"]
+    else:
+        found["the optimizer step"] = transient
+    if one_gpu:
+        found[f"the engine's generation ({plan['rollout_batch']} prompts x {plan['context']} tokens)"] = \
+            plan["one_gpu_generate_bytes"]
+    return {k: v + transient for k, v in found.items()} if method == "logra" else found
+
+
+def peak(plan: dict, method: str, checkpointing: bool, one_gpu: bool = False) -> int:
+    """A training GPU's planned peak for `method`: its persistent state and its largest phase
+    (`phases`); `one_gpu` (--gpus 1): the engine's bf16 weights beside them."""
+    engine = plan["engine_weight_bytes"] if one_gpu else 0
+    largest = max(phases(plan, method, checkpointing, one_gpu).values())
+    return plan[f"trainer_{method}_persistent_bytes"] + engine + largest
+
+
+def fits(peak_bytes: int, gpu_bytes: float) -> bool:
+    """Whether a planned peak fits a GPU of `gpu_bytes` (FIT_MARGIN)."""
+    return FIT_MARGIN * peak_bytes <= gpu_bytes
+
+
+def checkpointing_for(plan: dict, method: str, gpu_bytes: float, one_gpu: bool = False) -> bool:
+    """--checkpointing auto: off where the update fits the GPU without it (recomputing no
+    forward, the faster setting), else on."""
+    return not fits(peak(plan, method, False, one_gpu), gpu_bytes)
 
 
 def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micro_batch: int, context: int,
@@ -294,6 +428,7 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
     (AdamW and LoGRA), activations, the engine GPU, and `layout`: which GPU runs what."""
     gib = 2**30
     g = lambda key: f"{plan[key] / gib:.2f} GiB"  # noqa: E731
+    acts = plan["trainer_activations"]
     world = plan["world"]
     gain = plan["engine_delta_kv_cache_bytes"] - plan["engine_kv_cache_bytes"]  # KV cache over the factor sync's
     gone = " (no residuals in pinned host memory)" if plan["engine_residual_on_host"] else ""
@@ -318,10 +453,15 @@ def describe(plan: dict, *, preset: str, checkpoint: str, sketch_rank: int, micr
         f"| LoRA | {g('weights')} | {g('lora_grads')} | {g('lora_moments')} | {g('lora_adapters')} (adapters A, B) "
         f"| - | {g('trainer_lora_persistent_bytes')} | {g('trainer_lora_transient_bytes')} "
         f"| {g('trainer_lora_bytes')} ({plan['trainer_lora_bytes'] / plan['trainer_adam_bytes']:.2f}x) |",
-        f"activations (all): {g('trainer_activation_bytes')}; LoGRA's P = X A^T (and LoRA's X A^T) adds "
-        f"{plan['trainer_logra_activation_extra_bytes'] / gib:.3f} GiB, its KL probe's forward with tangents "
-        f"{g('trainer_probe_activation_bytes')} (after backward; {g('trainer_probe_attention_bytes')} of it the eager "
-        f"attention's scores and softmax with their tangents, one layer at a time)",
+        "activations of one micro-batch with activation checkpointing / without (LoGRA keeps P = X A^T a target, "
+        "AdamW and LoRA X; infra/memory_plan.activations): " + ", ".join(
+            f"{name} {acts[m]['on'] / gib:.2f} / {acts[m]['off'] / gib:.2f} GiB" for m, name in NAMES.items())
+        + f"; the KL probe's forward with tangents {g('trainer_probe_activation_bytes')} (after backward; "
+        f"{g('trainer_probe_attention_bytes')} of it the eager attention's scores and softmax with their tangents, "
+        f"one layer at a time)",
+        "a training GPU's peak with checkpointing / without: " + ", ".join(
+            f"{name} {peak(plan, m, True) / gib:.2f} / {peak(plan, m, False) / gib:.2f} GiB"
+            for m, name in NAMES.items()),
         f"engine GPU ({plan['gpu_bytes'] / 1e9:.0f} GB): bf16 weights {g('engine_weight_bytes')}, exact-merge "
         f"residuals {g('engine_residual_bytes')} (int16) in "
         f"{'pinned host memory' if plan['engine_residual_on_host'] else 'the engine GPU'}, transfer buffer "

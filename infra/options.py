@@ -48,11 +48,12 @@ ENGINE_EXIT_S = 60  # beyond --engine-timeout, how long an engine given up on ma
 
 
 def knob(help: str, *, default=dataclasses.MISSING, flag=None, least=None, most=None, positive=False,
-         choices=None, task=None):
+         choices=None, task=None, words=None):
     """A field of the run's configuration that a flag may override; without `default`, every
-    preset must give it."""
+    preset must give it. `words`: the values the flag takes by name ({"on": True, ...}): the bare
+    flag is the first, --no-NAME the second; another word is refused by `check` (OptionError)."""
     return dataclasses.field(default=default, metadata=dict(
-        help=help, flag=flag, least=least, most=most, positive=positive, choices=choices, task=task))
+        help=help, flag=flag, least=least, most=most, positive=positive, choices=choices, task=task, words=words))
 
 
 def structure(help: str, default=None):
@@ -69,6 +70,8 @@ class Config:
     preset: str = structure("the preset's name (--model picks it)", default="")
     model: dict = structure("the widths of the model: a preset's, or once the run starts a local checkpoint's "
                             "config.json's")
+    plan_gib: float = structure("the memory plan's peak per GPU of the update as the run set it up, in GiB "
+                                "(infra/memory_plan.peak; runs on GPUs and --gpus 1)")
 
     # --- the method and the model -----------------------------------------------------------------
     optimizer: str = knob("LoGRA, the dense AdamW baseline (Table 1), or LoRA adapters at the same rank (Table 2)",
@@ -117,7 +120,10 @@ class Config:
                               "score)", default=1.0, positive=True)
     max_new_tokens: int = knob("tokens a response may have (rollouts and evaluation)", least=1)
     context: int = knob("tokens of prompt + response the engines and the trainer hold per sequence", least=2)
-    checkpointing: bool = knob("activation checkpointing of every decoder layer in the trainer")
+    checkpointing: bool | str = knob("activation checkpointing of every decoder layer in the trainer: on, off, or auto "
+                               "(on GPUs: off where the memory plan says the update fits without it, else on; on a "
+                               "CPU: on); config.json records the choice", default="auto",
+                               words={"on": True, "off": False, "auto": "auto"})
     eval_temperature: float = knob("sampling temperature of the held-out evaluation", positive=True)
     eval_top_p: float = knob("top-p (nucleus) sampling of the held-out evaluation, in (0, 1]", positive=True,
                              most=1.0)
@@ -142,6 +148,13 @@ class Config:
     device: str = knob("the device of the trainer (a preset's own: cpu for the CPU presets)", choices=("cpu", "cuda"))
     engine: str = knob("rollout engine: the in-process Hugging Face one (tiny preset) or vLLM processes",
                        choices=("hf", "vllm"))
+    gpus: int = knob("1: the trainer and its in-process Hugging Face engine on one GPU (a CPU preset: this CPU); "
+                     "after every merge the engine's bf16 weights are cast from the trainer's fp32 master, with no "
+                     "payload and no int16 residual (infra/one_gpu.py); the arithmetic presets (7b-random)",
+                     default=None)
+    gpu_memory: float = knob("GiB of a GPU's memory the memory plan may fill (--checkpointing auto, --gpus 1); "
+                             "default: what the GPU reports free when the run starts; with --dry-run --gpus 1 the "
+                             "plan for this size only (default: 80 GB and 141 GB GPUs)", default=None, positive=True)
     engine_gpus: str = knob("GPUs of a node's vLLM engines, one per training rank of the node (the same on every "
                             "node)", default=None)
     gpu_memory_utilization: float = knob("share of memory a CPU vLLM engine may take (vLLM's "
@@ -195,6 +208,8 @@ class Config:
                 raise OptionError(f"{flag(f.name)} {value} must be a finite number > 0")
             if bound["most"] is not None and not value <= bound["most"]:
                 raise OptionError(f"{flag(f.name)} {value} must be <= {bound['most']}")
+            if bound["words"] and not any(value == v and type(value) is type(v) for v in bound["words"].values()):
+                raise OptionError(f"{flag(f.name)} {value}: one of {', '.join(bound['words'])}")
         if self.seed >= 2**63:
             raise OptionError(f"--seed {self.seed} must be below 2**63 (torch generators take 64-bit seeds)")
         if self.kl_end > self.kl_start:
@@ -240,7 +255,7 @@ class Config:
                 raise OptionError(f"preset '{self.preset}' needs {', '.join(missing)} (a local Hugging Face "
                                   f"checkpoint of a family in architectures.py{data}"
                                   f"{'; ' + MAKERS[self.preset] if self.preset in MAKERS else ''})")
-            if self.engine != "vllm":
+            if self.engine != "vllm" and self.gpus != 1:  # --gpus 1's dry run plans it; a run is refused
                 raise OptionError(f"the {self.task} task's rollouts need --engine vllm (the HF engine takes prompts "
                                   f"of one length)")
         else:  # the preset's own widths (a checkpoint's are checked once read: planning.check_nodes)
@@ -248,6 +263,21 @@ class Config:
         if self.engine == "vllm" and self.device == "cuda" and not self.engine_gpus:
             raise OptionError("--engine vllm on GPUs needs --engine-gpus, one GPU per training rank of a node "
                               "(e.g. --engine-gpus 1)")
+
+        # --- one GPU: trainer and engine together (infra/one_gpu.py) -------------------------------------
+        if self.gpus is not None:
+            if self.gpus != 1:
+                raise OptionError(f"--gpus {self.gpus}: 1 is the layout it sets (trainer and engine on one GPU); more "
+                                  f"GPUs run under torchrun, a training rank per vLLM engine GPU (--engine-gpus)")
+            if world > 1:
+                raise OptionError(f"--gpus 1 runs one process and torchrun started {world}: start it with python "
+                                  f"train.py")
+            if self.engine != "hf":
+                raise OptionError("--gpus 1 runs the in-process Hugging Face engine beside the trainer: leave --engine "
+                                  "out (vLLM's sleep and wake on one GPU are not built)")
+            if self.sync != "factors":
+                raise OptionError(f"--sync {self.sync}: with --gpus 1 the engine's weights are cast from the trainer's "
+                                  f"master and no payload is sent: leave --sync out")
 
         # --- how the batch splits across ranks ------------------------------------------------------
         if self.batch % world:
@@ -340,7 +370,13 @@ def parse(argv, presets: dict) -> tuple[Flags, dict]:
                        metavar=f.metadata["metavar"], help=f.metadata["help"])
     knobs = p.add_argument_group("configuration", "each overrides the --model preset's value (default: the preset's)")
     for f in KNOBS:
-        if f.type is bool:
+        words = f.metadata["words"]
+        if words:  # --NAME WORD, the bare --NAME its first word and --no-NAME its second (a bool's flags)
+            knobs.add_argument(flag(f.name), dest=f.name, nargs="?", const=list(words)[0], default=None,
+                               metavar="|".join(words), help=f.metadata["help"])
+            knobs.add_argument(f"--no-{flag(f.name)[2:]}", dest=f.name, action="store_const", const=list(words)[1],
+                               help=argparse.SUPPRESS)
+        elif f.type is bool:
             knobs.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=f.metadata["help"])
         else:
@@ -356,9 +392,20 @@ def resolve(flags: Flags, overrides: dict, presets: dict) -> Config:
     than the run's (the math task's data in a Reasoning Gym run, a checkpoint of the tiny
     task) is dropped unless the command line gave it, which Config.check then refuses; the
     micro-batch is at most the batch; the engine's outputs are checked after every sync on
-    GPUs, never on CPUs, unless --check-outputs says otherwise."""
+    GPUs, never on CPUs, unless --check-outputs says otherwise. A named value becomes its value
+    (--checkpointing on: True); --checkpointing auto on a CPU is on (the memory plan models
+    GPUs: planning.settle_memory decides it there); --gpus 1 runs the HF engine unless --engine
+    says otherwise (Config.check refuses vLLM)."""
     cfg = dataclasses.replace(presets[flags.model], preset=flags.model, **overrides)
     dropped = {f.name: None for f in KNOBS
                if f.metadata["task"] and cfg.task not in f.metadata["task"] and f.name not in overrides}
+    values = {f.name: getattr(cfg, f.name) for f in KNOBS if f.metadata["words"]}
+    named = {n: FIELDS[n].metadata["words"][v] for n, v in values.items()
+             if isinstance(v, str) and v in FIELDS[n].metadata["words"]}
+    if named.get("checkpointing", cfg.checkpointing) == "auto" and cfg.device != "cuda":
+        named["checkpointing"] = True
+    if cfg.gpus == 1 and "engine" not in overrides:
+        named["engine"] = "hf"
     checks = cfg.check_outputs if cfg.check_outputs is not None else int(cfg.device == "cuda")
-    return dataclasses.replace(cfg, micro_batch=min(cfg.micro_batch, cfg.batch), check_outputs=checks, **dropped)
+    return dataclasses.replace(cfg, micro_batch=min(cfg.micro_batch, cfg.batch), check_outputs=checks, **dropped,
+                               **named)

@@ -14,9 +14,14 @@ What it is
   Config.check_model), one configuration everywhere, the run directory shared by every node
   (what it holds is run_dir.py's). Returns the layout and the configuration with the
   checkpoint's widths, which config.json records.
-- `dry_run(cfg, layout)`: --dry-run's sharding and memory plan (memory_plan.py, `run_plan`:
+- `settle_memory(cfg, world, gpu_bytes)`: --checkpointing auto decided from the memory plan
+  and the GPU's memory (`gpu_memory`: --gpu-memory, else what the GPU reports free), the
+  run's planned peak recorded (cfg.plan_gib, config.json), --gpus 1 refused where its update
+  does not fit one GPU; with the line that says so (check_nodes, every rank agreed).
+- `dry_run(cfg, nodes)`: --dry-run's sharding and memory plan (memory_plan.py, `run_plan`:
   its model built from the local checkpoint's whole config.json when the run has one, as the
-  run loads it) and launch lines (`launch_commands`), printed.
+  run loads it) and launch lines (`launch_commands`), printed; with --gpus 1 the one-GPU plan
+  at 80 GB and 141 GB (or --gpu-memory), and a method that fits neither refused.
 - `planned_layout(nodes, cfg)`: the nodes and ranks --dry-run plans for.
 """
 
@@ -31,12 +36,17 @@ import torch
 
 from infra import architectures, launch, memory_plan
 from infra.options import CHAT_TASKS, Config, OptionError, parse, resolve
+from infra.tasks import Arithmetic
 
 # The widths a local checkpoint's config.json gives (the rank limit, the memory plan).
 MODEL_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
               "rope_theta", "rms_norm_eps")
 PAPER_GPUS_PER_NODE = 8  # the node --dry-run plans for
+GIB = 2**30
+# --dry-run --gpus 1's GPUs, by the memory they are sold with (decimal GB, as memory_plan.GPU_BYTES): an
+# H100 80GB and an H200 141GB; torch reports more (an H200: 139.8 GiB, bench/results/gpu_check/).
+DRY_RUN_GPUS = {"an 80 GB GPU": 80e9, "a 141 GB GPU": 141e9}
 
 
 def configure(argv, presets: dict):
@@ -71,6 +81,10 @@ def check_machine(cfg: Config, preset: Config) -> None:
     instead. Under torchrun, the node's GPUs are checked once the process group exists, and
     every rank agrees (launch.check)."""
     launch.check_restarts(os.environ)
+    if cfg.gpus == 1 and cfg.task in CHAT_TASKS:
+        raise OptionError(f"--gpus 1 runs the arithmetic task's presets (7b-random, smoke-0.5b, tiny): the "
+                          f"in-process engine takes prompts of one length, and preset '{cfg.preset}''s {cfg.task} "
+                          f"task needs vLLM's engines (--engine-gpus, torchrun); its --dry-run plans one GPU")
     if cfg.device != "cuda" or "WORLD_SIZE" in os.environ:
         return
     engines = launch.parse_gpus(engine_gpus(cfg))
@@ -106,22 +120,112 @@ def launch_commands(cfg: Config, layout: launch.Layout, preset_engine_gpus=None)
             f" --task reasoning-gym --gym-tasks {cfg.gym_tasks} --gym-level {cfg.gym_level}"
         if cfg.engine_gpus != preset_engine_gpus:
             args += f" --engine-gpus {cfg.engine_gpus}"
+    if cfg.gpus == 1:
+        args += " --gpus 1"
     return launch.commands(args, layout)
 
 
 # -----------------------------------------------------------------------------
 # --dry-run: the plan
 
-def dry_run(cfg: Config, layout, preset_engine_gpus=None, as_json=False) -> dict:
+def dry_run(cfg: Config, nodes=None, preset_engine_gpus=None, as_json=False) -> dict:
     """--dry-run: the preset's sharding plan and per-GPU memory plan, trainer and engine
-    (memory_plan.py), and how to launch it, printed; the plan returned."""
+    (memory_plan.py), --checkpointing's choice (against --gpu-memory, else an 80 GB GPU), and
+    how to launch it, printed; the plan returned. With --gpus 1: the one-GPU plan of every
+    method for DRY_RUN_GPUS (or --gpu-memory), and an OptionError (exit 2) after it where the
+    run's method fits none of them. `nodes`: --nodes (planned_layout)."""
+    layout = planned_layout(nodes, cfg)
     plan = run_plan(cfg, layout.world)
+    sizes = {f"--gpu-memory {cfg.gpu_memory:g}": cfg.gpu_memory * GIB} if cfg.gpu_memory else \
+        DRY_RUN_GPUS if cfg.gpus == 1 else {"an 80 GB GPU": memory_plan.GPU_BYTES}
+    label, largest = max(sizes.items(), key=lambda item: item[1])
+    settled, line = settle_memory(cfg, layout.world, largest, plan=plan, label=label, refuse=False)
     if as_json:
-        print(json.dumps({"preset": cfg.preset, "layout": layout.record(), **plan}))
+        print(json.dumps({"preset": cfg.preset, "layout": layout.record(), **plan,
+                          "checkpointing": settled.checkpointing, "plan_gib": settled.plan_gib}))
     else:
         lines = launch_commands(cfg, layout, preset_engine_gpus)
-        print("\n".join([*plan_lines(cfg, plan, layout), *(f"launch: {line}" for line in lines)]))
+        one = one_gpu_lines(plan, sizes, cfg.micro_batch, cfg.context) if cfg.gpus == 1 else []
+        print("\n".join([*plan_lines(cfg, plan, layout), *one, *([line] if line else []),
+                         *(f"launch: {command}" for command in lines)]))
+    if cfg.gpus == 1:
+        settle_memory(cfg, layout.world, largest, plan=plan, label=label)  # the refusal, where it does not fit
     return plan
+
+
+def gpu_memory(cfg: Config):
+    """The bytes of GPU memory the memory plan may fill: --gpu-memory, else (on GPUs) what this
+    rank's GPU reports free before the run allocates anything (torch.cuda.mem_get_info); None on
+    a CPU, whose memory is not planned."""
+    if cfg.gpu_memory is not None:
+        return cfg.gpu_memory * GIB
+    if cfg.device == "cuda" and torch.cuda.is_available():
+        return float(torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0])
+    return None
+
+
+def settle_memory(cfg: Config, world: int, gpu_bytes, *, plan=None, label=None, refuse=True):
+    """(cfg, line): --checkpointing auto decided (memory_plan.checkpointing_for: off where the
+    update fits `gpu_bytes` without it), the planned peak of the update as set up recorded
+    (cfg.plan_gib), and one line that says both; --gpus 1 refused (OptionError) where even that
+    does not fit. A CPU run without --gpus 1 or --gpu-memory plans nothing: (cfg, None)."""
+    one = cfg.gpus == 1
+    if cfg.device != "cuda" and not one and cfg.gpu_memory is None:
+        return cfg, None
+    plan = plan or run_plan(cfg, world)
+    method, name = cfg.optimizer, memory_plan.NAMES[cfg.optimizer]
+    auto = cfg.checkpointing == "auto"
+    chosen = memory_plan.checkpointing_for(plan, method, gpu_bytes, one) if auto and gpu_bytes else \
+        True if auto else cfg.checkpointing
+    peak = memory_plan.peak(plan, method, chosen, one)
+    where = label or (f"--gpu-memory {cfg.gpu_memory:g}" if cfg.gpu_memory else "this GPU's free memory")
+    fit = ("a CPU's memory is not planned" if not gpu_bytes else
+           f"{'fits' if memory_plan.fits(peak, gpu_bytes) else 'does not fit'} {where}, {gpu_bytes / GIB:.2f} GiB, "
+           f"at x{memory_plan.FIT_MARGIN:g}")
+    line = (f"memory plan: checkpointing {'auto -> ' if auto else ''}{'on' if chosen else 'off'}; {name}'s update "
+            f"{peak / GIB:.2f} GiB per GPU{' with its engine beside it (--gpus 1)' if one else ''}; {fit} "
+            f"(infra/memory_plan.peak)")
+    if refuse and one and gpu_bytes and not memory_plan.fits(peak, gpu_bytes):
+        raise OptionError(one_gpu_refusal(plan, method, peak, where, gpu_bytes))
+    return dataclasses.replace(cfg, checkpointing=chosen, plan_gib=round(peak / GIB, 4)), line
+
+
+def one_gpu_refusal(plan: dict, method: str, peak: int, where: str, gpu_bytes: float) -> str:
+    """Why a method's one-GPU update does not fit: its figure, what it is made of, what fits instead."""
+    name, gib = memory_plan.NAMES[method], lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+    state = plan[f"trainer_{method}_persistent_bytes"] - plan["weights"]
+    fixed = plan["weights"] + state + plan["engine_weight_bytes"]
+    phase, size = max(memory_plan.phases(plan, method, True, True).items(), key=lambda item: item[1])
+    peaks = {m: memory_plan.peak(plan, m, True, True) for m in memory_plan.METHODS if m != method}
+    others = [f"{memory_plan.NAMES[m]}'s plans {gib(p)}" for m, p in peaks.items() if memory_plan.fits(p, gpu_bytes)]
+    return (f"--gpus 1: {name}'s update plans {gib(peak)} on one GPU with activation checkpointing, more than {where} "
+            f"({gib(gpu_bytes)}) holds at x{memory_plan.FIT_MARGIN:g}: the trainer's fp32 master "
+            f"{gib(plan['weights'])}, {name}'s state {gib(state)} and the engine's bf16 weights "
+            f"{gib(plan['engine_weight_bytes'])} ({gib(fixed)}"
+            f"{', more than the GPU alone' if fixed > gpu_bytes else ''})"
+            f", and its largest phase, {phase}, {gib(size)}; "
+            + ("; ".join(others) + " there" if others else "no method fits one GPU: train it on several (torchrun, "
+               "--engine-gpus)"))
+
+
+def one_gpu_lines(plan: dict, sizes: dict, micro_batch: int, context: int) -> list[str]:
+    """--dry-run --gpus 1's plan: the parts beside the trainer's state, and each method's peak
+    with checkpointing on / off on each GPU, with --checkpointing auto's choice or the refusal."""
+    gib = lambda n: f"{n / GIB:.2f}"  # noqa: E731
+    rows = []
+    for label, size in sizes.items():
+        cells = []
+        for m in memory_plan.METHODS:
+            on, off = memory_plan.peak(plan, m, True, True), memory_plan.peak(plan, m, False, True)
+            choice = "off" if memory_plan.fits(off, size) else "on" if memory_plan.fits(on, size) else "refused"
+            cells.append(f"{gib(on)} / {gib(off)} -> {choice}")
+        rows.append(f"| {label} ({gib(size)} GiB) | " + " | ".join(cells) + " |")
+    return [f"one GPU (--gpus 1): the trainer's fp32 master {gib(plan['weights'])} GiB beside the engine's bf16 "
+            f"weights {gib(plan['engine_weight_bytes'])} GiB (no int16 residual: cast from the master after every merge), "
+            f"its generation {gib(plan['one_gpu_generate_bytes'])} GiB (KV cache {gib(plan['one_gpu_kv_cache_bytes'])} "
+            f"GiB); micro-batch {micro_batch} x {context} tokens; peak GiB with checkpointing on / off, and "
+            f"--checkpointing auto's choice (x{memory_plan.FIT_MARGIN:g}):",
+            "| GPU | " + " | ".join(memory_plan.NAMES.values()) + " |", "|---|---|---|---|", *rows]
 
 
 def run_plan(cfg: Config, world: int) -> dict:
@@ -131,8 +235,14 @@ def run_plan(cfg: Config, world: int) -> dict:
     defaults for every other entry, may build another model (Phi3Config's pad_token_id 32000
     beside a vocabulary of 300) or none. Without one, from the preset's widths (cfg.model)."""
     model_cfg = checkpoint_config(cfg) or cfg.model
+    if cfg.task == "arithmetic":  # its vocabulary, or the preset's where larger (infra/policy.build_model)
+        model_cfg = dict(model_cfg, vocab_size=max(Arithmetic(cfg.seed, 1).vocab_size, model_cfg.get("vocab_size", 0)))
+    cuda, per_rank = cfg.device == "cuda", cfg.batch // world
+    probed = per_rank if cfg.probe_tokens else min(cfg.probe_responses, per_rank)  # at most (kl_control.probe_count)
     return memory_plan.estimate(model_cfg, world, cfg.sketch_rank, micro_batch=cfg.micro_batch,
-                                context=cfg.context, kl_real_positions=cfg.kl_real_positions)
+                                context=cfg.context, probe_forward_tokens=probed * cfg.context,
+                                kl_real_positions=cfg.kl_real_positions, compute_bytes=2 if cuda else 4, cuda=cuda,
+                                rollout_batch=max(per_rank, -(-cfg.eval_problems // world)))
 
 
 def plan_lines(cfg: Config, plan: dict, layout) -> list[str]:
@@ -213,14 +323,19 @@ def checkpoint_config(cfg: Config):
     return hf
 
 
-def check_nodes(cfg: Config, run_dir: str, resume=None) -> tuple[launch.Layout, Config]:
+def check_nodes(cfg: Config, run_dir: str, resume=None) -> tuple[launch.Layout, Config, str]:
     """What may differ between nodes, checked once the process group exists, with every rank
     stopping on the same one-line refusal (launch.py, "Agreement"): the layout (the same number
-    of ranks on every node, each node's GPUs), vLLM and the model's checkpoint on each node, one
-    configuration on every node, the run directory shared by every node (what it holds:
-    run_dir.inspect). Returns the layout and the configuration with the checkpoint's widths."""
+    of ranks on every node, each node's GPUs), vLLM and the model's checkpoint on each node, the
+    memory plan's choices against each GPU (settle_memory), one configuration on every node,
+    the run directory shared by every node (what it holds: run_dir.inspect). Returns the layout,
+    the configuration with the checkpoint's widths and --checkpointing's choice, and the memory
+    plan's line (None where nothing is planned)."""
     layout = launch.agreed_layout(os.environ, engine_gpus(cfg))
     cfg = dataclasses.replace(cfg, model=launch.agreed(check_node, cfg, layout))
+    gpu = gpu_memory(cfg)  # every rank plans for the smallest of the ranks' GPUs: one choice on every rank
+    gpu = min(f["gpu"] for f in launch.gathered({"gpu": gpu})) if gpu else gpu
+    cfg, line = launch.agreed(lambda: settle_memory(cfg, layout.world, gpu))
     record = cfg.record()
     configs = {hashlib.sha256(json.dumps(f["cfg"], sort_keys=True).encode()).hexdigest(): f["host"]
                for f in launch.gathered({"cfg": record, "host": socket.gethostname()})}
@@ -233,7 +348,7 @@ def check_nodes(cfg: Config, run_dir: str, resume=None) -> tuple[launch.Layout, 
     launch.check_shared_folder(run_dir, option="--resume" if resume else "--run-dir")
     if cfg.task == "arithmetic" and cfg.warmup_steps:  # the base policy is cached next to the run directory
         launch.check_shared_folder(os.path.dirname(os.path.abspath(run_dir)), option="the folder of --run-dir")
-    return layout, cfg
+    return layout, cfg, line
 
 
 def check_node(cfg: Config, layout: launch.Layout) -> dict:

@@ -51,15 +51,42 @@ class ModelError(RunError):
 # -----------------------------------------------------------------------------
 # The tiny presets' model and its base policy
 
-def build_model(widths: dict, vocab_size: int, seed: int):
-    """The tiny presets' Qwen2, built from the preset's widths (no download)."""
+def build_model(widths: dict, vocab_size: int, seed: int, device="cpu"):
+    """The tiny presets' Qwen2, built from the preset's widths (no download), initialised on
+    `device` (7b-random's 7.6B parameters on the GPU, not in host memory first)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(seed)  # Hugging Face initialises with the global generator
+    torch.manual_seed(seed)  # Hugging Face initialises with the global generator (and so CUDA's)
     kw = dict(widths)
     kw["vocab_size"] = max(vocab_size, kw.get("vocab_size", 0))  # a larger vocab: realistic head cost
     config = Qwen2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
-    return Qwen2ForCausalLM(config)
+    with torch.device(device):
+        return Qwen2ForCausalLM(config)
+
+
+def engine_copy(model):
+    """The in-process engine's bf16 copy of `model` (infra/engine.py), made a tensor at a time:
+    bf16 tensors allocated empty on the model's device, each filled with its fp32 tensor's cast
+    (round to nearest even), so that no fp32 copy of the whole model exists beside the master
+    (copy.deepcopy(model).to(torch.bfloat16) holds one: 28 GiB at 7B). The same bits, buffers
+    (RoPE's frequencies) included (tests/test_one_gpu.py)."""
+    import copy
+
+    device = next(model.parameters()).device
+    with torch.device("meta"):
+        twin = type(model)(copy.deepcopy(model.config))
+    twin = twin.to(torch.bfloat16).to_empty(device=device)
+    if model.config.tie_word_embeddings:
+        twin.tie_weights()  # to_empty makes the tied head a tensor of its own
+    theirs = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    mine = {**dict(twin.named_parameters()), **dict(twin.named_buffers())}
+    if mine.keys() != theirs.keys():
+        raise ModelError(f"the engine's copy of {type(model).__name__} has other tensors than the model: "
+                         f"{sorted(mine.keys() ^ theirs.keys())[:3]}")
+    with torch.no_grad():
+        for name, tensor in mine.items():
+            tensor.copy_(theirs[name])  # cast in place: bf16 (fp32 buffers cast as Module.to casts them)
+    return twin.train(model.training)
 
 
 def base_policy_path(widths: dict, task, run_dir: str, *, preset: str, seed: int, warmup: dict) -> str:
@@ -97,7 +124,7 @@ def tiny_policy(widths: dict, task, run_dir: str, *, preset: str, seed: int, war
     policy (`warmup`: base_policy's steps, batch, lr and unboxed; no steps, none), which rank 0
     loads from the cache or makes and caches, and the others then read, each step agreed (a
     failure on one rank stops all). `interrupt`: base_policy's."""
-    model = build_model(widths, task.vocab_size, seed).to(device)
+    model = build_model(widths, task.vocab_size, seed, device)
     if warmup["steps"]:
         shared = base_policy_path(widths, task, run_dir, preset=preset, seed=seed, warmup=warmup)
         # The run's own copy, in its directory: a run resumed elsewhere (a copied or moved run

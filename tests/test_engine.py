@@ -138,3 +138,22 @@ def test_the_evaluation_counts_scores_tokens_and_shows_its_first_responses():
     assert got["eval_texts"] == [{"question": f"problem {i}", "response": " ".join(map(str, first[i])),
                                   "score": float(right[i, 0])} for i in range(SHOWN)]
     assert (got["eval_problems"], got["eval_samples"]) == (11, k) and 0 < right.mean() < 1  # both grades occur
+
+
+def test_the_kv_cache_generates_what_the_whole_sequence_does():
+    """kv_cache=True (train.py's on GPUs): the same noise and so, in fp32, the same tokens and
+    log-probs within 1e-5 as running the whole sequence again for every token; in bf16 (the
+    engine's) the same tokens here, log-probs within bf16's rounding of other kernels' sums."""
+    prompts, seeds = [[1, 5, 6, 7, 8, 9, 3]] * 6, list(range(6))
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        rollouts = []
+        for cached in (False, True):
+            e = HFEngine(tiny_qwen2(dtype=torch.bfloat16, seed=3), base_seed=5, sketch_rank=4, eos=EOS, pad=PAD,
+                         exact=False, kv_cache=cached)
+            e.model.load_state_dict(tiny_qwen2(dtype=torch.float32, seed=3).state_dict())  # fp32 values, cast
+            e.model.to(dtype)
+            rollouts.append(e.generate(prompts, seeds, temperature=1.0, max_new_tokens=12))
+        plain, cached = rollouts
+        assert torch.equal(plain.ids, cached.ids) and torch.equal(plain.mask, cached.mask), dtype
+        assert plain.mask.sum() > 6 * 2  # responses of several tokens: the cache was used
+        assert (plain.logprobs - cached.logprobs).abs().max() <= tolerance, dtype

@@ -39,6 +39,35 @@ def test_the_device_check_runs_to_its_end_on_the_cpu(tmp_path):
     assert depth["shape"].startswith("28 layers") and depth["logra_kl1"] > 0 and depth["logra_moved"] > 0
     assert set(depth["logra_phases_s"]) == {"train", "prepare", "probe", "merge", "kl_real"}
     assert set(depth["adam_phases_s"]) == {"train", "step"} and not depth["adam_oom"]
+    check_one_gpu_steps(by_step)
+
+
+def check_one_gpu_steps(by_step):
+    """What best7b and one_gpu7b measured at the CPU's shapes (their rehearsal budget skips AdamW
+    without checkpointing, as an H200's memory does at 7B)."""
+    best, one = by_step["best7b"], by_step["one_gpu7b"]
+    settings = {(e["method"], e["checkpointing"]): e for e in best["settings"]}
+    assert sorted(settings) == [("adam", "off"), ("adam", "on"), ("logra", "off"), ("logra", "on")]
+    assert settings["adam", "off"].get("skipped") and "update_s" not in settings["adam", "off"]
+    assert all(e["update_s"] > 0 and e["plan_gib"] > 0 for k, e in settings.items() if k != ("adam", "off"))
+    assert best["logra_best_update_s"] == min(settings["logra", c]["update_s"] for c in ("on", "off"))
+    assert best["adam_best_update_s"] == settings["adam", "on"]["update_s"]
+    assert one["updates"] == 3 and one["engine_equal"] is True and one["sync_bytes"] == 0
+    assert one["output_check"]["passed"] and one["output_check"]["checks"] == 3 and one["plan_gib"] >= 0
+    assert one["generated_tokens_per_s"] > 0 and set(one["phases_s"]) == set(gpu_check.PHASES)
+
+
+@pytest.mark.slow
+def test_the_one_gpu_steps_run_on_the_cpu(tmp_path):
+    """`gpu_check.sh --cpu --only best7b,one_gpu7b`, the two steps of issue 72 at the CPU's
+    shapes: both ok, with their figures, and the tables built from them."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--cpu", "--only", "best7b,one_gpu7b",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "0 of 2 steps failed" in out.stdout, out.stdout[-3000:]
+    check_one_gpu_steps({r["step"]: r["figures"] for r in json.load(open(tmp_path / "gpu_check.json"))})
+    tables = gpu_check.speed_table(str(tmp_path / "gpu_check.json"))
+    assert "| AdamW | off | 2 x 64 | skipped (plan) |" in tables and "`one_gpu7b` (gpu_check.json): train.py" in tables
 
 
 def test_a_failed_step_is_recorded_and_the_table_says_what_did_not_run(tmp_path, capsys):
@@ -51,7 +80,7 @@ def test_a_failed_step_is_recorded_and_the_table_says_what_did_not_run(tmp_path,
     assert "| versions | ok | 3 s | torch 2.11.0 |" in table
     assert "| cuda | **FAIL** | 0 s | error no end within 60 s (killed) |" in table
     assert ("not run (the check was cut short): kernels, merge_bitwise, engine_weights, probe, fsdp2, train, speed, "
-            "depth7b") in table
+            "depth7b, best7b, one_gpu7b") in table
 
 
 def test_a_step_that_raises_is_a_fail_line_and_the_next_step_runs(tmp_path, monkeypatch, capsys):

@@ -229,6 +229,9 @@ CALLS = {
     "infra.probe_decoder": ("import torch; x = torch.randn(2, 4); y, dy = probe_decoder._rotary(x, x, torch.ones(4), "
                             "torch.zeros(4)); assert torch.equal(y, x) and torch.equal(dy, x) and 'qwen2' in "
                             "probe_decoder.WRITTEN_OUT"),
+    "infra.one_gpu": ("import pytest, torch; w = torch.nn.Linear(3, 2); pytest.raises(one_gpu.OneGpuError, one_gpu.refresh, "
+                      "type('E', (), {'weights': type('W', (), {'slots': {}})()})(), {'a': w}, update=0); "
+                      "assert one_gpu.master_weight(w) is w.weight"),
     "infra.one_call": ("import torch; assert one_call.model_start(torch.nn.Linear(1, 1)) is None and "
                        "one_call.STARTS['scratch'] is one_call.SCRATCH"),
 }

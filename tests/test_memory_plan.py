@@ -175,6 +175,72 @@ def test_the_probes_count_against_its_live_bytes(dtype, tokens):
     assert 0.85 * planned <= live.peak <= 1.02 * planned, (live.peak, planned)
 
 
+# Two regimes of the training step's activations at small widths: the output head's backward the
+# largest transient (a vocabulary 42 times the width, as Qwen2.5-7B's 152064 / 3584), and a decoder
+# layer's (a small vocabulary, a wide MLP).
+REGIMES = {"head": dict(hidden_size=64, intermediate_size=336, num_attention_heads=4, num_key_value_heads=1,
+                        vocab_size=2688),
+           "layer": dict(hidden_size=64, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1,
+                         vocab_size=32)}
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_activation_count_against_the_tensors_a_step_keeps(regime, dtype):
+    """memory_plan.activations against the live tensor bytes of train.py's training step (the
+    forward, ppo.response_logprobs and policy_loss, backward) counted by a dispatch mode, for
+    LoGRA, AdamW and LoRA, with activation checkpointing of every decoder layer and without:
+    what the forward leaves for backward within 0.6% (the loss's own (B, T) terms, not counted),
+    and backward's peak within 3% (a little is freed before the peak that the count keeps)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from memory_check import LiveBytes
+    import ppo
+    import sketch
+    from infra import policy
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    widths = dict(REGIMES[regime], num_hidden_layers=3, max_position_embeddings=128, tie_word_embeddings=False)
+    batch, tokens, r = 2, 128, 8
+    c = torch.finfo(dtype).bits // 8
+    plan = memory_plan.estimate(widths, 1, r, micro_batch=batch, context=tokens, compute_bytes=c, cuda=False)
+    for method in ("logra", "adam", "lora"):
+        for checkpointing in (False, True):
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(Qwen2Config(**widths)).to(dtype)
+            policy.freeze_for(model, method, sketch_rank=r, lora_alpha=32.0, seed=0)
+            if checkpointing:
+                architectures.enable_checkpointing(model)
+            if method == "logra":
+                sketch.attach(model, rank=r, seed=0)
+            grads = [p for p in model.parameters() if p.requires_grad]
+            for p in grads:  # AdamW's and LoRA's gradients are their state (the plan's adam_grads), not activations
+                p.grad = torch.zeros_like(p)
+            ids = torch.randint(3, widths["vocab_size"], (batch, tokens), generator=torch.Generator().manual_seed(0))
+            mask = torch.ones_like(ids, dtype=torch.bool)
+            mask[:, :4] = False
+            with LiveBytes([*model.parameters(), *model.buffers(), *(p.grad for p in grads), ids]) as live:
+                logp = ppo.response_logprobs(model(input_ids=ids, use_cache=False).logits, ids)
+                loss, _ = ppo.policy_loss(logp, torch.tensor([1.0, -1.0]), mask, rollout_logprobs=logp.detach(),
+                                          num_tokens=int(mask.sum()))
+                del logp
+                held = live.live()
+                live.peak = 0
+                loss.backward()
+                del loss
+            key = "on" if checkpointing else "off"
+            want_held, want_peak = plan["trainer_activations_held"][method][key], plan["trainer_activations"][method][key]
+            print(f"{regime} {dtype} {method} checkpointing {key}: held {held} / {want_held}, "
+                  f"peak {live.peak} / {want_peak}")
+            assert abs(held / want_held - 1) <= 0.006, (method, key, held, want_held)
+            assert abs(live.peak / want_peak - 1) <= 0.03, (method, key, live.peak, want_peak)
+    # What the plan says at 7B (one rank, 2 x 4096 tokens): without checkpointing LoGRA keeps P, not X, and
+    # holds less than AdamW; with it, every method keeps the layers' inputs alone.
+    m = memory_plan.estimate(train.PRESETS["7b"].model, 1, 256, micro_batch=2, context=4096)
+    acts = m["trainer_activations"]
+    assert acts["logra"]["off"] < acts["adam"]["off"] < acts["lora"]["off"]
+    assert m["trainer_activations_held"]["logra"]["on"] == m["trainer_activations_held"]["adam"]["on"]
+
+
 @pytest.mark.slow
 def test_update_cost_runs_at_tiny_widths():
     """bench/update_cost.py at the tiny width on this CPU: both methods run every phase of an

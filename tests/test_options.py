@@ -174,7 +174,8 @@ def test_presets_are_configs_and_every_field_but_the_structure_has_a_flag():
     alone sets (its name, the model's widths), and the run's own flags are apart from them."""
     assert all(isinstance(p, options.Config) for p in train.PRESETS.values())
     structure = {n for n, f in options.FIELDS.items() if f.metadata.get("structure")}
-    assert structure == {"preset", "model"} and {f.name for f in options.KNOBS} == set(options.FIELDS) - structure
+    assert structure == {"preset", "model", "plan_gib"}
+    assert {f.name for f in options.KNOBS} == set(options.FIELDS) - structure
     flags = [options.flag(n) for n in options.FIELDS if n not in structure] + [f"--{f.name.replace('_', '-')}"
                                                                               for f in options.FLAGS]
     assert len(flags) == len(set(flags)) and options.flag("sketch_rank") == "--rank"
@@ -224,11 +225,26 @@ def test_new_flags_override_the_preset_and_refuse_out_of_bound_values(key):
 
 
 def test_checkpointing_flag_overrides_the_preset_either_way():
+    """--checkpointing on|off|auto, the bare flag on and --no-checkpointing off as before; auto
+    (the default) stays for the memory plan to decide on GPUs (planning.settle_memory) and is on
+    on a CPU (tiny-math's, as before the flag); config.json records True or False."""
     def checkpointing(*argv):
         return resolve(list(argv)).checkpointing
     assert checkpointing() is False and checkpointing("--checkpointing") is True  # tiny: off
-    assert checkpointing("--model", "smoke-0.5b") is True
+    assert checkpointing("--checkpointing", "on") is True and checkpointing("--checkpointing=off") is False
+    assert checkpointing("--checkpointing", "auto") is True  # on a CPU
+    assert checkpointing("--model", "tiny-math") is True  # the paper's presets' auto, on a CPU
+    assert checkpointing("--model", "smoke-0.5b") == "auto" and checkpointing("--model", "7b") == "auto"
     assert checkpointing("--model", "smoke-0.5b", "--no-checkpointing") is False
+    assert checkpointing("--model", "smoke-0.5b", "--checkpointing", "on") is True
+    assert resolve(["--checkpointing", "off"]).record()["checkpointing"] is False
+
+
+@pytest.mark.parametrize("value", ["maybe", "ON", "1", "true"])
+def test_a_bad_checkpointing_value_is_refused_in_one_line(value):
+    code, out, err = configure(["--run-dir", NEVER, f"--checkpointing={value}"])
+    assert code == 2 and out == "" and err == f"train.py: error: --checkpointing {value}: one of on, off, auto\n"
+    assert not os.path.exists(NEVER)
 
 
 def dry_run(argv, environ):
