@@ -40,11 +40,13 @@ Implementation notes: the baseline reduces a float64 (sum, count) over processes
 import torch
 import torch.distributed as dist
 
+
 def _distributed():
     return dist.is_available() and dist.is_initialized()
 
 # -----------------------------------------------------------------------------
 # Reward and baseline
+
 
 def outcome_reward(score, *, failure_reward=-0.01):
     """1.0 for a correct final answer, `failure_reward` otherwise: `score` a bool, or a
@@ -54,6 +56,7 @@ def outcome_reward(score, *, failure_reward=-0.01):
         score = score.to(torch.float32)
         return torch.where(score > 0, score, failure_reward)  # same device
     return float(score) if score > 0 else float(failure_reward)
+
 
 class RunningBaseline:
     """b <- (1 - w) b + w mean(global batch rewards); advantages use b from before the batch."""
@@ -98,12 +101,14 @@ class RunningBaseline:
 # -----------------------------------------------------------------------------
 # The loss
 
+
 def global_token_count(mask, group=None) -> int:
     """Response tokens of this process's part of the batch, summed over processes (one all_reduce)."""
     n = torch.tensor([float(mask.sum().item())], dtype=torch.float64, device=mask.device)
     if _distributed():
         dist.all_reduce(n, group=group)
     return int(n.item())
+
 
 def policy_loss(logprobs, advantages, mask, *, rollout_logprobs=None, old_logprobs=None,
                 num_tokens, clip_eps=None, tis_cap=2.0):
@@ -154,6 +159,7 @@ def policy_loss(logprobs, advantages, mask, *, rollout_logprobs=None, old_logpro
                    "tis_weight": torch.where(valid, w, zero).sum() / n, "tis_truncated": truncated}
     return loss, metrics
 
+
 def check_finite(**tensors: torch.Tensor) -> None:
     """Raise ValueError naming the first of `tensors` (in the order given) that holds a nan or
     an inf; one device-to-host read in all. Call it once per update with the loss inputs,
@@ -169,6 +175,7 @@ def check_finite(**tensors: torch.Tensor) -> None:
     for name, finite in zip(tensors, flags.tolist()):  # the one read
         if not finite:
             raise ValueError(f"{name} holds non-finite values (nan or inf)")
+
 
 def response_logprobs(logits, input_ids, temperature=1.0, chunk=1024):
     """log pi(y_t) of each token under the logits at t - 1, temperature applied: (B, T), 0 at t = 0.

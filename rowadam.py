@@ -49,6 +49,7 @@ from sketch import PROJECTION, LayerSketch, refresh
 MERGE_ELEMENTS = 2**24  # entries of W a merge works on at once (a float64 F A block and its rounding: 256 MiB)
 UPDATE_RATIO = 1e-2  # ||U A|| / ||W|| before alpha: departure 4
 
+
 def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8):
     """(D (d, r), new v (d,)) of one layer from its sketch S (d, r) and row moments v (d,); step = update + 1."""
     if S.dim() != 2 or v.shape != (S.shape[0],):
@@ -70,8 +71,10 @@ def row_adam_direction(S, v, *, step, beta2=0.95, eps=1e-8):
     D.mul_(torch.where(D_sq > 0, (S_sq / D_sq).sqrt(), 1.0).to(D.dtype))  # D = 0 stays 0; no host read
     return D, v
 
+
 def rows_per_chunk(width: int) -> int:
     return max(1, MERGE_ELEMENTS // width)  # rows of a (., width) weight merged at once
+
 
 @torch.no_grad()
 def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=None, avoid_ties=True):
@@ -88,6 +91,7 @@ def merge_rows(rows, factor, projection, row_offset=0, chunk_rows=None, avoid_ti
         if avoid_ties and rows.dtype == torch.float32:  # departure 2, in the moved rows only
             avoid_bf16_ties_(rows[start:start + step], rows=moved[start:start + step])
 
+
 def avoid_bf16_ties_(w, *, rows=None):
     """Each fp32 value halfway between two bf16 values one ulp toward zero, in place; `rows` (n,): only those."""
     bits = w.view(torch.int32)  # (..., n, k) raw fp32 words
@@ -96,6 +100,7 @@ def avoid_bf16_ties_(w, *, rows=None):
         tie &= rows[..., None]
     bits.sub_(tie.to(torch.int32))
     return w
+
 
 def local_rows(weight):
     """(this process's rows of `weight`, their first row): an FSDP2 DTensor's dim-0 chunk, or all."""
@@ -106,6 +111,7 @@ def local_rows(weight):
         raise NotImplementedError("only 1-D FSDP meshes are supported")
     chunk = -(-weight.shape[0] // mesh.size())  # ceil(d / world)
     return weight.to_local(), min(mesh.get_local_rank() * chunk, weight.shape[0])
+
 
 class RowAdam:
     """RowAdam over `sketch.attach`'s layers: `prepare()` makes `directions` U; `merge(alpha)` writes

@@ -57,9 +57,11 @@ PAPER_RANK = 256  # Table 1's LoGRA rank
 PROJECTION = 2  # the rule that makes A's signs ("The math"), recorded in checkpoints and payloads
 WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")  # FSDP1, checkpointing, compile
 
+
 def clean_name(name: str) -> str:
     """`model._orig_mod.layers.0._checkpoint_wrapped_module.mlp.up_proj` -> `model.layers.0.mlp.up_proj`."""
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
 
 def projection_seed(base_seed: int, update: int, name: str) -> int:
     """The seed of A_update for one layer: sha256 of "base_seed:update:clean_name", 8 bytes, int63."""
@@ -73,16 +75,19 @@ MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)  # below 2^31: a 32-bit word times on
 ROUND_KEY = 0x9E3779B9  # xored in with the seed's high word, so that seed 0 is no fixed point (mix32(0) = 0)
 SIGNS_PER_WORD = 16  # the 16 high bits of each hashed word give 16 signs
 
+
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijection of 32-bit words in an int64 tensor (the `lowbias32` form of C. Wellons' hash prospector)."""
     for shift, multiplier in zip((16, 15), MIX_MULTIPLIERS):
         x = ((x ^ (x >> shift)) * multiplier) & MASK32
     return x ^ (x >> 15)
 
+
 def check_signs(rank: int, width: int, seed: int) -> None:
     if rank <= 0 or width <= 0 or rank * -(-width // SIGNS_PER_WORD) > 2**32 or not 0 <= seed < 2**64:
         raise ValueError(f"a projection needs rank > 0 and width > 0 (2^32 counters at most) and a 64-bit unsigned "
                          f"seed, got rank, width, seed = {rank, width, seed}")
+
 
 def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor:
     """sqrt(r) A (rank, width) as int8 +-1, projection version `PROJECTION` ("The math")."""
@@ -94,13 +99,16 @@ def make_signs(rank: int, width: int, seed: int, *, device=None) -> torch.Tensor
     bits = (h[:, None] >> torch.arange(16, 32, device=c.device)) & 1  # (r * blocks, 16): bit 16 + j
     return (1 - 2 * bits).to(torch.int8).view(rank, blocks * SIGNS_PER_WORD)[:, :width].contiguous()  # (r, k)
 
+
 def projection_from_signs(signs: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """A = signs / sqrt(r) (r, k) in `dtype`: +-1 times the scale, rounded once (exact for r a power of 4)."""
     return signs.to(dtype) * (1.0 / math.sqrt(signs.shape[0]))  # (r, k)
 
+
 def make_projection(rank: int, width: int, seed: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
     """Rademacher A (rank, width), entries +-1/sqrt(rank), the same bits for a seed on any device."""
     return projection_from_signs(make_signs(rank, width, seed, device=device), dtype)
+
 
 class _SketchedLinear(torch.autograd.Function):
     """Y = X W^T + b; backward adds dY^T (X A^T) into `sketch`, and gives dX if `input_grad`; no dW."""
@@ -130,12 +138,14 @@ class _SketchedLinear(torch.autograd.Function):
         dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] and ctx.input_grad else None
         return dx, None, None, None, None, None, None, None
 
+
 def sketch_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`a @ b` in `dtype`, one GEMM in the factors' dtype: rounded once (the authors' way), or fp32 `_fp32_out_mm`."""
     out = _fp32_out_mm(a, b) if a.dtype != dtype and dtype == torch.float32 else None
     return (a @ b).to(dtype) if out is None else out
 
 _FP32_OUT_MM = {}  # device type -> whether torch.mm(a, b, out_dtype=torch.float32) exists there, asked once
+
 
 def _fp32_out_mm(a: torch.Tensor, b: torch.Tensor):
     """`torch.mm(a, b, out_dtype=torch.float32)` (CUDA's aten::mm.dtype), or None where it is missing or fails."""
@@ -153,6 +163,7 @@ def _fp32_out_mm(a: torch.Tensor, b: torch.Tensor):
         _FP32_OUT_MM[kind] = False
         warnings.warn(f"torch.mm(..., out_dtype=torch.float32) failed on {kind} ({e}): products rounded from now on")
 
+
 def sketched_linear(x, weight, bias, projection, sketch, shard=None, *, layer=None):
     """`x @ weight.T + bias` whose backward adds `dY^T (x A^T)` into `sketch` (d, r), or this process's
     rows of it (`shard`), counting into `layer.backwards`; under `torch.no_grad()` a plain `F.linear`."""
@@ -169,6 +180,7 @@ def sketched_linear(x, weight, bias, projection, sketch, shard=None, *, layer=No
     input_grad = x.requires_grad  # False: nothing above requires grad, so a leaf copy that does reaches the sketch
     x = x if input_grad else x.detach().requires_grad_(True)  # (..., k)
     return _SketchedLinear.apply(x, weight, bias, projection, sketch, shard, input_grad, layer)
+
 
 @dataclass(eq=False)
 class LayerSketch:
@@ -211,12 +223,14 @@ class LayerSketch:
         self.sketch.zero_()  # S = 0, and no backward counted into it
         self.backwards = 0
 
+
 def refresh(layers, update: int) -> None:
     """Switch every layer to A_update (infra/batched.py's `refresh` makes them together)."""
     for layer in layers:
         seed = projection_seed(layer.base_seed, update, layer.name)
         layer.signs = make_signs(layer.rank, layer.signs.shape[1], seed, device=layer.signs.device)
         layer.update = update
+
 
 def target_modules(model: nn.Module, targets=TARGETS) -> dict:
     """{clean name: module} of the modules whose last name part or clean name is in `targets`, or a mapping's."""
@@ -225,6 +239,7 @@ def target_modules(model: nn.Module, targets=TARGETS) -> dict:
     names = (targets,) if isinstance(targets, str) else tuple(targets)  # one name, not its letters
     return {clean_name(n): m for n, m in model.named_modules()
             if n.rsplit(".", 1)[-1] in names or clean_name(n) in names}
+
 
 def _mapped_targets(model: nn.Module, targets: Mapping) -> dict:
     """The mapping as given (its names, cleaned, seed A), refused unless it names modules of `model`, each once."""
@@ -235,10 +250,12 @@ def _mapped_targets(model: nn.Module, targets: Mapping) -> dict:
         raise ValueError(f"a target is not a module of this {type(model).__name__}: attach the model that holds it")
     return found
 
+
 def default_rank(modules) -> int:
     """The paper's 256, or half the narrowest target's input width rounded down to a power of 2 (departure 3)."""
     narrowest = min(m.in_features for m in modules)
     return max(1, min(PAPER_RANK, 2 ** int(math.floor(math.log2(max(narrowest // 2, 1))))))
+
 
 def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TARGETS, *,
            update: int = 0, shard=None) -> list[LayerSketch]:
@@ -283,6 +300,7 @@ def attach(model: nn.Module, rank: int | None = None, seed: int = 0, targets=TAR
         lambda module, args, out: out.requires_grad_(True) if torch.is_grad_enabled() else out)
     model._logra_attached = (layers, frozen, hook)
     return layers
+
 
 def detach(model: nn.Module) -> None:
     """Undo `attach`: plain nn.Linear forwards, original requires_grad flags, no hook."""

@@ -53,6 +53,7 @@ from sketch import PROJECTION, TARGETS, clean_name, make_signs, projection_from_
 
 CHECK_MOD = 65521  # positional weights of the checksum cycle through 1..65521
 
+
 @dataclass
 class Payload:
     """What an engine receives for update `update`, per target (clean HF name) in `layers`: the bf16 factor
@@ -70,11 +71,13 @@ class Payload:
     def factors(self) -> dict:  # the name of earlier releases, for every kind
         return self.layers
 
+
 def full_payload(weights: dict, *, update: int, base_seed: int, rank: int, dtype=torch.bfloat16) -> Payload:
     """A full-weight payload from {clean name: (d, k) weight}. Send fp32 for an exact resync."""
     return Payload(update, base_seed, rank, {n: w.detach().to(dtype) for n, w in weights.items()}, kind="full")
 
 # --- The engine's master: bf16 + int16 (departure 1) --------------------------------------------
+
 
 @dataclass
 class _Slot:
@@ -88,15 +91,18 @@ class _Slot:
     def weight(self) -> torch.Tensor:
         return self.param.detach()[self.row:self.row + self.rows]  # (d, k) bf16 view
 
+
 def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """fp32 master (c, k) from bf16 `hi` and int16 residual `lo` in fp32 ulps (words of one sign order as integers)."""
     return hi.to(torch.float32).view(torch.int32).add_(lo.to(hi.device)).view(torch.float32)
+
 
 def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(bf16(w), int16 residual) of an fp32 tensor without bf16 ties (rowadam.avoid_bf16_ties_)."""
     hi = w.to(torch.bfloat16)  # round to nearest even
     lo = w.view(torch.int32) - hi.to(torch.float32).view(torch.int32)  # in [-32767, 32767]
     return hi, lo.to(torch.int16)
+
 
 def store_master(master: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
     """An fp32 master (c, k) into bf16 `weight` + int16 `residual` in place, `master` consumed, a bf16 tie moved one
@@ -106,9 +112,11 @@ def store_master(master: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
     weight.copy_(hi.view(torch.float32))  # exact: every value is a bf16
     residual.copy_(bits.sub_(hi).clamp_max_(0x7FFF))  # int32 -> int16, in range
 
+
 def bf16_ties(w: torch.Tensor) -> int:
     """How many fp32 values lie exactly halfway between two bf16 values (not representable)."""
     return int(((w.contiguous().view(torch.int32) & 0xFFFF) == 0x8000).sum())
+
 
 class EngineWeights:
     """The rollout engine's target weights: the HF model's bf16 weights, plus an int16 residual that makes each
@@ -198,6 +206,7 @@ class EngineWeights:
 
 # --- Fingerprints: what the trainer and an engine hold, compared after every sync ---------------
 
+
 def word_checksums(tensors) -> list[tuple[int, int]]:
     """(sum_i x_i, sum_i x_i (i mod 65521 + 1)) in int64 over each tensor's 16-bit words x_i, word
     by word (infra/checksum.py: the same in bounded blocks); one host read for all."""
@@ -208,8 +217,10 @@ def word_checksums(tensors) -> list[tuple[int, int]]:
         sums.append(torch.stack([x.sum(), (x * i).sum()]))
     return [tuple(pair) for pair in torch.stack(sums).cpu().tolist()] if sums else []
 
+
 def checksum(t: torch.Tensor) -> tuple[int, int]:
     return word_checksums([t])[0]
+
 
 def fingerprint(layers_or_model, checksums=word_checksums) -> dict:
     """Checksums of bf16(W) per target of a model or of sketch.attach's layers (FSDP2: infra/engine_sync.py)."""
@@ -217,6 +228,7 @@ def fingerprint(layers_or_model, checksums=word_checksums) -> dict:
     mods = target_modules(layers_or_model) if model else {l.name: l.module for l in layers_or_model}
     names = sorted(mods)
     return dict(zip(names, checksums(mods[n].weight.detach().to(torch.bfloat16) for n in names)))
+
 
 def check_fingerprints(trainer: dict, engine: dict) -> None:
     """Raise naming the first layer whose checksums differ (or that one side lacks)."""
