@@ -2,8 +2,8 @@
 
 A Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, vocab 151936) built from a config, the
 tiny arithmetic task, the Hugging Face engine in place of vLLM (vLLM is not needed), FSDP2 on
-one rank with bf16 compute over fp32 master weights, activation checkpointing: the
-`smoke-0.5b` preset of train.py. A random model never answers right, so every reward would be
+one rank with bf16 compute over fp32 master weights, activation checkpointing (`--checkpointing`,
+on, as the committed tables ran: the preset's auto may turn it off): the `smoke-0.5b` preset of train.py. A random model never answers right, so every reward would be
 -0.01, every advantage 0, every sketch 0: the preset first runs a short supervised warm-up on
 the GPU (shared by both runs), so that rewards vary and the timed updates change the weights.
 The script checks that and says so. Prints peak GPU memory and update time (median over the
@@ -39,7 +39,8 @@ def run(optimizer, updates, warmup_steps, out_dir, timeout, preset="smoke-0.5b")
     run_dir = os.path.join(out_dir, optimizer)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533",
            os.path.join(ROOT, "train.py"), "--model", preset, "--optimizer", optimizer,
-           "--updates", str(updates), "--warmup-steps", str(warmup_steps), "--run-dir", run_dir]
+           "--updates", str(updates), "--warmup-steps", str(warmup_steps), "--run-dir", run_dir,
+           "--checkpointing"]  # on, as the measured tables ran it (the preset's default, auto, may turn it off)
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

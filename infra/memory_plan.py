@@ -45,10 +45,6 @@ Assumptions, numbered
    compute (`compute_bytes`; measured to 0.6% at small widths: tests/test_memory_plan.py),
    with FSDP2 prefetching one decoder layer ahead. `peak` is a method's planned peak with
    either; --checkpointing auto (planning.settle_memory) takes the faster one that `fits`.
-5. --gpus 1 (`phases`, `peak(one_gpu=True)`): the trainer and the in-process engine on one
-   GPU; the engine's bf16 weights (no residual) and its generation (a bf16 KV cache of the
-   rollout's prompts at the full context, the sampler's fp32 rows of logits) beside the
-   trainer, the generation a phase of its own (it runs before training's activations exist).
 4. The KL probe (kl_control.py) forms the attention's (B, H, T, T) softmax and its tangent one
    decoder layer at a time. Its written-out decoder (Qwen2, Qwen3, Llama, Mistral:
    `infra/probe_decoder.written_decoder`, whose primal attention is torch's fused kernel) holds at most
@@ -57,6 +53,10 @@ Assumptions, numbered
    other families) about 24 (20 in fp32; Gemma 2, which caps its scores, two more). At 7B and
    2 x 4096 tokens that is 8.8 GiB, most of the probe's peak; the training forward runs SDPA
    and holds none of it.
+5. --gpus 1 (`phases`, `peak(one_gpu=True)`): the trainer and the in-process engine on one
+   GPU; the engine's bf16 weights (no residual) and its generation (a bf16 KV cache of the
+   rollout's prompts at the full context, the sampler's fp32 rows of logits) beside the
+   trainer, the generation a phase of its own (it runs before training's activations exist).
 """
 
 import inspect

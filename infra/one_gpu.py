@@ -22,7 +22,7 @@ Tests: tests/test_one_gpu.py (the two engines after the same updates; a train.py
 against the factor sync's).
 
 Refusals: a sharded weight (FSDP2 over several ranks: one GPU is one rank) or a target the
-engine does not hold raise OneGpuError, before anything is written.
+engine does not hold raise OneGpuError, before anything is written (LoRA's base weights too).
 """
 
 import torch
@@ -39,11 +39,14 @@ class OneGpuError(RunError):
 def master_weight(module) -> torch.Tensor:
     """A target's whole fp32 weight as the engine should run it: LoRA's merged weight (formed
     in fp32, one target at a time), else W itself (under one-rank FSDP2: its one shard)."""
-    if hasattr(module, "base_layer"):
-        return lora.merged_weight(module)
-    rows, offset = rowadam.local_rows(module.weight)
-    if offset or tuple(rows.shape) != tuple(module.weight.shape):
-        raise OneGpuError(f"a target weight of shape {tuple(module.weight.shape)} holds rows {offset}.."
+    return lora.merged_weight(module) if hasattr(module, "base_layer") else whole(module.weight)
+
+
+def whole(weight) -> torch.Tensor:
+    """`weight` itself, or its one shard under one-rank FSDP2; refused when this rank holds part of it."""
+    rows, offset = rowadam.local_rows(weight)
+    if offset or tuple(rows.shape) != tuple(weight.shape):
+        raise OneGpuError(f"a target weight of shape {tuple(weight.shape)} holds rows {offset}.."
                           f"{offset + rows.shape[0]} here: --gpus 1 trains on one rank, whose shard is the whole "
                           f"weight")
     return rows
@@ -59,6 +62,8 @@ def refresh(engine, modules: dict, *, update: int) -> int:
     if missing:
         raise OneGpuError(f"the engine and the trainer hold other targets ({', '.join(missing)}): --gpus 1 casts "
                           f"every target of the trainer into the engine's copy of the same model")
+    for module in modules.values():  # every refusal before the first write
+        whole(getattr(module, "base_layer", module).weight)
     for name, module in modules.items():
         slots[name].weight.copy_(master_weight(module))  # (d, k) fp32 -> bf16, round to nearest even
     engine.weights.update = update + 1

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from kl_control import MAX_TOKENS, PROBE_FLOOR, Probe, probe_mode, token_entropy, token_kl
-from kl_control import _check_probe_inputs, _scored, check_batch
+from kl_control import _check_probe_inputs, _scored
 
 # Bytes of output-head work per probe chunk: a scored position holds about 56 V bytes at once
 # (the head's logits and tangent, and token_kl's float64 softmax and products), so at a
@@ -361,6 +361,16 @@ def written_decoder(model, input_ids, attention_mask=None, tangents=None):
     return _rms_norm(decoder.norm, h, dh)
 
 
+def _refuse(first, count):
+    """kl_control.check_batch's refusals, with its messages, from fast_probe's reduced counts (read
+    with its sums after the forward, so that the probe has no host read of its own for them): a
+    mask on a row's first position (its token has no log-prob), or nothing to score."""
+    if first:
+        raise ValueError(f"response_mask covers the first position of {int(first)} row(s): mark only the response")
+    if not count:
+        raise ValueError("no generated token to score: response_mask has no position after the first")
+
+
 @torch.no_grad()
 def fast_probe(model, layers, directions, input_ids, response_mask, *, temperature=1.0, max_responses=None,
                min_tokens=PROBE_FLOOR, max_tokens=MAX_TOKENS, attention_mask=None, keep_positions=0,
@@ -381,11 +391,12 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
     all-gathers inside).
     """
     _check_probe_inputs(layers, directions, temperature, keep_positions)
-    ids, scored, am = check_batch(input_ids, response_mask, attention_mask=attention_mask, max_responses=max_responses,
-                                  min_tokens=min_tokens, max_tokens=max_tokens, group=group)  # on every process alike
+    ids, scored, am = _scored(input_ids, response_mask, max_responses, min_tokens, max_tokens, attention_mask)
     decoder = model.get_decoder()
-    # (sum kl1, scored positions, sum entropy, probed responses)
-    total = torch.tensor([0.0, 0.0, 0.0, ids.shape[0]], dtype=torch.float64, device=ids.device)
+    # (sum kl1, scored positions, sum entropy, probed responses, rows whose mask covers position 0)
+    total = torch.zeros(5, dtype=torch.float64, device=ids.device)
+    total[3] = ids.shape[0]
+    total[4] = response_mask[:, 0].bool().sum()  # read with the sums below: no host read of its own
     kept = []
     with _root_gathered(model), contextlib.ExitStack() as stack:
         if _written_out(model, ids.shape[1]):  # the decoder and its tangent written out (above)
@@ -411,7 +422,8 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
                 kept.append(z[:need].clone() if need < len(z) else z)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total, group=group)
-    kl_sum, count, entropy_sum, responses = total.tolist()
+    kl_sum, count, entropy_sum, responses, first = total.tolist()
+    _refuse(first, count)  # on every process alike: the counts are reduced
     logits = torch.cat(kept) if keep_positions > 0 else None  # (kept, V)
     return Probe(kl_sum / count, logits, 0 if logits is None else logits.shape[0], ids.shape[0], max_tokens,
                  float(temperature), entropy_sum / count, count / responses, scored_logits)

@@ -56,8 +56,11 @@ from infra.errors import RunError, os_advice, os_cause
 LOCK_NAME = "run.lock"
 STRAY = re.compile(r".+\.tmp\d+")  # checkpoint.stage's temporary names: `<file>.tmp<pid>`
 # What a resume may change: where its ranks and engines run, how long a wait may last, how
-# many engine restarts it allows, how often the engine's outputs are checked (a check changes nothing).
-MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout", "engine_restarts", "check_outputs")
+# many engine restarts it allows, how often the engine's outputs are checked (a check changes nothing),
+# and whether activations are recomputed in backward and the memory plan's figure for it (--checkpointing
+# auto decides at each start from the GPU's free memory; recomputing changes memory and time, not the update).
+MAY_CHANGE = ("layout", "engine_gpus", "engine_timeout", "dist_timeout", "engine_restarts", "check_outputs",
+              "checkpointing", "plan_gib")
 # Options added after runs were saved without them, and the value those runs had.
 ADDED = {"group_size": 1, "advantage": "running", "kl_entropy_share": 0.0, "kl_per_response": 2.0, "eval_base": True,
          "curve_problems": 0, "curve_samples": 0}

@@ -53,6 +53,7 @@ def check_one_gpu_steps(by_step):
     assert best["logra_best_update_s"] == min(settings["logra", c]["update_s"] for c in ("on", "off"))
     assert best["adam_best_update_s"] == settings["adam", "on"]["update_s"]
     assert one["updates"] == 3 and one["engine_equal"] is True and one["sync_bytes"] == 0
+    assert one["engine_equal_moved"] > 0 and one["engine_equal_target"]  # a factor-merged copy that moved
     assert one["output_check"]["passed"] and one["output_check"]["checks"] == 3 and one["plan_gib"] >= 0
     assert one["generated_tokens_per_s"] > 0 and set(one["phases_s"]) == set(gpu_check.PHASES)
 

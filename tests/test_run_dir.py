@@ -134,6 +134,12 @@ def test_what_a_directory_holds(tmp_path):
     refused(tmp_path / "run", r"its options differ: advantage, group_size\)",
             cfg=dict(grouped, group_size=4, advantage="rloo"))
     refused(tmp_path / "run", r"different configuration \(seed\)", cfg=dict(cfg, seed=1), resume=str(tmp_path / "run"))
+    # --checkpointing auto decides at each start from the GPU's free memory: a GPU run saved with it on (or before
+    # the plan's figure was recorded) continues with it off, a new figure, or neither recorded
+    for saved, now in ((dict(checkpointing=True), dict(checkpointing=False, plan_gib=61.8)),
+                       (dict(checkpointing=False, plan_gib=61.8), dict(checkpointing=True, plan_gib=53.24))):
+        make_run(tmp_path / f"gpu-{len(saved)}", checkpoints=(1,), rows=2, config=dict(cfg, **saved))
+        assert run_dir.inspect(dict(cfg, **now), str(tmp_path / f"gpu-{len(saved)}")).continues
     make_run(tmp_path / "rows-only", rows=5)  # metrics of a run and no checkpoint: never started anew silently
     m = refused(tmp_path / "rows-only", r"holds this run's metrics.jsonl \(5 rows, to update 4\) but no checkpoint")
     assert f"rm -r {tmp_path / 'rows-only'}" in m
