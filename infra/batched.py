@@ -134,7 +134,6 @@ def shape_groups(*lists) -> list:
     return list(groups.values())
 
 
-
 # -----------------------------------------------------------------------------
 # RowAdam's formulas and merge over stacks of layers
 
@@ -251,7 +250,6 @@ def merge_layers(weights, factors, signs, magnitude: float, *, avoid_ties=True):
         if avoid_ties and W.dtype == torch.float32:  # departure 2, in the moved rows only
             avoid_bf16_ties_(W, rows=f.ne(0).any(dim=-1))
         torch._foreach_copy_(weights[part], list(W.unbind(0)))
-
 
 
 # -----------------------------------------------------------------------------

@@ -117,7 +117,6 @@ def base_policy(model, task, path: str, *, steps: int, batch: int, lr: float, un
     log(f"base policy: {steps} warm-up steps in {time.time() - t0:.0f} s, saved {path}")
 
 
-
 def tiny_policy(widths: dict, task, run_dir: str, *, preset: str, seed: int, warmup: dict, rank: int, world: int,
                 device, log, interrupt=None):
     """The tiny presets' policy on every rank: built from the preset's widths, then its base

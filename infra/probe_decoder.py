@@ -106,7 +106,6 @@ def injected_tangents(layers, directions):
             h.remove()
 
 
-
 class _ConstantOperands(TorchFunctionMode):
     """Tangents of `dual op constant` for + - * / formed directly.
 
@@ -137,7 +136,6 @@ class _ConstantOperands(TorchFunctionMode):
             tangent = da if db is None else (db if func in (torch.Tensor.add, torch.add) else -db)
             tangent = tangent.to(out.dtype).expand(out.shape)
         return fwAD.make_dual(out, tangent)
-
 
 
 def _split(x):
@@ -427,7 +425,6 @@ def fast_probe(model, layers, directions, input_ids, response_mask, *, temperatu
     logits = torch.cat(kept) if keep_positions > 0 else None  # (kept, V)
     return Probe(kl_sum / count, logits, 0 if logits is None else logits.shape[0], ids.shape[0], max_tokens,
                  float(temperature), entropy_sum / count, count / responses, scored_logits)
-
 
 
 @torch.no_grad()

@@ -185,7 +185,6 @@ def decode(buffer: torch.Tensor) -> Payload:
     return Payload(update, base_seed, rank, factors, kind=head["kind"], projection=projection)
 
 
-
 # -----------------------------------------------------------------------------
 # Transport over torch.distributed (gloo on CPU, NCCL on GPU)
 
